@@ -1,0 +1,64 @@
+"""Speculative-decoding settings and the parser for the `--speculative drafter=ngram,k=4` flag."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DRAFTERS = ("ngram", "draft_model", "head")
+SCHEDULES = ("confidence", "fixed")
+
+
+@dataclass
+class SpeculativeConfig:
+    drafter: str = "ngram"  # ngram | draft_model | head
+    k: int = 4  # most draft tokens verified per request per step
+    schedule: str = "confidence"  # confidence: per-request k from drafter confidence + load; fixed: always k
+    token_budget: int = 64  # verify tokens per step (1 per request + drafts) the forward absorbs ~for free
+    min_survival: float = 0.3  # at no load, verify draft token i only if P(prefix up to i survives) >= this
+    ngram_max: int = 3  # n-gram lookup: longest suffix to match
+    ngram_min: int = 1
+    draft_model: str | None = None  # path / HF id of the small draft model (drafter=draft_model)
+    head: str | None = None  # safetensors file of a trained draft head (drafter=head)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"speculative drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"speculative schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not (1 <= self.k <= 16):
+            raise ValueError(f"speculative k must be in [1, 16], got {self.k}")
+        if self.token_budget < 1:
+            raise ValueError(f"speculative token_budget must be >= 1, got {self.token_budget}")
+        if not (0.0 <= self.min_survival <= 1.0):
+            raise ValueError(f"speculative min_survival must be in [0, 1], got {self.min_survival}")
+        if not (1 <= self.ngram_min <= self.ngram_max):
+            raise ValueError("speculative ngram_min must be >= 1 and <= ngram_max")
+        if self.drafter == "draft_model" and not self.draft_model:
+            raise ValueError("speculative drafter=draft_model needs draft_model=<path or HF id>")
+        if self.drafter == "head" and not self.head:
+            raise ValueError("speculative drafter=head needs head=<file.safetensors> (train one with `kestrel train-draft`)")
+
+
+def parse_speculative(text: str | None) -> SpeculativeConfig | None:
+    """'drafter=ngram,k=4,schedule=fixed' -> SpeculativeConfig; '', 'off', 'none' -> None. Bad input -> ValueError."""
+    if text is None or text.strip().lower() in ("", "off", "none", "false", "0"):
+        return None
+    types = {f.name: f.type for f in fields(SpeculativeConfig)}
+    kwargs: dict = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" not in part:
+            raise ValueError(f"--speculative expects key=value pairs separated by commas, got {part!r}")
+        key, val = (s.strip() for s in part.split("=", 1))
+        if key not in types:
+            raise ValueError(f"unknown --speculative key {key!r}; known: {', '.join(types)}")
+        t = str(types[key])
+        try:
+            kwargs[key] = int(val) if t == "int" else float(val) if t == "float" else val
+        except ValueError:
+            raise ValueError(f"--speculative {key} must be a number, got {val!r}") from None
+    return SpeculativeConfig(**kwargs)

@@ -1,0 +1,53 @@
+"""Prompt lookup / n-gram drafter: find the latest earlier occurrence of the context's suffix and propose what
+followed it. Free to run; strong on summarisation, code edits and repetitive text."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from kestrel.spec.drafter import Draft, DraftInput, Drafter
+
+
+def ngram_lookup(tokens: np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
+    """Continuation (up to k tokens) of the most recent earlier match of the longest suffix n-gram, n_max..n_min."""
+    L = len(tokens)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = tokens[L - n:]
+        windows = sliding_window_view(tokens[: L - 1], n)  # starts 0..L-1-n: each has >= 1 following token
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start: start + k].tolist()
+    return []
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, n_max: int = 3, n_min: int = 1, prior: float = 0.5, ema: float = 0.3):
+        self.n_max, self.n_min = n_max, n_min
+        self.prior, self.ema = prior, ema
+        self.rate: dict[str, float] = {}  # per-request running per-token acceptance rate (the confidence)
+
+    def propose(self, inputs: list[DraftInput], k: int) -> Draft:
+        B = len(inputs)
+        toks = torch.zeros(B, k, dtype=torch.long)
+        lens = torch.zeros(B, dtype=torch.long)
+        conf = torch.zeros(B, k)
+        for b, inp in enumerate(inputs):
+            cont = ngram_lookup(np.asarray(inp.token_ids, dtype=np.int64), k, self.n_max, self.n_min) if k else []
+            lens[b] = len(cont)
+            toks[b, : len(cont)] = torch.tensor(cont, dtype=torch.long)
+            conf[b, : len(cont)] = self.rate.get(inp.request_id, self.prior)
+        return Draft(toks, lens, conf, None)
+
+    def observe(self, request_ids, num_proposed, num_accepted):
+        for rid, m, a in zip(request_ids, num_proposed, num_accepted):
+            if m == 0:
+                continue
+            # a accepted then (if a < m) one rejected: per-token acceptance observed in this step
+            obs = a / (a + (1 if a < m else 0)) if a else 0.0
+            r = self.rate.get(rid, self.prior)
+            self.rate[rid] = (1 - self.ema) * r + self.ema * obs
+
+    def release(self, request_id):
+        self.rate.pop(request_id, None)

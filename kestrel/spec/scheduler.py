@@ -1,0 +1,67 @@
+"""How many draft tokens to verify per request this step.
+
+Verification is cheap while the batch's forward is memory-bound: up to roughly `token_budget` query tokens per step
+cost about the same as one token per request. So the confidence scheduler spends only the spare part of that budget
+(token_budget - batch size) on draft tokens, giving it to the tokens most likely to survive (cumulative product of
+the drafter's per-token confidence), and raises the survival bar as the batch fills. At high load the spare budget
+reaches zero and speculation switches itself off smoothly instead of making every step slower.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class FixedKScheduler:
+    """Baseline: verify min(k, drafted) tokens for every request (k=1 is the MTP-1-like baseline)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def max_k(self, batch_size: int) -> int:
+        return self.k
+
+    def allocate(self, confidence: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        return lens.clamp(max=self.k)
+
+
+class ConfidenceScheduler:
+    def __init__(self, k_max: int, token_budget: int, min_survival: float = 0.3):
+        self.k_max, self.token_budget, self.min_survival = k_max, token_budget, min_survival
+
+    def spare_budget(self, batch_size: int) -> int:
+        """Draft tokens this step may add on top of one token per request; non-increasing in batch size."""
+        return max(0, self.token_budget - batch_size)
+
+    def threshold(self, batch_size: int) -> float:
+        """Survival probability a draft token needs to be verified; rises from min_survival to 1 with load."""
+        load = min(1.0, batch_size / self.token_budget)
+        return self.min_survival + (1.0 - self.min_survival) * load
+
+    def max_k(self, batch_size: int) -> int:
+        """Upper bound before drafting (0 = don't even draft)."""
+        return min(self.k_max, self.spare_budget(batch_size))
+
+    def allocate(self, confidence: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """confidence [B, K] per-token conditional acceptance; lens [B] tokens drafted. Returns k [B] to verify."""
+        B, K = confidence.shape
+        budget = min(self.spare_budget(B), B * min(K, self.k_max))
+        if K == 0 or budget == 0:
+            return torch.zeros(B, dtype=torch.long)
+        pos = torch.arange(K)[None, :]
+        valid = (pos < lens[:, None]) & (pos < self.k_max)
+        survival = torch.where(valid, confidence.float().clamp(0, 1).cumprod(dim=1), torch.zeros(()))
+        eligible = survival >= self.threshold(B)
+        flat = torch.where(eligible, survival, torch.full_like(survival, -1.0)).flatten()
+        n = min(budget, int(eligible.sum()))
+        if n == 0:
+            return torch.zeros(B, dtype=torch.long)
+        chosen = torch.zeros_like(flat, dtype=torch.bool)
+        chosen[torch.sort(flat, descending=True, stable=True).indices[:n]] = True  # ties: earlier rows first
+        # survival is non-increasing along a row, so counting a row's chosen tokens gives a verifiable prefix
+        return chosen.view(B, K).sum(dim=1)
+
+
+def make_scheduler(cfg):
+    if cfg.schedule == "fixed":
+        return FixedKScheduler(cfg.k)
+    return ConfidenceScheduler(cfg.k, cfg.token_budget, cfg.min_survival)
