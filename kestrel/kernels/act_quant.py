@@ -1,0 +1,298 @@
+"""Dynamic activation quantization: FP8 e4m3 (per token / per group), INT8 (per token), MXFP4 (e8m0 scale per 32),
+NVFP4 (e4m3 scale per 16 + fp32 global scale), and SiLU·mul fused with FP8 quantization (the MoE / MLP middle).
+
+Every function has a CPU reference `ref_*` written with plain torch ops (a different algorithm where it can be:
+table lookup for fp4, torch casts for fp8) so tests compare the Triton kernels against something independent.
+Scales are fp32 dequant multipliers (x ≈ q * scale); MX scales are raw e8m0 bytes (uint8), NV block scales are
+torch.float8_e4m3fn. 4-bit outputs are packed two per byte as described in kestrel/kernels/lowbit.py.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.lowbit import (FP4_MAX, FP8_MAX, INT8_MAX, fp4_encode, pack_nibbles, ref_fp4_decode,
+                                    ref_fp4_encode, rint, round_e4m3, unpack_nibbles)
+
+_MIN_AMAX = 1e-10  # keeps an all-zero row from dividing by zero
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_2d(x: torch.Tensor, multiple: int, what: str) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"{what}: expected a 2-D activation [tokens, K], got shape {tuple(x.shape)}")
+    if x.shape[1] % multiple:
+        raise ValueError(f"{what}: K={x.shape[1]} must be a multiple of {multiple}")
+    if not x.is_floating_point():
+        raise ValueError(f"{what}: expected a float tensor, got {x.dtype}")
+    return x.contiguous()
+
+
+# ---------------------------------------------------------------- FP8 / INT8, per token or per group
+
+@triton.jit
+def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
+                       IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    base = g * G
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for off in range(0, G, BLOCK):  # pass 1: amax over the group (re-read in pass 2 hits L2)
+        cols = base + off + tl.arange(0, BLOCK)
+        m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    if IS_INT8:
+        qmax = 127.0
+    else:
+        qmax = 448.0
+    scale = tl.maximum(tl.max(amax, 0), 1e-10) / qmax
+    tl.store(s_ptr + row * n_groups + g, scale)
+    for off in range(0, G, BLOCK):
+        cols = base + off + tl.arange(0, BLOCK)
+        m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x / scale, -qmax), qmax)
+        if IS_INT8:
+            tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
+        else:
+            tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
+
+
+def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool):
+    name = "quant_int8" if is_int8 else "quant_fp8"
+    x = _check_2d(x, 1 if group_size in (-1, None) else group_size, name)
+    M, K = x.shape
+    G = K if group_size in (-1, None) else group_size
+    if G <= 0:
+        raise ValueError(f"{name}: group_size must be -1 (per token) or positive, got {group_size}")
+    n_groups = triton.cdiv(K, G)
+    q = torch.empty((M, K), dtype=torch.int8 if is_int8 else torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, s
+    BLOCK = min(triton.next_power_of_2(G), 2048)
+    _quant_8bit_kernel[(M, n_groups)](x, q, s, K, G, n_groups, x.stride(0), q.stride(0),
+                                      IS_INT8=is_int8, BLOCK=BLOCK, num_warps=4 if BLOCK >= 1024 else 2)
+    return q, s
+
+
+def quant_fp8(x: torch.Tensor, group_size: int = -1):
+    """x [M, K] -> (q float8_e4m3fn [M, K], scale fp32 [M, K // group]); group_size -1 = one scale per token."""
+    if not use_triton(x):
+        return ref_quant_fp8(x, group_size)
+    return _quant_8bit(x, group_size, is_int8=False)
+
+
+def quant_int8(x: torch.Tensor):
+    """x [M, K] -> (q int8 [M, K], scale fp32 [M, 1]); symmetric, per token."""
+    if not use_triton(x):
+        return ref_quant_int8(x)
+    return _quant_8bit(x, -1, is_int8=True)
+
+
+def ref_quant_fp8(x: torch.Tensor, group_size: int = -1):
+    x = _check_2d(x, 1 if group_size in (-1, None) else group_size, "quant_fp8")
+    M, K = x.shape
+    G = K if group_size in (-1, None) else group_size
+    xg = x.float().view(M, K // G, G)
+    scale = xg.abs().amax(-1).clamp_min(_MIN_AMAX) / FP8_MAX
+    q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(M, K), scale
+
+
+def ref_quant_int8(x: torch.Tensor):
+    x = _check_2d(x, 1, "quant_int8")
+    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(_MIN_AMAX) / INT8_MAX
+    q = torch.round(x.float() / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequant_8bit(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [M, K] with scale [M, G] -> fp32 [M, K] (G groups of K // G)."""
+    M, K = q.shape
+    G = scale.shape[1]
+    return (q.float().view(M, G, K // G) * scale.float()[..., None]).view(M, K)
+
+
+# ---------------------------------------------------------------- MXFP4 (OCP MX: e2m1 elements, e8m0 scale per 32)
+
+@triton.jit
+def _quant_mxfp4_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    xb = tl.reshape(x, (BLOCK // 32, 32))
+    amax = tl.max(tl.abs(xb), 1)
+    # shared exponent = floor(log2(amax)) - emax(e2m1)=2, read straight from the fp32 exponent field
+    e = ((amax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 2
+    e = tl.minimum(tl.maximum(e, 1), 253)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 2^(127 - e): exact power of two
+    y = tl.minimum(tl.maximum(xb * inv[:, None], -6.0), 6.0)
+    codes = tl.reshape(fp4_encode(y), (BLOCK // 2, 2))
+    lo, hi = tl.split(codes)
+    pcols = tl.program_id(1) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    tl.store(q_ptr + row * stride_q + pcols, (lo | (hi << 4)).to(tl.uint8), mask=pcols < K // 2)
+    scols = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    tl.store(s_ptr + row * stride_s + scols, e.to(tl.uint8), mask=scols < K // 32)
+
+
+def quant_mxfp4(x: torch.Tensor):
+    """x [M, K] -> (packed e2m1 uint8 [M, K // 2], e8m0 scale bytes uint8 [M, K // 32])."""
+    if not use_triton(x):
+        return ref_quant_mxfp4(x)
+    x = _check_2d(x, 32, "quant_mxfp4")
+    M, K = x.shape
+    q = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
+    s = torch.empty((M, K // 32), dtype=torch.uint8, device=x.device)
+    if M:
+        BLOCK = min(triton.next_power_of_2(K), 512)
+        _quant_mxfp4_kernel[(M, triton.cdiv(K, BLOCK))](x, q, s, K, x.stride(0), q.stride(0), s.stride(0), BLOCK=BLOCK)
+    return q, s
+
+
+def ref_quant_mxfp4(x: torch.Tensor):
+    x = _check_2d(x, 32, "quant_mxfp4")
+    M, K = x.shape
+    xb = x.float().view(M, K // 32, 32)
+    amax = xb.abs().amax(-1)
+    _, exp = torch.frexp(amax)  # amax = mant * 2^exp, mant in [0.5, 1) -> floor(log2 amax) = exp - 1
+    e = torch.where(amax > 0, exp - 1 + 127 - 2, torch.zeros_like(exp)).clamp(1, 253)
+    scale = torch.pow(2.0, (e - 127).float())
+    codes = ref_fp4_encode((xb / scale[..., None]).clamp(-FP4_MAX, FP4_MAX))
+    return pack_nibbles(codes.view(M, K)), e.to(torch.uint8)
+
+
+def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    M = packed.shape[0]
+    v = ref_fp4_decode(unpack_nibbles(packed)).view(M, -1, 32)
+    return (v * torch.pow(2.0, scale.float() - 127)[..., None]).view(M, -1)
+
+
+# ---------------------------------------------------------------- NVFP4 (e2m1 elements, e4m3 scale per 16, fp32 global)
+
+@triton.jit
+def _quant_nvfp4_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, K, stride_x, stride_q, stride_s, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    gs = tl.load(gs_ptr)
+    xb = tl.reshape(x, (BLOCK // 16, 16))
+    amax = tl.max(tl.abs(xb), 1)
+    sb = round_e4m3(tl.minimum((amax / 6.0) / gs, 448.0))  # block scale, itself quantized to e4m3
+    denom = sb * gs
+    y = tl.where(denom[:, None] > 0, xb / tl.where(denom > 0, denom, 1.0)[:, None], 0.0)
+    y = tl.minimum(tl.maximum(y, -6.0), 6.0)
+    codes = tl.reshape(fp4_encode(y), (BLOCK // 2, 2))
+    lo, hi = tl.split(codes)
+    pcols = tl.program_id(1) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    tl.store(q_ptr + row * stride_q + pcols, (lo | (hi << 4)).to(tl.uint8), mask=pcols < K // 2)
+    scols = tl.program_id(1) * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+    tl.store(s_ptr + row * stride_s + scols, sb.to(tl.float8e4nv), mask=scols < K // 16)
+
+
+def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """per-tensor dequant scale so that the largest block scale lands at e4m3's max: amax / (6 * 448)."""
+    return (x.float().abs().amax().clamp_min(_MIN_AMAX) / (FP4_MAX * FP8_MAX)).reshape(1)
+
+
+def quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None):
+    """x [M, K] -> (packed e2m1 uint8 [M, K // 2], float8_e4m3fn block scales [M, K // 16], fp32 global scale [1]).
+
+    global_scale None = dynamic (one extra amax reduction); pass a calibrated one (checkpoint input_scale) to skip it.
+    """
+    if not use_triton(x):
+        return ref_quant_nvfp4(x, global_scale)
+    x = _check_2d(x, 16, "quant_nvfp4")
+    M, K = x.shape
+    gs = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(1).to(x.device)
+    q = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
+    s = torch.empty((M, K // 16), dtype=torch.float8_e4m3fn, device=x.device)
+    if M:
+        BLOCK = min(triton.next_power_of_2(K), 512)
+        _quant_nvfp4_kernel[(M, triton.cdiv(K, BLOCK))](x, q, s, gs, K, x.stride(0), q.stride(0), s.stride(0),
+                                                          BLOCK=BLOCK)
+    return q, s, gs
+
+
+def ref_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None):
+    x = _check_2d(x, 16, "quant_nvfp4")
+    M, K = x.shape
+    gs = nvfp4_global_scale(x) if global_scale is None else global_scale.float().reshape(1).to(x.device)
+    xb = x.float().view(M, K // 16, 16)
+    sb = ((xb.abs().amax(-1) / FP4_MAX) / gs).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    denom = sb.float() * gs
+    y = torch.where(denom[..., None] > 0, xb / denom[..., None], torch.zeros_like(xb)).clamp(-FP4_MAX, FP4_MAX)
+    return pack_nibbles(ref_fp4_encode(y).view(M, K)), sb, gs
+
+
+def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    M = packed.shape[0]
+    v = ref_fp4_decode(unpack_nibbles(packed)).view(M, -1, 16)
+    return (v * scale.float()[..., None] * global_scale.float()).view(M, -1)
+
+
+# ---------------------------------------------------------------- SiLU(gate) * up, optionally fused with FP8 quant
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, o_ptr, s_ptr, I, stride_x, stride_o, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    if QUANT:
+        for off in range(0, I, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            m = cols < I
+            g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + row * stride_x + I + cols, mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(g / (1.0 + tl.exp(-g)) * u))
+        scale = tl.maximum(tl.max(amax, 0), 1e-10) / 448.0
+        tl.store(s_ptr + row, scale)
+    for off in range(0, I, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        m = cols < I
+        g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + I + cols, mask=m, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u
+        if QUANT:
+            y = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+            tl.store(o_ptr + row * stride_o + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
+        else:
+            tl.store(o_ptr + row * stride_o + cols, y.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def _silu_mul(x: torch.Tensor, quant: bool):
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_mul: expected [tokens, 2 * I] (gate | up), got {tuple(x.shape)}")
+    x = x.contiguous()
+    M, I = x.shape[0], x.shape[1] // 2
+    o = torch.empty((M, I), dtype=torch.float8_e4m3fn if quant else x.dtype, device=x.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M:
+        BLOCK = min(triton.next_power_of_2(I), 2048)
+        _silu_mul_kernel[(M,)](x, o, s, I, x.stride(0), o.stride(0), QUANT=quant, BLOCK=BLOCK, num_warps=4)
+    return (o, s) if quant else o
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I] in x's dtype."""
+    if not use_triton(x):
+        return ref_silu_mul(x).to(x.dtype)
+    return _silu_mul(x, quant=False)
+
+
+def silu_mul_fp8(x: torch.Tensor):
+    """[T, 2I] -> (fp8 [T, I], per-token scale [T, 1]): the activation and its quantization in one pass over HBM."""
+    if not use_triton(x):
+        return ref_quant_fp8(ref_silu_mul(x))
+    return _silu_mul(x, quant=True)
+
+
+def ref_silu_mul(x: torch.Tensor) -> torch.Tensor:
+    g, u = x.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
