@@ -1,0 +1,78 @@
+"""QuantizedWeight (the internal packed form every converter produces) and its CPU reference dequantize()."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kestrel.quant.formats import decode_minifloat, decode_scales
+from kestrel.quant.packing import unpack_codes
+from kestrel.quant.spec import QuantSpec
+
+
+@dataclass
+class QuantizedWeight:
+    """W[N, K] ~= dequantize(self).
+
+    qweight: int32 [K // epw, N]   codes packed along K (see packing.py); rows in `perm` order if perm is set
+    scales:  [G, N]                float (fp16/bf16/fp32) or uint8 codes (e8m0 / fp8_e4m3); G = K // group (1 per channel)
+    zeros:   [G, N] float or None  w = (code - zero) * scale; symmetric types use the constant spec.code_offset
+    perm:    int64 [K] or None     act-order: stored row j holds input channel perm[j]; the kernel gathers x[:, perm]
+    global_scale: float32 scalar tensor or None (NVFP4 second-level scale, a multiplier)
+    """
+
+    spec: QuantSpec
+    shape: tuple[int, int]
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+
+    def __post_init__(self):
+        n, k = self.shape
+        epw = self.spec.elems_per_word
+        if tuple(self.qweight.shape) != (k // epw, n) or self.qweight.dtype != torch.int32:
+            raise ValueError(f"qweight must be int32 [{k // epw}, {n}], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
+        g = 1 if self.spec.group_size == -1 else k // self.spec.group_size
+        if tuple(self.scales.shape) != (g, n):
+            raise ValueError(f"scales must be [{g}, {n}], got {tuple(self.scales.shape)}")
+        if self.spec.has_zero_point != (self.zeros is not None):
+            raise ValueError("zeros must be given exactly when spec.has_zero_point")
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[1] // self.num_groups
+
+    def to(self, device) -> "QuantizedWeight":
+        mv = lambda t: None if t is None else t.to(device)
+        return replace(self, qweight=mv(self.qweight), scales=mv(self.scales), zeros=mv(self.zeros),
+                       perm=mv(self.perm), global_scale=mv(self.global_scale))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.qweight, self.scales, self.zeros) if t is not None)
+
+
+def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    """Reference: float32 [N, K] in the original input-channel order."""
+    spec, (n, k) = qw.spec, qw.shape
+    codes = unpack_codes(qw.qweight.cpu(), spec.container_bits, k).t()  # [K, N], stored order
+    if spec.is_int:
+        zero = qw.zeros.cpu().float().repeat_interleave(qw.group_size, 0) if qw.zeros is not None else spec.code_offset
+        vals = codes.to(torch.float32) - zero
+    else:
+        vals = decode_minifloat(codes, *spec.minifloat)
+    scale = decode_scales(qw.scales.cpu(), spec.scale_dtype).repeat_interleave(qw.group_size, 0)
+    w = vals * scale
+    if qw.global_scale is not None:
+        w = w * qw.global_scale.cpu().float()
+    if qw.perm is not None:
+        out = torch.empty_like(w)
+        out[qw.perm.cpu()] = w
+        w = out
+    return w.t().contiguous()
