@@ -14,7 +14,7 @@ import triton.language as tl
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                   out_ptr, lse_ptr, scale, window, stride_bt, chunk,
+                   out_ptr, lse_ptr, scale, window, stride_bt,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
@@ -24,6 +24,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     seq_len = tl.load(seq_lens_ptr + seq)
     # with a window the query (position seq_len-1) sees only keys with pos > seq_len-1-window
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # each sequence cuts its own span into NUM_SPLITS tile-aligned chunks (graph-safe: no host-side lengths)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -101,13 +103,12 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           window: int = 0, num_splits: int = 1, max_seq_len: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           window: int = 0, num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (the newest token of each sequence, already in the cache); seq_lens: [B] tokens incl. it.
 
-    window > 0 limits each query to the last `window` keys. num_splits > 1 cuts the context into that many
-    chunks of `max_seq_len / num_splits` (rounded to tiles); `max_seq_len` must bound seq_lens (graph capture
-    passes the capacity). Returns [B, Hq, D] in q's dtype.
+    window > 0 limits each query to the last `window` keys. num_splits > 1 cuts each sequence's context into
+    that many tile-aligned chunks and merges them in a second kernel. Nothing here reads device values on the
+    host, so the call can be captured in a CUDA graph. Returns [B, Hq, D] in q's dtype.
     """
     B, Hq, D = q.shape
     _, block_size, Hkv, Dk = k_cache.shape
@@ -120,24 +121,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = Hq // Hkv
     block_n = 64 if q.is_cuda else 16
     block_d = triton.next_power_of_2(D)
-    if num_splits > 1:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max())
-        span = min(max_seq_len, window) if window > 0 else max_seq_len
-        chunk = triton.cdiv(triton.cdiv(span, num_splits), block_n) * block_n
-    else:
-        chunk = 1 << 30  # one split covers everything
     common = dict(NUM_KV_HEADS=Hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
                   HEAD_DIM=D, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits)
     grid = (B, Hkv, num_splits)
     if num_splits == 1:
         _decode_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out, scale, window,
-                             block_tables.stride(0), chunk, **common)
+                             block_tables.stride(0), **common)
         return out
     part = torch.empty(B * Hq * num_splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B * Hq * num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, part, lse, scale, window,
-                         block_tables.stride(0), chunk, **common)
+                         block_tables.stride(0), **common)
     _reduce_splits_kernel[(B * Hq,)](part, lse, out, HEAD_DIM=D, BLOCK_D=block_d, NUM_SPLITS=num_splits,
                                      SPLITS_PAD=triton.next_power_of_2(num_splits))
     return out
