@@ -1,0 +1,1 @@
+"""Subcommands of the `kestrel` CLI (registered in kestrel/cli.py)."""

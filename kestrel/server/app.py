@@ -1,0 +1,94 @@
+"""FastAPI app factory for the OpenAI-compatible server, and `serve()` which runs it under uvicorn."""
+from __future__ import annotations
+
+import json
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from fastapi.responses import Response
+
+from kestrel.engine.async_engine import AsyncLLMEngine
+from kestrel.server.chat import create_chat_completion
+from kestrel.server.completions import create_completion
+from kestrel.server.errors import APIError, error_response, install_error_handlers
+from kestrel.server.metrics import Metrics
+from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest
+from kestrel.server.serving import ServerState, now
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    """Parse the JSON body whatever the Content-Type says (curl -d sends form encoding), with 400s for bad input."""
+    raw = await request.body()
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise APIError("request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    name = served_model_name or engine.model_name
+    state = ServerState(engine=engine, metrics=Metrics(engine.stats, name), served_model_name=name, api_key=api_key)
+    app = FastAPI(title="kestrel", version="0.1.0")
+    app.state.kestrel = state
+    install_error_handlers(app)
+
+    if api_key:
+        @app.middleware("http")
+        async def check_key(request: Request, call_next):
+            # Only the API is guarded; probes and scrapers (/health, /metrics, /stats) stay open.
+            if request.url.path.startswith("/v1/"):
+                auth = request.headers.get("authorization", "")
+                if not secrets.compare_digest(auth.encode(), f"Bearer {api_key}".encode()):
+                    return error_response("Incorrect or missing API key (send 'Authorization: Bearer <key>').",
+                                          401, "invalid_request_error", code="invalid_api_key")
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive:
+            return error_response("engine thread is not running", 503, "internal_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/stats")
+    async def stats():
+        """Raw engine stats as JSON (for routers and tests)."""
+        return {**engine.stats(), "num_active_requests": engine.num_active}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": now(), "owned_by": "kestrel",
+                                            "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(state, await parse_body(request, CompletionRequest), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(state, await parse_body(request, ChatCompletionRequest), request)
+
+    return app
+
+
+def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None, log_level: str = "info") -> None:
+    import uvicorn
+
+    app = create_app(engine, served_model_name, api_key)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+

@@ -1,0 +1,179 @@
+"""What both OpenAI endpoints share: request → (prompt ids, SamplingParams) with every check that must give a
+400, the engine's output stream with metrics, SSE framing, and cancellation when the client goes away."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import aclosing, suppress
+from dataclasses import dataclass, fields
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from kestrel.engine.async_engine import AsyncLLMEngine, EngineError
+from kestrel.engine.outputs import RequestOutput
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.server.errors import APIError, error_body
+from kestrel.server.metrics import Metrics, RequestTimer
+from kestrel.server.protocol import _Sampling
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    metrics: Metrics
+    served_model_name: str
+    api_key: str | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(state: ServerState, model: str | None) -> str:
+    names = {state.served_model_name, state.engine.model_name}
+    if model and model not in names:
+        raise APIError(f"The model `{model}` does not exist; this server serves `{state.served_model_name}`.",
+                       param="model", code="model_not_found")
+    return state.served_model_name
+
+
+def check_common(req: _Sampling) -> None:
+    if req.n != 1:
+        raise APIError(f"n must be 1 (got {req.n}); send separate requests for several completions.", param="n",
+                       code="unsupported_value")
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported", param="logit_bias", code="unsupported_value")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def check_prompt(state: ServerState, ids: list[int]) -> None:
+    if not ids:
+        raise APIError("the prompt is empty", param="prompt")
+    vocab = len(state.tokenizer)
+    if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+        raise APIError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+    if len(ids) >= state.max_model_len:
+        raise APIError(f"This model's maximum context length is {state.max_model_len} tokens, but the prompt has "
+                       f"{len(ids)} tokens (at least one token must be left for the output).",
+                       param="prompt", code="context_length_exceeded")
+
+
+def sampling_params(state: ServerState, req: _Sampling, prompt_len: int, max_tokens: int | None,
+                    default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    room = state.max_model_len - prompt_len
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif isinstance(max_tokens, int) and max_tokens > room:
+        raise APIError(f"This model's maximum context length is {state.max_model_len} tokens. However, you requested "
+                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                       f"completion). Please reduce the prompt or max_tokens.", param="max_tokens",
+                       code="context_length_exceeded")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if req.seed is not None and not (-(2**63) <= req.seed < 2**64):
+        raise APIError("seed must fit in 64 bits", param="seed", code="invalid_value")
+    vocab = len(state.tokenizer)
+    if any(t < 0 or t >= vocab for t in req.stop_token_ids or []):
+        raise APIError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids", code="invalid_value")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logprobs=logprobs)
+    except ValueError as e:
+        word = str(e).split(" ", 1)[0]
+        param = word if word in {f.name for f in fields(SamplingParams)} else None
+        raise APIError(str(e), param=param, code="invalid_value") from None
+
+
+async def outputs(state: ServerState, rid: str, prompt_ids: list[int],
+                  params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request, recorded in the metrics."""
+    timer = RequestTimer(state.metrics, len(prompt_ids))
+    reason = "abort"
+    try:
+        async with aclosing(state.engine.generate(rid, prompt_ids, params)) as gen:
+            async for out in gen:
+                timer.on_tokens(len(out.new_token_ids))
+                if out.finished:
+                    reason = out.finish_reason or "stop"
+                yield out
+    except (ValueError, EngineError):
+        reason = "error"
+        raise
+    finally:
+        timer.on_finish(reason)
+
+
+async def first_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """Wait for the first output before answering, so a rejected request still gets a proper status code."""
+    try:
+        return await gen.__anext__()
+    except ValueError as e:
+        raise APIError(str(e), param="prompt") from None
+    except EngineError as e:
+        raise APIError(str(e), 500, "internal_error") from None
+
+
+async def until_disconnect(request: Request, coro):
+    """Run coro, cancelling it if the client disconnects first (uvicorn does not cancel handlers itself).
+    Returns (finished, result)."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with suppress(BaseException):
+            await task
+        return False, None
+    return True, task.result()
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(e: Exception) -> str:
+    kind = "invalid_request_error" if isinstance(e, ValueError) else "internal_error"
+    return sse(error_body(str(e), kind))
+
+
+def usage(prompt_len: int, out: RequestOutput | None) -> dict:
+    n = len(out.output_token_ids) if out else 0
+    u = {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+    if out is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": out.num_cached_tokens}
+    return u
+
+
+def token_str(tokenizer, tid: int) -> str:
+    return tokenizer.decode([int(tid)])
+
+
+def now() -> int:
+    return int(time.time())
