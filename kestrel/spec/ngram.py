@@ -18,7 +18,12 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_max: int, n_min: int) -> list[int
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start: start + k].tolist()
+            # copy forward from the match; a match near the end wraps onto the copied tokens (periodic text)
+            out = tokens[start: start + k].tolist()
+            period = L - start
+            while len(out) < k:
+                out.append(out[len(out) - period] if len(out) >= period else int(tokens[start + len(out)]))
+            return out
     return []
 
 

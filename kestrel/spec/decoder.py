@@ -1,0 +1,261 @@
+"""One speculative engine step: draft, verify every request's draft in a single target forward, roll back KV
+of rejected tokens, emit 1..k+1 tokens per request.
+
+Verification reuses the engine's chunked-prefill path: a decoding sequence with k draft tokens is simply a
+(1 + k)-token chunk on top of its cached context, so one forward serves plain decodes, prefill chunks and
+verifications together. Requests that cannot speculate this step (penalties, no draft, no room, no KV blocks)
+decode normally in the same forward and go through the engine's own sampler.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kestrel.engine.attention import build_metadata
+from kestrel.engine.model_runner import ForwardContext
+from kestrel.engine.sampler import top_k_top_p_min_p_mask
+from kestrel.spec.config import SpeculativeConfig
+from kestrel.spec.drafter import DraftInput, Drafter
+from kestrel.spec.scheduler import make_scheduler
+from kestrel.spec.verify import verify_greedy, verify_sampling
+
+
+def _can_speculate(seq) -> bool:
+    p = seq.params
+    return not (p.presence_penalty or p.frequency_penalty)  # penalties would change p at every draft position
+
+
+def _target_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Sampling rows [n, V] -> the exact distribution the engine's sampler draws from (temperature, top-k/p, min-p)."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    x = logits / temps[:, None]
+    tk = torch.tensor([max(p.top_k, 0) for p in params], device=logits.device)
+    tp = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    mp = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+    if bool((tk > 0).any() or (tp < 1).any() or (mp > 0).any()):
+        x = top_k_top_p_min_p_mask(x, tk, tp, mp)
+    return x.softmax(-1)
+
+
+class SpecDecoder:
+    def __init__(self, cfg: SpeculativeConfig, drafter: Drafter):
+        self.cfg = cfg
+        self.drafter = drafter
+        self.scheduler = make_scheduler(cfg)
+        self.hidden: dict[str, torch.Tensor] = {}  # request id -> target hidden state that produced its last token
+        self.num_verifies = 0  # (request, step) pairs that verified >= 1 draft token
+        self.num_draft_tokens = 0  # draft tokens verified
+        self.num_accepted_tokens = 0
+        self.num_spec_steps = 0
+
+    def stats(self) -> dict:
+        v = max(self.num_verifies, 1)
+        return {
+            "spec_drafter": self.cfg.drafter,
+            "spec_schedule": self.cfg.schedule,
+            "spec_num_verifies": self.num_verifies,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            # fraction of verified draft tokens that were accepted
+            "spec_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+            # tokens emitted per verification (accepted drafts + the one the target always adds)
+            "spec_mean_accepted_length": (self.num_accepted_tokens + self.num_verifies) / v if self.num_verifies else 0.0,
+        }
+
+    # ---- drafting ----
+    def _draft(self, engine, batch, decode_idx):
+        """-> {batch index: (draft tokens list, draft probs [k, V] or None)} for the requests that speculate."""
+        seqs = batch.seqs
+        kmax = self.scheduler.max_k(len(seqs))
+        cand = [i for i in decode_idx if _can_speculate(seqs[i])]
+        if kmax == 0 or not cand:
+            return {}
+        if self.drafter.needs_hidden:
+            cand = [i for i in cand if seqs[i].request_id in self.hidden]
+        inputs = [DraftInput(seqs[i].request_id, seqs[i].token_ids, seqs[i].params.temperature,
+                             self.hidden.get(seqs[i].request_id)) for i in cand]
+        draft = self.drafter.propose(inputs, kmax) if inputs else None
+        if draft is None or draft.tokens.shape[1] == 0:
+            return {}
+        # room left: never emit past max_tokens / max_model_len, never write KV past the context
+        room = torch.tensor([max(0, min(seqs[i].params.max_tokens - seqs[i].num_output_tokens - 1,
+                                        engine.max_model_len - seqs[i].num_tokens)) for i in cand])
+        lens = torch.minimum(draft.lens.cpu(), room)
+        k = self.scheduler.allocate(draft.confidence.cpu(), lens)
+        toks = draft.tokens.cpu()
+        out = {}
+        for r, i in enumerate(cand):
+            kb = int(k[r])
+            if kb == 0:
+                continue
+            if not engine.block_manager.allocate(seqs[i], 1 + kb):  # no KV room for the drafts: plain decode
+                continue
+            out[i] = (toks[r, :kb].tolist(), None if draft.probs is None else draft.probs[r, :kb])
+        return out
+
+    # ---- the step ----
+    @torch.inference_mode()
+    def step(self, engine, batch):
+        runner, bm = engine.runner, engine.block_manager
+        seqs, ns = batch.seqs, batch.num_new_tokens
+        decode_idx = [i for i, (s, n) in enumerate(zip(seqs, ns)) if n == 1 and s.num_computed_tokens == s.num_tokens - 1]
+        drafts = self._draft(engine, batch, decode_idx)
+        self.num_spec_steps += 1
+
+        plain_dec = [i for i in decode_idx if i not in drafts]
+        chunks = [i for i in range(len(seqs)) if i not in drafts and i not in set(plain_dec)]
+        spec = list(drafts)
+        ids: list[int] = [seqs[i].token_ids[-1] for i in plain_dec]
+        prefill_meta = []
+        for i in chunks:
+            s, n = seqs[i], ns[i]
+            ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
+            prefill_meta.append((s.num_computed_tokens, n, s.block_table))
+        for i in spec:
+            s = seqs[i]
+            ids.append(s.token_ids[-1])
+            ids.extend(drafts[i][0])
+            prefill_meta.append((s.num_computed_tokens, 1 + len(drafts[i][0]), s.block_table))
+        meta, positions = build_metadata([(seqs[i].num_tokens, seqs[i].block_table) for i in plain_dec], prefill_meta,
+                                         runner.block_size, runner.cfg.sliding_window, runner.device)
+        dev = runner.device
+        hidden = runner.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                              torch.tensor(positions, dtype=torch.long, device=dev),
+                              ForwardContext(runner.backend, meta))
+
+        # rows that produce logits: plain decodes, completed prefills (last row), every row of a verification
+        plain = list(plain_dec)
+        rows = list(range(len(plain_dec)))
+        for i, p in zip(chunks, meta.prefills[:len(chunks)]):
+            if seqs[i].num_computed_tokens + ns[i] == seqs[i].num_tokens:
+                plain.append(i)
+                rows.append(p.end - 1)
+        spec_rows = [(p.start, p.end) for p in meta.prefills[len(chunks):]]
+        all_rows = rows + [r for a, b in spec_rows for r in range(a, b)]
+        logits = runner.model.compute_logits(hidden[all_rows]).float() if all_rows else None
+
+        emitted: dict[int, tuple[list[int], list]] = {}
+        out_hidden: dict[int, torch.Tensor] = {}
+        if plain:
+            toks, lps = runner.sampler(logits[:len(plain)], [seqs[i].params for i in plain],
+                                       [seqs[i].output_token_ids for i in plain], [seqs[i].generator for i in plain])
+            for j, i in enumerate(plain):
+                emitted[i] = ([toks[j]], [lps[j]])
+                out_hidden[i] = hidden[rows[j]]
+        if spec:
+            self._verify(seqs, spec, drafts, spec_rows, logits[len(plain):], hidden, emitted, out_hidden)
+
+        # bookkeeping: KV now holds the scheduled tokens (+ accepted drafts); free blocks of rejected drafts
+        engine.num_steps += 1
+        bs = bm.block_size
+        for i, (s, n) in enumerate(zip(seqs, ns)):
+            if i in drafts:
+                n = len(emitted[i][0])  # the last known token + accepted drafts are now cached
+            s.num_computed_tokens += n
+            if s.num_output_tokens == 0:
+                engine.num_prompt_tokens += n
+            if i in drafts:
+                keep = -(-s.num_computed_tokens // bs)
+                bm.free_tail(s, keep)
+        outputs = []
+        now = time.monotonic()
+        for i, (toks, lps) in emitted.items():
+            s = seqs[i]
+            merged = None
+            for t, lp in zip(toks, lps):
+                o = engine._append_token(s, t, lp, now)
+                merged = o if merged is None else _merge(merged, o)
+                if o.finished:
+                    break
+            if not s.is_finished:
+                bm.register_full_blocks(s)
+                self.hidden[s.request_id] = out_hidden[i]
+            else:
+                self.hidden.pop(s.request_id, None)
+                self.drafter.release(s.request_id)
+            outputs.append(merged)
+        if len(self.hidden) > 2 * len(engine.seqs) + 64:  # aborted requests never come back: forget them
+            for rid in [r for r in self.hidden if r not in engine.seqs]:
+                self.hidden.pop(rid)
+                self.drafter.release(rid)
+        return outputs
+
+    def _verify(self, seqs, spec, drafts, spec_rows, logits, hidden, emitted, out_hidden):
+        K = max(len(drafts[i][0]) for i in spec)
+        B, V = len(spec), logits.shape[-1]
+        dev = logits.device
+        tl = torch.zeros(B, K + 1, V, device=dev)  # padded target logits per verification
+        dt = torch.zeros(B, K, dtype=torch.long, device=dev)
+        lens = torch.tensor([len(drafts[i][0]) for i in spec], device=dev)
+        off = 0
+        for r, i in enumerate(spec):
+            n = len(drafts[i][0]) + 1
+            tl[r, :n] = logits[off:off + n]
+            dt[r, :n - 1] = torch.tensor(drafts[i][0], device=dev)
+            off += n
+        out = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)
+        acc = torch.zeros(B, dtype=torch.long, device=dev)
+        greedy = [r for r, i in enumerate(spec) if seqs[i].params.temperature == 0.0]
+        if greedy:
+            g = torch.tensor(greedy, device=dev)
+            o, a = verify_greedy(dt[g], lens[g], tl[g].argmax(-1))
+            out[g], acc[g] = o, a
+        sampled = [r for r, i in enumerate(spec) if seqs[i].params.temperature > 0.0]
+        # seeded requests verify with their own generator (their tokens must not depend on the batch)
+        groups = [[r] for r in sampled if seqs[spec[r]].generator is not None]
+        shared = [r for r in sampled if seqs[spec[r]].generator is None]
+        if shared:
+            groups.append(shared)
+        for grp in groups:
+            gen = seqs[spec[grp[0]]].generator if len(grp) == 1 and seqs[spec[grp[0]]].generator is not None else None
+            g = torch.tensor(grp, device=dev)
+            params = [seqs[spec[r]].params for r in grp]
+            probs = _target_probs(tl[g].reshape(-1, V), [p for p in params for _ in range(K + 1)]).view(len(grp), K + 1, V)
+            q = None
+            if all(drafts[spec[r]][1] is not None for r in grp):
+                q = torch.zeros(len(grp), K, V, device=dev)
+                for j, r in enumerate(grp):
+                    d = drafts[spec[r]][1]
+                    q[j, :d.shape[0]] = d.to(dev)
+            if gen is not None and gen.device != probs.device:
+                o, a = verify_sampling(dt[g].cpu(), lens[g].cpu(), probs.cpu(), None if q is None else q.cpu(), gen)
+            else:
+                o, a = verify_sampling(dt[g], lens[g], probs, q, gen)
+            out[g], acc[g] = o.to(dev), a.to(dev)
+        out_l, acc_l = out.tolist(), acc.tolist()
+        lp_raw = None
+        for r, i in enumerate(spec):
+            a = acc_l[r]
+            toks = out_l[r][:a + 1]
+            lps = [None] * len(toks)
+            n_top = seqs[i].params.logprobs
+            if n_top is not None:  # logprobs of the raw target distribution at each emitted position
+                if lp_raw is None:
+                    lp_raw = tl.log_softmax(-1)
+                lps = []
+                for j, t in enumerate(toks):
+                    e = {"token_id": t, "logprob": lp_raw[r, j, t].item(), "top": {}}
+                    if n_top:
+                        vals, idx = lp_raw[r, j].topk(n_top)
+                        e["top"] = dict(zip(idx.tolist(), vals.tolist()))
+                    lps.append(e)
+            emitted[i] = (toks, lps)
+            out_hidden[i] = hidden[spec_rows[r][0] + a]
+            self.num_verifies += 1
+            self.num_draft_tokens += len(drafts[i][0])
+            self.num_accepted_tokens += a
+        self.drafter.observe([seqs[i].request_id for i in spec], [len(drafts[i][0]) for i in spec], acc_l)
+
+
+def _merge(a, b):
+    """Fold the RequestOutput of a later token of the same step into the first one."""
+    a.new_token_ids = a.new_token_ids + b.new_token_ids
+    a.output_token_ids = b.output_token_ids
+    a.new_text = a.new_text + b.new_text
+    if b.logprobs is not None:
+        a.logprobs = (a.logprobs or []) + b.logprobs
+    a.finished, a.finish_reason, a.metrics = b.finished, b.finish_reason, b.metrics
+    if hasattr(b, "text"):
+        a.text = b.text
+    return a

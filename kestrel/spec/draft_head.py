@@ -1,0 +1,109 @@
+"""Semi-autoregressive draft head on the target's hidden states (DSpark-style).
+
+Input: the target's final hidden state h_t (the vector its lm_head turns into logits for token t+1) and the token
+x_{t+1} just emitted. A parallel backbone maps (h_t, x_{t+1}) to k slot states at once, one per future position
+t+2 .. t+k+1; a light sequential refiner then corrects slot i >= 1 with the embedding of the token chosen at slot
+i-1 (low-rank, so k steps cost little). Each slot reads out through the target's own (frozen) lm_head and also
+predicts its acceptance probability (the confidence the scheduler uses). The head stores only its own weights; the
+embedding and lm_head matrices come from the target at run time.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, H: int, mult: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(H)
+        self.up = nn.Linear(H, mult * H)
+        self.down = nn.Linear(mult * H, H)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.up(self.norm(x))))
+
+
+class DraftHead(nn.Module):
+    def __init__(self, hidden_size: int, k: int = 4, layers: int = 2, mult: int = 2, refine_rank: int = 128):
+        super().__init__()
+        H = hidden_size
+        self.cfg = dict(hidden_size=H, k=k, layers=layers, mult=mult, refine_rank=refine_rank)
+        self.k = k
+        self.in_norm = nn.RMSNorm(2 * H)
+        self.fuse = nn.Linear(2 * H, H)
+        self.slot = nn.Parameter(torch.randn(k, H) * 0.02)
+        self.backbone = nn.ModuleList(_MLPBlock(H, mult) for _ in range(layers))
+        self.refine_in = nn.Linear(2 * H, refine_rank)
+        self.refine_out = nn.Linear(refine_rank, H)
+        self.out_norm = nn.RMSNorm(H)
+        self.conf = nn.Linear(H, 1)
+
+    def slots(self, h: torch.Tensor, e_next: torch.Tensor) -> torch.Tensor:
+        """Parallel backbone: [N, H], [N, H] -> [N, k, H]."""
+        z = self.fuse(self.in_norm(torch.cat([h, e_next], -1)))[:, None, :] + self.slot[None]
+        for blk in self.backbone:
+            z = blk(z)
+        return z
+
+    def refine(self, z: torch.Tensor, e_prev: torch.Tensor) -> torch.Tensor:
+        return z + self.refine_out(F.silu(self.refine_in(torch.cat([z, e_prev], -1))))
+
+    def readout(self, z: torch.Tensor, lm_head: torch.Tensor):
+        """Slot states -> (logits over the target vocab, confidence logit)."""
+        return self.out_norm(z) @ lm_head.t(), self.conf(z).squeeze(-1)
+
+    def forward_teacher(self, h, e_next, e_prev_slots, lm_head):
+        """Training: slot i >= 1 is refined with the true previous token (teacher forcing), all in parallel.
+        e_prev_slots: [N, k, H] embedding of the token before each slot's target. Returns logits [N, k, V],
+        confidence logits [N, k]."""
+        z = self.slots(h, e_next)
+        z = torch.cat([z[:, :1], self.refine(z[:, 1:], e_prev_slots[:, 1:])], 1)
+        return self.readout(z, lm_head)
+
+    @torch.no_grad()
+    def draft(self, h, x_next, embed, lm_head, k, temperature=None, generator=None):
+        """Inference: propose k tokens per row. temperature [N] (0 = greedy). Returns tokens [N, k],
+        confidence [N, k], q [N, k, V] (the distributions sampled from; softmax at T=1 for greedy rows)."""
+        k = min(k, self.k)
+        N = h.shape[0]
+        z = self.slots(h, embed[x_next])
+        temp = torch.zeros(N, device=h.device) if temperature is None else temperature.to(h.device).float()
+        sample = temp > 0
+        toks, confs, qs = [], [], []
+        prev = x_next
+        for i in range(k):
+            zi = z[:, i] if i == 0 else self.refine(z[:, i], embed[prev])
+            logits, c = self.readout(zi, lm_head)
+            logits = logits.float()
+            q = torch.softmax(logits / torch.where(sample, temp, torch.ones_like(temp))[:, None], -1)
+            tok = logits.argmax(-1)
+            if sample.any():
+                tok[sample] = torch.multinomial(q[sample], 1, generator=generator).squeeze(1)
+            toks.append(tok)
+            confs.append(torch.sigmoid(c.float()))
+            qs.append(q)
+            prev = tok
+        return torch.stack(toks, 1), torch.stack(confs, 1), torch.stack(qs, 1)
+
+    # --- persistence: safetensors with the architecture in the metadata ---
+    def save(self, path: str, extra: dict | None = None) -> None:
+        from safetensors.torch import save_file
+        meta = {"kestrel_draft_head": json.dumps(self.cfg), **{k: str(v) for k, v in (extra or {}).items()}}
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, path, metadata=meta)
+
+    @classmethod
+    def load(cls, path: str, device="cpu") -> "DraftHead":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        if "kestrel_draft_head" not in meta:
+            raise ValueError(f"{path} is not a kestrel draft head (train one with `kestrel train-draft`)")
+        head = cls(**json.loads(meta["kestrel_draft_head"]))
+        head.load_state_dict(load_file(path, device="cpu"))
+        head.meta = meta
+        return head.to(device).eval()

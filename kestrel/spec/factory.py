@@ -1,0 +1,49 @@
+"""Build the drafter + SpecDecoder an engine needs from a SpeculativeConfig."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.spec.config import SpeculativeConfig
+from kestrel.spec.decoder import SpecDecoder
+from kestrel.spec.drafter import Drafter
+
+
+def _model_logits_fn(model, device):
+    """Any kestrel causal LM as a draft-model callable (full recompute per call: meant for small drafts)."""
+    from kestrel.spec.train_draft import _CausalCtx
+
+    ctx = _CausalCtx()
+
+    @torch.inference_mode()
+    def fn(batch: list[list[int]]) -> torch.Tensor:
+        rows = []
+        for t in batch:
+            h = model(torch.tensor(t, device=device), torch.arange(len(t), device=device), ctx)
+            rows.append(model.compute_logits(h[-1:]))
+        return torch.cat(rows).float()
+    return fn
+
+
+def build_drafter(cfg: SpeculativeConfig, engine) -> Drafter:
+    if cfg.drafter == "ngram":
+        from kestrel.spec.ngram import NgramDrafter
+        return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+    if cfg.drafter == "head":
+        from kestrel.spec.draft_head import DraftHead
+        from kestrel.spec.head_drafter import HeadDrafter
+        head = DraftHead.load(cfg.head, device=engine.config.device)
+        m = engine.model
+        return HeadDrafter(head, m.embed_tokens.weight, m.lm_head.weight)
+    if cfg.drafter == "draft_model":
+        from kestrel.model import load_model
+        from kestrel.spec.draft_model import DraftModelDrafter
+        d = load_model(cfg.draft_model, dtype=engine.config.torch_dtype, device=engine.config.device,
+                       progress=engine.config.progress)
+        if d.config.vocab_size != engine.model_config.vocab_size:
+            raise ValueError(f"draft model vocab {d.config.vocab_size} != target vocab {engine.model_config.vocab_size}")
+        return DraftModelDrafter(_model_logits_fn(d.model, engine.config.device))
+    raise ValueError(f"unknown drafter {cfg.drafter!r}")
+
+
+def build_spec_decoder(engine, cfg: SpeculativeConfig) -> SpecDecoder:
+    return SpecDecoder(cfg, build_drafter(cfg, engine))

@@ -1,0 +1,46 @@
+"""Drafter backed by a trained DraftHead: needs the target's last hidden state per request (the engine passes it)."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.spec.draft_head import DraftHead
+from kestrel.spec.drafter import Draft, DraftInput, Drafter
+
+
+class HeadDrafter(Drafter):
+    needs_hidden = True
+
+    def __init__(self, head: DraftHead, embed: torch.Tensor, lm_head: torch.Tensor,
+                 generator: torch.Generator | None = None):
+        if head.cfg["hidden_size"] != embed.shape[1]:
+            raise ValueError(f"draft head hidden size {head.cfg['hidden_size']} does not match the target's "
+                             f"{embed.shape[1]}: it was trained for another model")
+        self.head = head.to(device=embed.device, dtype=embed.dtype).eval()
+        self.embed, self.lm_head = embed, lm_head
+        self.generator = generator
+
+    @torch.inference_mode()
+    def propose(self, inputs: list[DraftInput], k: int) -> Draft:
+        B = len(inputs)
+        have = [b for b, i in enumerate(inputs) if i.hidden is not None]
+        k = min(k, self.head.k)
+        if k == 0 or not have:
+            return Draft.empty(B)
+        dev = self.embed.device
+        h = torch.stack([inputs[b].hidden for b in have]).to(dev, self.embed.dtype)
+        x = torch.tensor([inputs[b].token_ids[-1] for b in have], device=dev)
+        temp = torch.tensor([inputs[b].temperature for b in have], device=dev)
+        toks, conf, q = self.head.draft(h, x, self.embed, self.lm_head, k, temp, self.generator)
+        if len(have) == B:  # common case: no scatter
+            return Draft(toks, torch.full((B,), k, dtype=torch.long, device=dev), conf.float(),
+                         q if bool((temp > 0).any()) else None)
+        idx = torch.tensor(have, device=dev)
+        T = torch.zeros(B, k, dtype=torch.long, device=dev)
+        C = torch.zeros(B, k, device=dev)
+        lens = torch.zeros(B, dtype=torch.long, device=dev)
+        T[idx], C[idx], lens[idx] = toks, conf.float(), k
+        probs = None
+        if bool((temp > 0).any()):
+            probs = torch.zeros(B, k, q.shape[-1], device=dev)
+            probs[idx] = q.float()
+        return Draft(T, lens, C, probs)

@@ -1,0 +1,98 @@
+"""Self-distillation of the draft head: the target generates text, then the head learns to predict the target's
+own next-k-token distributions from the target's hidden states on that text.
+
+Only the target's final hidden states are stored: the teacher's logits at any position are exactly
+hidden @ lm_head^T, so they are recomputed for the sampled positions of each step (no [T, V] logit tensors kept).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kestrel.spec.draft_head import DraftHead
+
+
+class _CausalCtx:
+    """Stand-in for the engine's attention context: plain causal attention over one whole sequence (no cache)."""
+
+    def attention(self, layer_idx, q, k, v):
+        T, nh, hd = q.shape
+        rep = nh // k.shape[1]
+        k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        return o.transpose(0, 1).reshape(T, nh * hd)
+
+
+@torch.inference_mode()
+def collect_hidden(model, seqs: list[list[int]], device, progress: bool = True) -> list[torch.Tensor]:
+    """Final (post-norm) hidden states [T, H] of a kestrel LlamaForCausalLM on each full sequence."""
+    ctx = _CausalCtx()
+    out = []
+    for s in tqdm(seqs, desc="Target hidden states", unit="seq", disable=not progress):
+        ids = torch.tensor(s, device=device)
+        out.append(model(ids, torch.arange(len(s), device=device), ctx).float())
+    return out
+
+
+def _sample_batch(hidden, seqs, k, n, gen: random.Random, device):
+    """n random (sequence, t) positions with t + 1 < len: inputs h_t, x_{t+1}; per slot i the previous token
+    x_{t+1+i}, the teacher hidden at t+1+i (its logits predict x_{t+2+i}), and a validity mask."""
+    hs, nxt, prev, teach, mask = [], [], [], [], []
+    for _ in range(n):
+        j = gen.randrange(len(seqs))
+        L = len(seqs[j])
+        t = gen.randrange(L - 1)
+        hs.append(hidden[j][t])
+        nxt.append(seqs[j][t + 1])
+        idx = [min(t + 1 + i, L - 1) for i in range(k)]
+        prev.append([seqs[j][p] for p in idx])
+        teach.append(hidden[j][idx])
+        mask.append([t + 1 + i <= L - 1 for i in range(k)])
+    f = lambda x: torch.tensor(x, device=device)
+    return torch.stack(hs).to(device), f(nxt), f(prev), torch.stack(teach).to(device), f(mask)
+
+
+def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Tensor], seqs: list[list[int]],
+               k: int = 4, steps: int = 500, batch_positions: int = 256, lr: float = 1e-3, seed: int = 0,
+               head: DraftHead | None = None, progress: bool = True, conf_weight: float = 0.5) -> DraftHead:
+    """Distil: soft cross-entropy to the teacher's distribution at each slot + BCE of the confidence output
+    against 'the head's argmax equals the teacher's argmax' (per-slot acceptance under greedy verification)."""
+    device = embed.device
+    torch.manual_seed(seed)
+    gen = random.Random(seed)
+    seqs = [s for s, h in zip(seqs, hidden) if len(s) >= 2]
+    hidden = [h for s, h in zip(seqs, hidden) if len(s) >= 2]
+    if not seqs:
+        raise ValueError("train-draft needs sequences of at least 2 tokens")
+    head = head or DraftHead(embed.shape[1], k=k)
+    head = head.to(device).train()
+    embed, lm_head = embed.detach().float(), lm_head.detach().float()
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    bar = tqdm(range(steps), desc="Training draft head", unit="step", disable=not progress)
+    stats = {}
+    for step in bar:
+        h, nxt, prev, teach, mask = _sample_batch(hidden, seqs, head.k, batch_positions, gen, device)
+        logits, conf = head.forward_teacher(h, embed[nxt], embed[prev], lm_head)
+        with torch.no_grad():
+            t_logits = teach @ lm_head.t()
+            t_prob = torch.softmax(t_logits, -1)
+            hit = (logits.argmax(-1) == t_logits.argmax(-1)).float()
+        m = mask.float()
+        ce = -(t_prob * torch.log_softmax(logits, -1)).sum(-1)
+        bce = F.binary_cross_entropy_with_logits(conf, hit, reduction="none")
+        loss = ((ce + conf_weight * bce) * m).sum() / m.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 10 == 0 or step == steps - 1:
+            acc = (hit * m).sum(0) / m.sum(0).clamp_min(1)
+            stats = {"loss": round(loss.item(), 3), "acc1": round(acc[0].item(), 3), f"acc{head.k}": round(acc[-1].item(), 3)}
+            bar.set_postfix(stats)
+    head.train_stats = stats
+    return head.eval()
