@@ -1,0 +1,112 @@
+"""W4A8 GEMM: 4-bit weights (int4 symmetric or fp4 e2m1) x FP8 e4m3 per-token activations.
+
+The 4-bit weight tile is unpacked in registers to fp8 — exact, since every int4 (-8..7) and every e2m1 value is an
+e4m3 value — and fed to the fp8 MMA. Weight group scales vary along K, so each K tile's fp8 partial product is
+scaled by its group's scale before it is added (BLOCK_K <= group); per-channel scales and the per-token activation
+scale go in the epilogue. Weight layout: packed uint8 [N, K // 2] (low nibble = even k), scales [N, K // group].
+Supported weight scales: fp32/bf16 (int4 or fp4, group >= 32 or per-channel), e8m0 per 32 (MXFP4), e4m3 per 16 +
+fp32 global (NVFP4; BLOCK_K = 16, so slower — MXFP4/int4 are the fast W4A8 formats).
+"""
+import torch
+
+from kestrel.kernels import act_quant
+from kestrel.kernels.lowbit import pack_nibbles, ref_fp4_decode, unpack_nibbles
+from kestrel.kernels.lowbit_gemm import (A_FP8, S_E4M3, S_E8M0, S_FLOAT, W_FP4, W_INT4, GemmConfig, Operand,
+                                         heuristic_config, run_dense)
+
+W4_FORMATS = ("int4", "mxfp4", "nvfp4")
+
+
+class W4Weight:
+    """A 4-bit weight in the kernel layout: packed [N, K//2] uint8, scale [N, K//group], optional global scale."""
+
+    def __init__(self, fmt: str, packed: torch.Tensor, scale: torch.Tensor, group: int,
+                 global_scale: torch.Tensor | None = None):
+        if fmt not in W4_FORMATS:
+            raise ValueError(f"4-bit weight format must be one of {W4_FORMATS}, got {fmt!r}")
+        self.fmt, self.packed, self.scale, self.group, self.global_scale = fmt, packed, scale, group, global_scale
+
+    @property
+    def shape(self):
+        return self.packed.shape[-2], self.packed.shape[-1] * 2
+
+    def operand(self) -> Operand:
+        N, K = self.shape
+        kind = {"int4": S_FLOAT, "mxfp4": S_E8M0, "nvfp4": S_E4M3}[self.fmt]
+        group = 0 if self.group in (-1, K) and self.fmt == "int4" else self.group
+        scale = self.scale.reshape(-1) if group == 0 else self.scale
+        if kind == S_FLOAT:
+            scale = scale.float()
+        elif kind == S_E8M0:
+            scale = scale.view(torch.uint8)
+        return Operand(W_INT4 if self.fmt == "int4" else W_FP4, self.packed, scale.contiguous(),
+                       self.global_scale, group=group, scale_kind=kind)
+
+    def to(self, device):
+        gs = None if self.global_scale is None else self.global_scale.to(device)
+        return W4Weight(self.fmt, self.packed.to(device), self.scale.to(device), self.group, gs)
+
+    def dequantize(self) -> torch.Tensor:
+        """CPU reference: fp32 [..., N, K]."""
+        codes = unpack_nibbles(self.packed)
+        if self.fmt == "int4":
+            v = ((codes.to(torch.int32) ^ 8) - 8).float()
+        else:
+            v = ref_fp4_decode(codes)
+        if self.fmt == "mxfp4":
+            s = torch.pow(2.0, self.scale.float() - 127)
+        else:
+            s = self.scale.float()
+        g = v.shape[-1] // s.shape[-1]
+        w = v * s.repeat_interleave(g, -1)
+        if self.global_scale is not None:
+            w = w * self.global_scale.float().reshape(*([-1] + [1] * (w.dim() - 1)) if w.dim() == 3 else [1])
+        return w
+
+
+def quantize_weight_w4(w: torch.Tensor, fmt: str = "int4", group: int = 128) -> W4Weight:
+    """RTN 4-bit quantization of [N, K] (or [E, N, K]) along K. int4: symmetric, scale = amax / 7, group = `group`
+    (-1 per channel); mxfp4: e8m0 per 32; nvfp4: e4m3 per 16 with a per-tensor (per-expert) global scale."""
+    if w.dim() == 3:
+        parts = [quantize_weight_w4(we, fmt, group) for we in w]
+        gs = None if parts[0].global_scale is None else torch.cat([p.global_scale for p in parts])
+        return W4Weight(fmt, torch.stack([p.packed for p in parts]), torch.stack([p.scale for p in parts]),
+                        parts[0].group, gs)
+    w = w.float()
+    N, K = w.shape
+    if fmt == "mxfp4":
+        q, s = act_quant.ref_quant_mxfp4(w)
+        return W4Weight(fmt, q, s, 32)
+    if fmt == "nvfp4":
+        q, s, gs = act_quant.ref_quant_nvfp4(w)
+        return W4Weight(fmt, q, s, 16, gs)
+    if fmt != "int4":
+        raise ValueError(f"4-bit weight format must be one of {W4_FORMATS}, got {fmt!r}")
+    g = K if group == -1 else group
+    if K % g:
+        raise ValueError(f"K={K} is not a multiple of group {g}")
+    wg = w.view(N, K // g, g)
+    scale = wg.abs().amax(-1).clamp_min(1e-10) / 7.0
+    q = torch.round(wg / scale[..., None]).clamp(-8, 7).to(torch.int32).view(N, K)
+    return W4Weight("int4", pack_nibbles(q & 0xF), scale, g)
+
+
+def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=torch.bfloat16,
+              config: GemmConfig | None = None) -> torch.Tensor:
+    """fp8 a_q [M, K] with per-token a_scale [M, 1] x 4-bit W [N, K] -> [M, N]."""
+    N, K = w.shape
+    if a_q.dim() != 2 or a_q.shape[1] != K or a_q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"gemm_w4a8: expected float8_e4m3fn activations [M, {K}], got {a_q.dtype} {tuple(a_q.shape)}")
+    M = a_q.shape[0]
+    if not act_quant.use_triton(a_q):
+        return (act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, -1)) @ w.dequantize().t()).to(out_dtype)
+    a_op = Operand(A_FP8, a_q.contiguous(), a_scale.float().reshape(M, 1).contiguous())
+    from kestrel.kernels.lowbit_tune import lookup
+    cfg = config or lookup("w4a8-" + w.fmt, M, N, K) or heuristic_config(M, N, K, A_FP8, W_INT4)
+    return run_dense(a_op, w.operand(), M, N, K, out_dtype, cfg)
+
+
+def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None) -> torch.Tensor:
+    lead, K = x.shape[:-1], x.shape[-1]
+    a_q, a_s = act_quant.quant_fp8(x.reshape(-1, K))
+    return gemm_w4a8(a_q, a_s, w, out_dtype or x.dtype).reshape(*lead, -1)

@@ -1,0 +1,298 @@
+"""One Triton GEMM body for every activation x weight format pair, dense or grouped-by-expert (MoE).
+
+Formats are constexpr, so each (A format, W format, scale layout) pair is its own JIT specialisation and the
+branches below compile away. The public entry points are thin: gemm_w8a8.py, gemm_w4a8.py, gemm_w4a4.py, moe_gemm.py.
+
+Where the scales go (why): a scale that is constant over the whole K reduction (per-token activation scale,
+per-channel weight scale, NVFP4 global scales, the MoE routing weight) is applied once, in the epilogue. A scale that
+changes along K (weight groups, DeepSeek-style activation groups, MX/NV block scales) must be applied inside the loop:
+  * 8-bit activations: scale the partial product of each K tile (needs BLOCK_K <= group), so the MMA stays fp8/int8;
+  * 16-bit or fp4 activations: dequantize the operand tile in registers, then a bf16 MMA.
+Hopper has no fp4 tensor cores: MXFP4/NVFP4 x MXFP4/NVFP4 is converted in registers to bf16 — exact, because an e2m1
+value (2 significant bits) times an e8m0 / e4m3 scale (1 / 4 significant bits) fits bf16's 8-bit significand — and run
+on the bf16 MMA. FP8 MMA would be 2x the peak rate but the 32/16-wide scale blocks would force a scaled partial every
+16-32 K (an fp8 wgmma step is 32 deep), and scale x value products overflow e4m3's range; bf16 keeps one MMA per tile.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.lowbit import e8m0_to_f32, fp4_decode, fp4_to_e4m3, int4_value, unpack_k, unpack_k_rows
+
+# activation formats
+A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4 = 0, 1, 2, 3, 4
+# weight formats
+W_BF16, W_FP8, W_INT8, W_INT4, W_FP4 = 0, 1, 2, 3, 4
+# weight scale storage
+S_FLOAT, S_E8M0, S_E4M3 = 0, 1, 2
+
+
+@triton.jit
+def _w_scale(ws_ptr, offs_n, kk, WGN: tl.constexpr, stride_wsn, W_SCALE: tl.constexpr, WG: tl.constexpr):
+    """weight scales for K indices kk (any shape broadcastable against offs_n) -> fp32."""
+    s = tl.load(ws_ptr + (offs_n // WGN) * stride_wsn + kk // WG)
+    if W_SCALE == 1:
+        s = e8m0_to_f32(s)
+    return s.to(tl.float32)
+
+
+@triton.jit
+def _qgemm_kernel(
+    a_ptr, as_ptr, ags_ptr, w_ptr, ws_ptr, wgs_ptr, c_ptr,
+    topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr,
+    M, N, K, num_valid, a_div,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
+    A_FMT: tl.constexpr, A_G: tl.constexpr, W_FMT: tl.constexpr, W_SCALE: tl.constexpr,
+    WG: tl.constexpr, WGN: tl.constexpr, HAS_WGS: tl.constexpr,
+    IS_MOE: tl.constexpr, MUL_ROUTED: tl.constexpr, SPLIT_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BN)
+    offs_bm = tl.arange(0, BM)
+    if IS_MOE:
+        pid_m = pid // num_pid_n
+        pid_n = pid % num_pid_n
+        if pid_m * BM >= tl.load(npost_ptr):
+            return
+        expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+        tok = tl.load(sorted_ptr + pid_m * BM + offs_bm)
+        row_ok = tok < num_valid
+        a_rows = tl.where(row_ok, tok // a_div, 0).to(tl.int64)
+        c_rows = tok.to(tl.int64)
+    else:
+        num_pid_m = tl.cdiv(M, BM)
+        group = GROUP_M * num_pid_n
+        first_m = (pid // group) * GROUP_M
+        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % gsize
+        pid_n = (pid % group) // gsize
+        expert = 0
+        rows = pid_m * BM + offs_bm
+        row_ok = rows < M
+        a_rows = tl.where(row_ok, rows, 0).to(tl.int64)
+        c_rows = rows.to(tl.int64)
+
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_nc = tl.where(n_ok, offs_n, 0)
+    w_base = w_ptr + expert * stride_we
+    ws_base = ws_ptr + expert * stride_wse
+    kk = tl.arange(0, BK)
+    kh = tl.arange(0, BK // 2)
+
+    k_per_split = K // SPLIT_K
+    k_start = tl.program_id(1) * k_per_split
+    acc = tl.zeros((BM, BN), tl.float32)
+
+    for k0 in range(k_start, k_start + k_per_split, BK):
+        # ---- activation tile [BM, BK]
+        if A_FMT == 3 or A_FMT == 4:
+            ap = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 // 2 + kh[None, :]))
+            av = fp4_decode(unpack_k_rows(ap, BM, BK))
+            if A_FMT == 3:
+                asc = e8m0_to_f32(tl.load(as_ptr + a_rows[:, None] * stride_asm + (k0 + kk[None, :]) // 32))
+            else:
+                asc = tl.load(as_ptr + a_rows[:, None] * stride_asm + (k0 + kk[None, :]) // 16).to(tl.float32)
+            a = (av * asc).to(tl.bfloat16)
+        else:
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + kk[None, :]))
+
+        # ---- weight tile [BK, BN] (K-major in memory: w[n, k])
+        if W_FMT == 3 or W_FMT == 4:
+            wp = tl.load(w_base + offs_nc[None, :] * stride_wn + (k0 // 2 + kh[:, None]))
+            wn = unpack_k(wp, BK, BN)
+        else:
+            wr = tl.load(w_base + offs_nc[None, :] * stride_wn + (k0 + kk[:, None]))
+
+        if A_FMT == 1 or A_FMT == 2:
+            # 8-bit MMA; K-varying scales applied to the partial product
+            if A_FMT == 1:
+                if W_FMT == 3:
+                    wq = int4_value(wn).to(tl.float32).to(tl.float8e4nv)
+                elif W_FMT == 4:
+                    wq = fp4_to_e4m3(wn)
+                else:
+                    wq = wr
+                part = tl.dot(a, wq)
+            else:
+                if W_FMT == 3:
+                    wq = int4_value(wn).to(tl.int8)
+                else:
+                    wq = wr
+                part = tl.dot(a, wq, out_dtype=tl.int32).to(tl.float32)
+            if A_G > 0:
+                part = part * tl.load(as_ptr + a_rows * stride_asm + k0 // A_G)[:, None]
+            if WG > 0:
+                part = part * _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[None, :]
+            acc += part
+        else:
+            # 16-bit MMA: dequantize the weight tile in registers (group scales folded in)
+            if W_FMT == 0:
+                wb = wr
+            else:
+                if W_FMT == 3:
+                    wv = int4_value(wn).to(tl.float32)
+                elif W_FMT == 4:
+                    wv = fp4_decode(wn)
+                else:
+                    wv = wr.to(tl.float32)
+                if WG > 0:
+                    if WG >= BK:
+                        wv = wv * _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[None, :]
+                    else:
+                        wv = wv * _w_scale(ws_base, offs_nc[None, :], k0 + kk[:, None], WGN, stride_wsn, W_SCALE, WG)
+                wb = wv.to(a.dtype)
+            if DOT_F32:  # the Triton CPU interpreter's bf16 dot is wrong; values are bf16-exact either way
+                acc = tl.dot(a.to(tl.float32), wb.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, wb, acc)
+
+    # ---- epilogue: scales constant over K
+    if (A_FMT == 1 or A_FMT == 2) and A_G == 0:
+        acc = acc * tl.load(as_ptr + a_rows * stride_asm)[:, None]
+    if A_FMT == 4:
+        acc = acc * tl.load(ags_ptr)
+    if WG == 0 and W_FMT != 0:
+        acc = acc * tl.load(ws_base + offs_nc * stride_wsn)[None, :].to(tl.float32)
+    if HAS_WGS:
+        if IS_MOE:
+            acc = acc * tl.load(wgs_ptr + expert)
+        else:
+            acc = acc * tl.load(wgs_ptr)
+    if MUL_ROUTED:
+        acc = acc * tl.load(topk_w_ptr + c_rows, mask=row_ok, other=0.0)[:, None]
+    c_off = c_rows[:, None] * stride_cm + offs_n[None, :]
+    c_mask = row_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(c_ptr + c_off, acc, mask=c_mask)
+    else:
+        tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Compute config (tile sizes, split-K, pipeline) — the part `kestrel tune` searches."""
+    BM: int = 64
+    BN: int = 128
+    BK: int = 128
+    SPLIT_K: int = 1
+    GROUP_M: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A quantized GEMM operand: data + its scale tensors and how to read them."""
+    fmt: int
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+    group: int = 0  # scale group along K (0 = one scale for the whole K)
+    group_n: int = 1  # weight scale block along N (DeepSeek 128x128 blocks)
+    scale_kind: int = S_FLOAT
+
+
+def max_block_k(a: Operand, w: Operand, K: int) -> int:
+    """largest BK the scale layout allows (8-bit MMA with K-varying scales needs BK <= group)."""
+    bk = 128
+    if a.fmt in (A_FP8, A_INT8):
+        for g in (a.group, w.group):
+            if g:
+                bk = min(bk, g)
+    return bk
+
+
+def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cfg: GemmConfig, *,
+           moe: dict | None = None):
+    """Run the kernel. `moe` = dict(sorted_ids, expert_ids, num_post, num_valid, a_div, topk_weights|None)."""
+    BK = min(cfg.BK, max_block_k(a, w, K))
+    if K % BK or (K // cfg.SPLIT_K) % BK:
+        raise ValueError(f"K={K} must be a multiple of BLOCK_K={BK} (x split_k={cfg.SPLIT_K})")
+    wd = w.data
+    stride_we = wd.stride(0) if wd.dim() == 3 else 0
+    ws = w.scale if w.scale is not None else wd
+    stride_wse = ws.stride(0) if moe is not None else 0
+    stride_wsn = ws.stride(-2) if (w.group and ws.dim() >= 2) else ws.stride(-1)
+    a_s = a.scale if a.scale is not None else a.data
+    dummy = out
+    if moe is None:
+        grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), cfg.SPLIT_K)
+        sorted_ids = expert_ids = npost = topk_w = dummy
+        num_valid, a_div, mul_routed = M, 1, False
+    else:
+        sorted_ids, expert_ids, npost = moe["sorted_ids"], moe["expert_ids"], moe["num_post"]
+        topk_w = moe.get("topk_weights")
+        mul_routed = topk_w is not None
+        topk_w = topk_w if mul_routed else dummy
+        num_valid, a_div = moe["num_valid"], moe["a_div"]
+        grid = (expert_ids.numel() * triton.cdiv(N, cfg.BN), 1)
+    _qgemm_kernel[grid](
+        a.data, a_s, a.global_scale if a.global_scale is not None else a_s,
+        wd, ws, w.global_scale if w.global_scale is not None else ws, out,
+        topk_w, sorted_ids, expert_ids, npost,
+        M, N, K, num_valid, a_div,
+        a.data.stride(0), a_s.stride(0) if a_s.dim() > 1 else 1, stride_we, wd.stride(-2), stride_wse, stride_wsn,
+        out.stride(0),
+        A_FMT=a.fmt, A_G=a.group if a.fmt in (A_FP8, A_INT8) else 0, W_FMT=w.fmt, W_SCALE=w.scale_kind,
+        WG=w.group, WGN=w.group_n, HAS_WGS=w.global_scale is not None,
+        IS_MOE=moe is not None, MUL_ROUTED=mul_routed, SPLIT_K=cfg.SPLIT_K,
+        BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M, DOT_F32=not out.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def heuristic_config(M: int, N: int, K: int, a_fmt: int, w_fmt: int, num_sms: int = 132) -> GemmConfig:
+    """Default compute config when the tune cache has no entry (H100/H200-shaped numbers)."""
+    dq16 = a_fmt in (A_BF16, A_MXFP4, A_NVFP4)
+    bk = 64 if dq16 else 128
+    if M <= 16:
+        bm, bn, warps, stages = 16, 64, 4, 4
+    elif M <= 64:
+        bm, bn, warps, stages = 32 if M <= 32 else 64, 128, 4, 4
+    elif M <= 256:
+        bm, bn, warps, stages = 64, 128, 4, 4
+    else:
+        bm, bn, warps, stages = 128, 128, 8, 3 if dq16 else 4
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    split = 1
+    while tiles * split < num_sms and K % (bk * split * 2) == 0 and split < 8 and K // (split * 2) >= 512:
+        split *= 2
+    return GemmConfig(BM=bm, BN=bn, BK=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+
+
+def candidate_configs(M: int, a_fmt: int) -> list[GemmConfig]:
+    """Search space for `kestrel tune` (kept small: each candidate is a JIT compile)."""
+    dq16 = a_fmt in (A_BF16, A_MXFP4, A_NVFP4)
+    bks = (64,) if dq16 else (64, 128)
+    bms = (16, 32) if M <= 16 else (32, 64) if M <= 64 else (64, 128)
+    out = []
+    for bm in bms:
+        for bn in (64, 128, 256):
+            for bk in bks:
+                for split in ((1, 2, 4) if M <= 64 else (1,)):
+                    for stages in (3, 4):
+                        warps = 8 if bm * bn >= 128 * 128 else 4
+                        out.append(GemmConfig(BM=bm, BN=bn, BK=bk, SPLIT_K=split, num_warps=warps, num_stages=stages))
+    return out
+
+
+def run_dense(a: Operand, w: Operand, M: int, N: int, K: int, out_dtype: torch.dtype,
+              cfg: GemmConfig | None = None) -> torch.Tensor:
+    """Dense C[M, N] = A[M, K] @ W[N, K]^T with the scales of both operands."""
+    if cfg is None:
+        cfg = heuristic_config(M, N, K, a.fmt, w.fmt)
+    if cfg.SPLIT_K > 1:
+        acc = torch.zeros((M, N), dtype=torch.float32, device=a.data.device)
+        launch(a, w, acc, M, N, K, cfg)
+        return acc.to(out_dtype)
+    out = torch.empty((M, N), dtype=out_dtype, device=a.data.device)
+    if M:
+        launch(a, w, out, M, N, K, cfg)
+    return out
