@@ -18,8 +18,8 @@ QUANTIZATION_SCHEMES: dict[str, QuantSpec | None] = {
     "int4-g128": QuantSpec(weight_dtype="int4", act_dtype="bf16", group_size=128),  # W4A16, symmetric (GPTQ-sym)
     "int4-g128-zp": QuantSpec(weight_dtype="uint4", act_dtype="bf16", group_size=128, has_zero_point=True),  # AWQ-like
     "int8": QuantSpec(weight_dtype="int8", act_dtype="bf16", group_size=-1),  # W8A16 per channel
-    "fp8": QuantSpec(weight_dtype="fp8_e4m3", act_dtype="fp8_e4m3", group_size=-1, scale_dtype="fp32"),  # W8A8
-    "fp8-w8a16": QuantSpec(weight_dtype="fp8_e4m3", act_dtype="bf16", group_size=-1, scale_dtype="fp32"),
+    # FP8 weights, bf16 activations (weight-only, like vLLM's FP8 Marlin path): WNA16 kernel
+    "fp8": QuantSpec(weight_dtype="fp8_e4m3", act_dtype="bf16", group_size=-1, scale_dtype="fp32"),
     "mxfp4": QuantSpec(weight_dtype="fp4_e2m1", act_dtype="bf16", group_size=32, scale_dtype="e8m0"),
     "nvfp4": QuantSpec(weight_dtype="fp4_e2m1", act_dtype="bf16", group_size=16, scale_dtype="fp8_e4m3",
                        global_scale=True),
