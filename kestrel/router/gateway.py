@@ -199,7 +199,8 @@ class Router:
     def _route_headers(self, r: Replica, t: Ticket, req: dict) -> dict:
         return {"x-kestrel-replica": r.url, "x-kestrel-tenant": t.tenant, "x-kestrel-priority": t.priority,
                 "x-kestrel-queue-ms": f"{t.queue_wait * 1000:.1f}", "x-kestrel-arrival-seq": str(t.arrival_seq),
-                "x-kestrel-dispatch-seq": str(t.dispatch_seq), "x-kestrel-attempts": str(req["attempts"])}
+                "x-kestrel-dispatch-seq": str(t.dispatch_seq),
+                "x-kestrel-served-while-queued": str(t.dispatch_seq - t.dispatched_before), "x-kestrel-attempts": str(req["attempts"])}
 
     def _done(self, req: dict, outcome: str) -> None:
         self._m_requests.labels(req["tenant"], req["priority"], outcome).inc()

@@ -64,6 +64,7 @@ class Ticket:
     key: tuple = ()
     arrival_seq: int = 0
     dispatch_seq: int = -1
+    dispatched_before: int = 0
     enqueued_at: float = 0.0
     queue_wait: float = 0.0
     future: asyncio.Future | None = None
@@ -96,13 +97,14 @@ class FairScheduler:
         self.queued: dict[str, int] = {}
         self._heap: list[Ticket] = []
         self._arrivals = itertools.count()
-        self._dispatches = itertools.count()
+        self.dispatched = 0  # requests handed a slot so far
 
     def queue_len(self) -> int:
         return sum(self.queued.values())
 
     def _tag(self, t: Ticket) -> None:
         t.arrival_seq = next(self._arrivals)
+        t.dispatched_before = self.dispatched  # with dispatch_seq: how many were served while this one waited
         if self.policy == "fifo":
             t.key = (0, t.arrival_seq)
             return
@@ -152,7 +154,8 @@ class FairScheduler:
             replica.inflight += 1
             if self.policy == "wfq":
                 self.vtime = max(self.vtime, head.meta["start_tag"])
-            head.dispatch_seq = next(self._dispatches)
+            head.dispatch_seq = self.dispatched
+            self.dispatched += 1
             head.queue_wait = time.monotonic() - head.enqueued_at
             head.replica = replica
             head.future.set_result(replica)
