@@ -44,7 +44,7 @@ def minifloat_max(exp_bits: int, man_bits: int) -> float:
 
 def encode_minifloat(x: torch.Tensor, exp_bits: int, man_bits: int) -> torch.Tensor:
     """float -> nearest representable code (saturating), as int32 with the sign in the top bit."""
-    grid = _positive_grid(exp_bits, man_bits, max_code(exp_bits, man_bits))
+    grid = _positive_grid(exp_bits, man_bits, max_code(exp_bits, man_bits)).to(x.device)
     mid = (grid[1:] + grid[:-1]) / 2
     a = x.abs().to(torch.float32).clamp(max=float(grid[-1]))
     code = torch.bucketize(a, mid)  # index of the nearest grid point

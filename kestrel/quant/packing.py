@@ -18,7 +18,7 @@ def pack_codes(codes: torch.Tensor, container_bits: int) -> torch.Tensor:
     if k % epw:
         raise ValueError(f"K={k} must be a multiple of {epw} to pack {container_bits}-bit codes")
     c = codes.t().to(torch.int64).reshape(k // epw, epw, n)
-    shifts = (torch.arange(epw, dtype=torch.int64) * container_bits).view(1, epw, 1)
+    shifts = (torch.arange(epw, dtype=torch.int64, device=codes.device) * container_bits).view(1, epw, 1)
     words = (c << shifts).sum(dim=1)
     return _to_int32(words)
 
@@ -27,7 +27,7 @@ def unpack_codes(qweight: torch.Tensor, container_bits: int, k: int) -> torch.Te
     """int32 [K // epw, N] -> codes int32 [N, K]."""
     epw = 32 // container_bits
     w = qweight.to(torch.int64) & 0xFFFFFFFF
-    shifts = (torch.arange(epw, dtype=torch.int64) * container_bits).view(1, epw, 1)
+    shifts = (torch.arange(epw, dtype=torch.int64, device=qweight.device) * container_bits).view(1, epw, 1)
     c = (w.unsqueeze(1) >> shifts) & ((1 << container_bits) - 1)
     return c.reshape(k, -1).t().to(torch.int32).contiguous()
 

@@ -28,7 +28,7 @@ def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
     gs = k if spec.group_size == -1 else spec.group_size
     if k % gs or k % spec.elems_per_word:
         raise ValueError(f"K={k} must be a multiple of the group size {gs} and of {spec.elems_per_word}")
-    wf = w.detach().float().cpu().reshape(n, k // gs, gs)
+    wf = w.detach().float().reshape(n, k // gs, gs)  # runs on w's device (GPU quantizes big weights fast)
     bits = spec.weight_bits
     zeros = gscale = None
     if spec.is_int and spec.has_zero_point:
@@ -52,7 +52,7 @@ def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
         amax = wf.abs().amax(-1)
         if spec.global_scale:
             # NVFP4: per-tensor fp32 scale so that block scales fit e4m3 (max 448)
-            g = (amax.max() / (fmax * 448.0)).clamp(min=1e-12)
+            g = (amax.max() / (fmax * 448.0)).clamp(min=1e-12).float()
             gscale = g.reshape(())
             amax = amax / g
         s = (amax / fmax).clamp(min=1e-12)

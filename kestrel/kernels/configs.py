@@ -1,0 +1,142 @@
+"""The three config layers of the WNA16 GEMM.
+
+LayerConfig   what is computed: the weight format (QuantSpec) and the layer shape (N, K). Fixed per layer.
+ComputeConfig how it is computed: kernel kind, tile sizes, split-K, warps, stages. Part of the JIT key.
+TuningConfig  which ComputeConfig to use for (GPU, layer, M): tune cache (user file, then the packaged per-GPU
+              cache) and, failing both, a heuristic. `kestrel tune` fills the user cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from kestrel.quant.spec import QuantSpec
+
+PACKAGED_CACHE = Path(__file__).with_name("tune_cache_h200.json")
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    spec: QuantSpec
+    n: int
+    k: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.spec.name}|n{self.n}|k{self.k}"
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    kernel: str = "dot"  # "gemv" (M == 1, CUDA cores) | "dot" (tensor cores, weights as the A operand)
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ComputeConfig":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def valid_for(self, layer: LayerConfig) -> bool:
+        epw = layer.spec.elems_per_word
+        if self.kernel not in ("gemv", "dot") or layer.k % self.block_k or self.block_k % epw:
+            return False
+        if self.kernel == "dot" and (self.block_k < 16 or self.block_m < 16):
+            return False
+        return (layer.k // self.block_k) >= self.split_k >= 1
+
+
+def m_bucket(m: int) -> int:
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def user_cache_path() -> Path:
+    return Path(os.environ.get("KESTREL_TUNE_CACHE", Path.home() / ".cache" / "kestrel" / "tune.json"))
+
+
+def cache_key(gpu: str, layer: LayerConfig, bucket: int) -> str:
+    return f"{gpu}|{layer.key}|m{bucket}"
+
+
+@lru_cache(maxsize=8)
+def _read_cache(path: str, mtime: float) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load_cache(path: Path) -> dict:
+    try:
+        return _read_cache(str(path), path.stat().st_mtime)
+    except OSError:
+        return {}
+
+
+def store_cache(path: Path, entries: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = dict(load_cache(path))
+    data.update(entries)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
+    """Shape-class defaults (used when no tuned entry exists)."""
+    gs = layer.k if layer.spec.group_size == -1 else layer.spec.group_size
+    k_tiles = lambda bk: layer.k // bk
+
+    def fit_bk(bk: int) -> int:
+        while bk > 16 and layer.k % bk:
+            bk //= 2
+        return bk
+
+    if m <= 16:
+        bn = 64 if layer.n >= 64 else 32
+        bk = fit_bk(max(32, min(256, gs)) if gs >= 32 else 128)
+        kind = "gemv" if m == 1 else "dot"
+        if kind == "dot":
+            bk = fit_bk(min(bk, 128))
+        # enough CTAs to cover the SMs a few times over; split-K where N alone is too narrow
+        n_tiles = -(-layer.n // bn)
+        split = max(1, min(_pow2_floor((4 * num_sms) // max(1, n_tiles)), k_tiles(bk) // 2, 16))
+        return ComputeConfig(kernel=kind, block_m=1 if kind == "gemv" else 16, block_n=bn, block_k=bk,
+                             split_k=split, num_warps=4, num_stages=4)
+    if m <= 64:
+        return ComputeConfig("dot", block_m=max(16, _pow2_floor(m)), block_n=128, block_k=fit_bk(64),
+                             split_k=1, num_warps=4, num_stages=4)
+    return ComputeConfig("dot", block_m=128, block_n=128, block_k=fit_bk(64), split_k=1, num_warps=8, num_stages=3)
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    """Per-GPU choice of ComputeConfig."""
+    gpu: str
+
+    def lookup(self, layer: LayerConfig, m: int) -> ComputeConfig:
+        key = cache_key(self.gpu, layer, m_bucket(m))
+        for path in (user_cache_path(), PACKAGED_CACHE):
+            hit = load_cache(path).get(key)
+            if hit is not None:
+                cfg = ComputeConfig.from_dict(hit["config"] if "config" in hit else hit)
+                if cfg.valid_for(layer):
+                    return cfg
+        return heuristic(layer, m)

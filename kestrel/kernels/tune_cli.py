@@ -1,0 +1,88 @@
+"""`kestrel tune`: autotune the WNA16 GEMM for given formats/shapes on this GPU and store the winners."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES  # light: no torch.cuda work at import
+    p = subparsers.add_parser(
+        "tune", help="autotune quantized GEMM kernels on this GPU",
+        description="Measure candidate compute configs (tile sizes, split-K, warps, stages) of the WNA16 GEMM for "
+                    "each (format, N, K, M bucket) on the current GPU and store the fastest in the tune cache "
+                    "(keyed by GPU name + format + shape). Kernels read it, falling back to heuristics.")
+    p.add_argument("--format", dest="formats", action="append", choices=sorted(FORMATS),
+                   help="weight format to tune (repeatable; default: int4)")
+    p.add_argument("--model", action="append", choices=sorted(MODEL_SHAPES),
+                   help="take the (N, K) linear shapes of this model (repeatable)")
+    p.add_argument("--shape", action="append", metavar="N,K", help="an extra (N, K) weight shape (repeatable)")
+    p.add_argument("--m", default="1,4,16,64,256,1024,4096",
+                   help="comma-separated batch sizes M to tune (each stands for its power-of-two bucket)")
+    p.add_argument("--cache", default=None,
+                   help="cache file to update (default: $KESTREL_TUNE_CACHE or ~/.cache/kestrel/tune.json)")
+    p.add_argument("--max-candidates", type=int, default=None,
+                   help="measure at most this many candidates per (shape, M) (evenly sampled) to save time")
+    p.add_argument("--list", action="store_true", help="only print the candidate counts, measure nothing")
+    return p
+
+
+def _parse_shape(s: str) -> tuple[int, int]:
+    try:
+        n, k = (int(v) for v in s.split(","))
+    except ValueError:
+        raise ValueError(f"--shape expects N,K (two integers), got {s!r}") from None
+    if n <= 0 or k <= 0:
+        raise ValueError(f"--shape values must be positive, got {s!r}")
+    return n, k
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from kestrel.kernels.configs import LayerConfig, store_cache, user_cache_path
+    from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES, candidates
+
+    try:
+        ms = sorted({int(v) for v in args.m.split(",") if v.strip()})
+    except ValueError:
+        raise ValueError(f"--m expects comma-separated integers, got {args.m!r}") from None
+    if not ms or min(ms) < 1:
+        raise ValueError("--m needs at least one batch size >= 1")
+    shapes = [_parse_shape(s) for s in (args.shape or [])]
+    for model in args.model or []:
+        shapes += MODEL_SHAPES[model]
+    if not shapes:
+        raise ValueError("give at least one --shape N,K or --model")
+    layers = []
+    for f in args.formats or ["int4"]:
+        for n, k in dict.fromkeys(shapes):
+            layer = LayerConfig(FORMATS[f], n, k)
+            if k % max(32, layer.spec.group_size):
+                raise ValueError(f"K={k} is not a multiple of the {f} group size / packing")
+            layers.append(layer)
+    total = sum(len(candidates(lay, m)) for lay in layers for m in ms)
+    if args.list:
+        for lay in layers:
+            print(lay.key, {m: len(candidates(lay, m)) for m in ms})
+        print(f"{total} measurements")
+        return 0
+
+    import torch
+    if not torch.cuda.is_available():
+        raise ValueError("kestrel tune needs a CUDA GPU (none is visible)")
+    from tqdm import tqdm
+
+    from kestrel.kernels.tuning import tune_layer
+    gpu = torch.cuda.get_device_name()
+    cache = Path(args.cache) if args.cache else user_cache_path()
+    if args.max_candidates:
+        total = sum(min(len(candidates(lay, m)), args.max_candidates + 1) for lay in layers for m in ms)
+    with tqdm(total=total, desc=f"tuning on {gpu}", unit="cfg") as bar:
+        for layer in layers:
+            bar.set_postfix_str(layer.key)
+            res = tune_layer(layer, ms, gpu, progress=bar, max_candidates=args.max_candidates)
+            store_cache(cache, res)
+            for key, v in res.items():
+                tqdm.write(f"{key}: {v['us']:.1f} us (heuristic {v['heuristic_us']}) {v['config']}")
+    print(f"wrote {cache}")
+    return 0

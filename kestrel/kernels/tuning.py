@@ -1,0 +1,105 @@
+"""Measure candidate ComputeConfigs on the current GPU and keep the fastest per (layer, M bucket)."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from kestrel.kernels.configs import ComputeConfig, LayerConfig, cache_key, heuristic, m_bucket
+from kestrel.quant.rtn import quantize
+from kestrel.quant.spec import QuantSpec
+
+# named formats for the CLI and the bench
+FORMATS = {
+    "int4": QuantSpec("int4", group_size=128, scale_dtype="bf16"),
+    "uint4-zp": QuantSpec("uint4", group_size=128, has_zero_point=True, scale_dtype="bf16"),
+    "int8": QuantSpec("int8", group_size=-1, scale_dtype="bf16"),
+    "fp8": QuantSpec("fp8_e4m3", group_size=-1, scale_dtype="fp32"),
+    "mxfp4": QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
+    "nvfp4": QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True),
+    "int3": QuantSpec("int3", group_size=128, scale_dtype="bf16"),
+    "int2": QuantSpec("int2", group_size=64, scale_dtype="bf16"),
+}
+
+MODEL_SHAPES = {  # (N, K) of the linear layers (fused qkv and gate_up)
+    "llama3-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+    "llama3-70b": [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)],
+}
+
+
+def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
+    out = []
+    if m == 1:
+        for bn, bk, sk, w, st in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (4, 8), (3, 5)):
+            out.append(ComputeConfig("gemv", 1, bn, bk, sk, w, st))
+    if m <= 16:
+        for bn, bk, sk, st in itertools.product((64, 128), (64, 128, 256), (1, 2, 4, 8), (3, 5)):
+            out.append(ComputeConfig("dot", 16, bn, bk, sk, 4, st))
+    elif m <= 64:
+        for bm, bn, bk, sk, w, st in itertools.product((16, 32, 64), (64, 128), (64, 128), (1, 2, 4), (4, 8), (3, 4)):
+            if bm <= max(16, m):
+                out.append(ComputeConfig("dot", bm, bn, bk, sk, w, st))
+    else:
+        for bm, bn, bk, w, st in itertools.product((64, 128), (64, 128, 256), (32, 64, 128), (4, 8), (3, 4)):
+            if bm * bn <= 128 * 256 and not (bn == 256 and w == 4):
+                out.append(ComputeConfig("dot", bm, bn, bk, 1, w, st))
+    out.append(heuristic(layer, m))
+    seen, uniq = set(), []
+    for c in out:
+        if c not in seen and c.valid_for(layer):
+            seen.add(c)
+            uniq.append(c)
+    return uniq
+
+
+def make_weights(layer: LayerConfig, device, min_bytes: int = 256 << 20, max_copies: int = 8):
+    """Several copies of a random quantized weight so timing rotates past the L2 (60 MB on an H200)."""
+    w = torch.randn(layer.n, layer.k, device=device, dtype=torch.float32) * 0.02
+    qw = quantize(w, layer.spec)
+    copies = max(1, min(max_copies, math.ceil(min_bytes / max(1, qw.nbytes))))
+    out = [qw]
+    for _ in range(copies - 1):
+        out.append(type(qw)(**{**qw.__dict__, "qweight": qw.qweight.clone(), "scales": qw.scales.clone(),
+                               "zeros": None if qw.zeros is None else qw.zeros.clone()}))
+    return out
+
+
+def time_config(fn_for_copy, n_copies: int, rep_ms: int = 40) -> float:
+    """Median µs per call of fn over rotating weight copies (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+    state = {"i": 0}
+
+    def step():
+        fn_for_copy(state["i"] % n_copies)
+        state["i"] += 1
+    return do_bench(step, warmup=10, rep=rep_ms, return_mode="median") * 1e3
+
+
+def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progress=None,
+               max_candidates: int | None = None) -> dict:
+    """-> {cache_key: {"config": {...}, "us": t, "heuristic_us": t_h}} for each M bucket."""
+    from kestrel.kernels.gemm_wna16 import gemm_wna16
+    weights = make_weights(layer, device)
+    results = {}
+    for m in ms:
+        x = torch.randn(m, layer.k, device=device, dtype=torch.bfloat16)
+        cands = candidates(layer, m)
+        if max_candidates:
+            cands = cands[:: max(1, len(cands) // max_candidates)][:max_candidates] + [heuristic(layer, m)]
+        best, best_t, heur_t = None, float("inf"), None
+        for cfg in cands:
+            try:
+                t = time_config(lambda i, cfg=cfg: gemm_wna16(x, weights[i], cfg), len(weights))
+            except Exception:  # a config the compiler rejects (shared memory, registers) is simply skipped
+                t = float("inf")
+            if cfg == heuristic(layer, m):
+                heur_t = t
+            if t < best_t:
+                best, best_t = cfg, t
+            if progress is not None:
+                progress.update(1)
+        if best is not None:
+            results[cache_key(gpu, layer, m_bucket(m))] = {"config": best.to_dict(), "us": round(best_t, 3),
+                                                          "heuristic_us": heur_t and round(heur_t, 3)}
+    return results

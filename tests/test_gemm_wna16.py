@@ -1,0 +1,101 @@
+"""WNA16 Triton GEMM vs the reference dequantize-then-matmul, every weight format, on the CPU interpreter.
+
+Tolerance (relative Frobenius error against x.float() @ dequantize(W).T in fp32): 1e-2 for every format. The
+kernel's own rounding is the bf16/fp16 output (~2^-9) plus, where the group scale is applied inside the K tile
+or for non-integer zeros, bf16 rounding of the scaled weight; a wrong bit, shift, scale or zero gives O(1) errors.
+"""
+import os
+
+import pytest
+import torch
+
+from kestrel.kernels.configs import ComputeConfig
+from kestrel.kernels.gemm_wna16 import gemm_wna16
+from kestrel.quant import QuantSpec, dequantize, from_gguf, from_gptq, quantize
+from kestrel.quant.packing import pack_bitstream
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a GPU")
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+N, K, TOL = 64, 256, 1e-2
+FORMATS = [
+    QuantSpec("int4", group_size=128), QuantSpec("uint4", has_zero_point=True, group_size=32, scale_dtype="fp16"),
+    QuantSpec("int8", group_size=-1), QuantSpec("int3", group_size=64), QuantSpec("uint2", has_zero_point=True, group_size=64),
+    QuantSpec("uint1", has_zero_point=True, group_size=128), QuantSpec("int5", group_size=128),
+    QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
+    QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True),
+    QuantSpec("fp8_e4m3", group_size=-1, scale_dtype="fp32"), QuantSpec("fp8_e5m2", group_size=128, scale_dtype="fp16"),
+    QuantSpec("fp6_e3m2", group_size=32), QuantSpec("fp6_e2m3", group_size=64),
+]
+
+
+def _check(qw, m, cfg=None, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed + m)
+    x = torch.randn(m, qw.shape[1], generator=g).to(dtype)
+    ref = x.double() @ dequantize(qw).double().t()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+    assert y.dtype == dtype and y.shape == (m, qw.shape[0])
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL, f"{qw.spec.name} M={m} cfg={cfg}: rel err {err:.3g}"
+
+
+@pytest.mark.parametrize("spec", FORMATS, ids=lambda s: s.name)
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_formats_default_config(spec, m):
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(1))
+    _check(quantize(W, spec), m)
+
+
+@pytest.mark.parametrize("cfg", [
+    ComputeConfig("gemv", 1, 32, 64, split_k=2, num_stages=2),       # split-K GEMV, group > tile
+    ComputeConfig("gemv", 1, 64, 256, split_k=1),                      # tile spans two groups (scale inside)
+    ComputeConfig("dot", 16, 32, 32, split_k=4, num_stages=2),        # split-K tensor-core path
+    ComputeConfig("dot", 32, 64, 256, split_k=1),                      # scale inside the tile
+], ids=lambda c: f"{c.kernel}-bn{c.block_n}-bk{c.block_k}-sk{c.split_k}")
+@pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128),
+                                  QuantSpec("uint4", has_zero_point=True, group_size=64, scale_dtype="fp16"),
+                                  QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")], ids=lambda s: s.name)
+def test_compute_configs(cfg, spec):
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(2))
+    _check(quantize(W, spec), 1 if cfg.kernel == "gemv" else 20, cfg)
+
+
+def test_fp16_activations_and_batch_dims():
+    qw = quantize(torch.randn(N, K), QuantSpec("int4", group_size=64, scale_dtype="fp16"))
+    _check(qw, 3, dtype=torch.float16)
+    x = torch.randn(2, 3, K).bfloat16()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV)).cpu()
+    ref = (x.float().reshape(6, K) @ dequantize(qw).t()).reshape(2, 3, N)
+    assert y.shape == (2, 3, N) and ((y.float() - ref).norm() / ref.norm()) < TOL
+
+
+def test_gptq_act_order_weight():
+    g = torch.Generator().manual_seed(3)
+    gs, bits = 64, 4
+    q = torch.randint(0, 16, (N, K), generator=g)
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[torch.randperm(K, generator=g)] = (torch.arange(K) // gs).to(torch.int32)
+    scales = (torch.rand(K // gs, N, generator=g) * 0.1 + 0.01).half()
+    zeros = torch.randint(0, 16, (K // gs, N), generator=g)
+    qw = from_gptq(pack_bitstream(q, bits, dim=1).t().contiguous(), pack_bitstream((zeros - 1) & 15, bits, dim=1),
+                   scales, bits=bits, group_size=gs, g_idx=g_idx, sym=False)
+    assert qw.perm is not None
+    for m in (1, 7):
+        _check(qw, m)
+
+
+def test_gguf_q4_1_weight():
+    gguf = pytest.importorskip("gguf")
+    W = torch.randn(N, K).numpy()
+    qw = from_gguf(gguf.quants.quantize(W, gguf.GGMLQuantizationType.Q4_1), "Q4_1", (N, K))
+    _check(qw, 4)
+
+
+def test_bad_inputs():
+    qw = quantize(torch.randn(N, K), QuantSpec("int4"))
+    with pytest.raises(ValueError):
+        gemm_wna16(torch.randn(2, K + 32).bfloat16(), qw)
+    with pytest.raises(ValueError):
+        gemm_wna16(torch.randn(2, K), qw)  # fp32 activations are not WNA16
+    with pytest.raises(ValueError):
+        gemm_wna16(torch.randn(2, K).bfloat16(), qw, ComputeConfig("dot", 16, 64, 96))  # K % BLOCK_K != 0

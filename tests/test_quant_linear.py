@@ -1,0 +1,79 @@
+"""QuantLinear (CPU reference path and the Triton kernel under the interpreter) and the tune-cache lookup."""
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig, cache_key, heuristic, m_bucket
+from kestrel.kernels.quant_linear import QuantLinear
+from kestrel.quant import QuantSpec, dequantize, quantize
+
+
+def test_quant_linear_cpu_matches_dequant_linear():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 48, bias=True)
+    ql = QuantLinear.from_float(lin, QuantSpec("uint4", has_zero_point=True, group_size=64))
+    x = torch.randn(3, 5, 256)
+    ref = x @ dequantize(ql.qweight_struct).t() + lin.bias
+    y = ql(x)
+    assert y.shape == (3, 5, 48) and torch.allclose(y, ref, atol=1e-4, rtol=1e-4)
+    # and it is a quantization of the original layer, not something unrelated
+    assert ((y - lin(x)).norm() / lin(x).norm()) < 0.2
+    assert "in_features=256" in repr(ql) and "uint4" in repr(ql)
+    assert set(ql.state_dict()) >= {"qweight", "scales", "zeros", "bias"}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="kernel path needs TRITON_INTERPRET=1 on CPU")
+def test_quant_linear_kernel_path_matches_cpu_path():
+    torch.manual_seed(1)
+    w = torch.randn(64, 256)
+    ref_layer = QuantLinear.from_float(w, QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"))
+    ker_layer = QuantLinear(ref_layer.qweight_struct, use_kernel=True)
+    x = torch.randn(4, 256).bfloat16()
+    y_ref, y = ref_layer(x.float()), ker_layer(x)
+    assert ((y.float() - y_ref).norm() / y_ref.norm()) < 1e-2
+
+
+def test_quant_linear_rejects_non_wna16():
+    with pytest.raises(ValueError):
+        QuantLinear(quantize(torch.randn(16, 64), QuantSpec("int4", act_dtype="fp8_e4m3", group_size=32)))
+
+
+def test_tune_cache_lookup(tmp_path, monkeypatch):
+    layer = LayerConfig(QuantSpec("int4"), 4096, 4096)
+    cache = tmp_path / "tune.json"
+    monkeypatch.setenv("KESTREL_TUNE_CACHE", str(cache))
+    tc = TuningConfig("FakeGPU")
+    assert tc.lookup(layer, 3) == heuristic(layer, 3)  # no cache: heuristic
+    tuned = ComputeConfig("dot", 16, 128, 256, 2, 4, 5)
+    cache.write_text(json.dumps({cache_key("FakeGPU", layer, m_bucket(3)): {"config": tuned.to_dict(), "us": 1.0}}))
+    assert tc.lookup(layer, 3) == tuned and tc.lookup(layer, 4) == tuned  # 3 and 4 share the bucket
+    assert tc.lookup(layer, 16) == heuristic(layer, 16)  # other bucket untouched
+    assert TuningConfig("OtherGPU").lookup(layer, 3) == heuristic(layer, 3)  # keyed by GPU name
+    bad = ComputeConfig("dot", 16, 128, 96)  # does not divide K: ignored
+    cache.write_text(json.dumps({cache_key("FakeGPU", layer, 4): {"config": bad.to_dict()}}))
+    assert tc.lookup(layer, 4) == heuristic(layer, 4)
+
+
+def test_heuristic_configs_are_valid():
+    for spec in (QuantSpec("int4"), QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True)):
+        for n, k in ((4096, 4096), (57344, 8192), (64, 256), (1024, 14336)):
+            layer = LayerConfig(spec, n, k)
+            for m in (1, 4, 16, 64, 256, 4096):
+                assert heuristic(layer, m).valid_for(layer)
+
+
+def test_tune_cli_list_and_bad_shape(capsys):
+    import argparse
+
+    from kestrel.kernels import tune_cli
+    p = argparse.ArgumentParser()
+    tune_cli.add_parser(p.add_subparsers())
+    assert tune_cli.run(p.parse_args(["tune", "--shape", "4096,4096", "--m", "1,16", "--list"])) == 0
+    assert "measurements" in capsys.readouterr().out
+    with pytest.raises(ValueError):
+        tune_cli.run(p.parse_args(["tune", "--shape", "4096x4096", "--list"]))
+    with pytest.raises(ValueError):
+        tune_cli.run(p.parse_args(["tune", "--shape", "4096,4000", "--list"]))
