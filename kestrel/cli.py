@@ -13,6 +13,8 @@ COMMANDS = [
     "kestrel.commands.serve",
     "kestrel.commands.generate",
     "kestrel.commands.chat",
+    "kestrel.router.cli",
+    "kestrel.kernels.tune_cli",
 ]
 
 
