@@ -85,3 +85,16 @@ def test_parse_metrics_reads_server_names():
     r = Replica("http://x/")
     r.update_metrics(m)
     assert r.url == "http://x" and r.queue_depth == 5.0
+
+
+def test_k8s_discovery_keeps_ready_pods_only():
+    from kestrel.router.discovery import ready_pod_urls
+
+    def pod(ip, ready, deleting=False):
+        meta = {"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {}
+        return {"metadata": meta, "status": {"podIP": ip, "conditions": [
+            {"type": "Ready", "status": "True" if ready else "False"}]}}
+    pods = {"items": [pod("10.0.0.2", True), pod("10.0.0.3", False), pod("10.0.0.4", True, deleting=True),
+                      {"metadata": {}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+                      pod("10.0.0.1", True)]}
+    assert ready_pod_urls(pods, 8000) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
