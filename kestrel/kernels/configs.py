@@ -8,6 +8,7 @@ TuningConfig  which ComputeConfig to use for (GPU, layer, M): tune cache (user f
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -132,11 +133,50 @@ class TuningConfig:
     gpu: str
 
     def lookup(self, layer: LayerConfig, m: int) -> ComputeConfig:
-        key = cache_key(self.gpu, layer, m_bucket(m))
-        for path in (user_cache_path(), PACKAGED_CACHE):
-            hit = load_cache(path).get(key)
-            if hit is not None:
-                cfg = ComputeConfig.from_dict(hit["config"] if "config" in hit else hit)
-                if cfg.valid_for(layer):
-                    return cfg
-        return heuristic(layer, m)
+        # memoised per cache-file version: the launch path must not re-scan JSON on every call
+        up = user_cache_path()
+        stamp = tuple(p.stat().st_mtime if p.exists() else 0.0 for p in (up, PACKAGED_CACHE))
+        key = (self.gpu, layer, m_bucket(m), str(up), stamp)
+        if key not in _MEMO:
+            if len(_MEMO) > 4096:
+                _MEMO.clear()
+            _MEMO[key] = self._lookup(layer, m)
+        return _MEMO[key]
+
+    def _lookup(self, layer: LayerConfig, m: int) -> ComputeConfig:
+        """Exact (GPU, format, N, K, M bucket) entry; else the tuned entry of the nearest shape of the same
+        GPU/format/M bucket (shape class); else the heuristic. The user cache wins over the packaged one."""
+        bucket = m_bucket(m)
+        key = cache_key(self.gpu, layer, bucket)
+        caches = [load_cache(p) for p in (user_cache_path(), PACKAGED_CACHE)]
+        for cache in caches:
+            cfg = _config_of(cache.get(key), layer)
+            if cfg is not None:
+                return cfg
+        best, best_d = None, float("inf")
+        prefix, suffix = f"{self.gpu}|{layer.spec.name}|", f"|m{bucket}"
+        for cache in caches:
+            for k2, v in cache.items():
+                if k2.startswith(prefix) and k2.endswith(suffix):
+                    try:
+                        n2, kk2 = (int(t[1:]) for t in k2[len(prefix):-len(suffix)].split("|"))
+                    except ValueError:
+                        continue
+                    d = abs(math.log2(n2 / layer.n)) + abs(math.log2(kk2 / layer.k))
+                    cfg = _config_of(v, layer)
+                    if cfg is not None and d < best_d:
+                        best, best_d = cfg, d
+        return best if best is not None and best_d <= 2.0 else heuristic(layer, m)
+
+
+_MEMO: dict = {}
+
+
+def _config_of(entry, layer: LayerConfig) -> ComputeConfig | None:
+    if entry is None:
+        return None
+    try:
+        cfg = ComputeConfig.from_dict(entry["config"] if "config" in entry else entry)
+    except (TypeError, KeyError):
+        return None
+    return cfg if cfg.valid_for(layer) else None

@@ -21,7 +21,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cache", default=None,
                    help="cache file to update (default: $KESTREL_TUNE_CACHE or ~/.cache/kestrel/tune.json)")
     p.add_argument("--max-candidates", type=int, default=None,
-                   help="measure at most this many candidates per (shape, M) (evenly sampled) to save time")
+                   help="measure at most this many candidates per (shape, M), nearest to the heuristic first, to save time")
     p.add_argument("--list", action="store_true", help="only print the candidate counts, measure nothing")
     return p
 
@@ -76,7 +76,7 @@ def run(args) -> int:
     gpu = torch.cuda.get_device_name()
     cache = Path(args.cache) if args.cache else user_cache_path()
     if args.max_candidates:
-        total = sum(min(len(candidates(lay, m)), args.max_candidates + 1) for lay in layers for m in ms)
+        total = sum(min(len(candidates(lay, m)), args.max_candidates) for lay in layers for m in ms)
     with tqdm(total=total, desc=f"tuning on {gpu}", unit="cfg") as bar:
         for layer in layers:
             bar.set_postfix_str(layer.key)

@@ -44,13 +44,15 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
         for bm, bn, bk, w, st in itertools.product((64, 128), (64, 128, 256), (32, 64, 128), (4, 8), (3, 4)):
             if bm * bn <= 128 * 256 and not (bn == 256 and w == 4):
                 out.append(ComputeConfig("dot", bm, bn, bk, 1, w, st))
-    out.append(heuristic(layer, m))
+    h = heuristic(layer, m)
     seen, uniq = set(), []
-    for c in out:
+    for c in [h] + out:
         if c not in seen and c.valid_for(layer):
             seen.add(c)
             uniq.append(c)
-    return uniq
+    # nearest neighbours of the heuristic first, so --max-candidates does a local search around it
+    dist = lambda c: sum(a != b for a, b in zip(c.to_dict().values(), h.to_dict().values()))
+    return sorted(uniq, key=dist)
 
 
 def make_weights(layer: LayerConfig, device, min_bytes: int = 256 << 20, max_copies: int = 8):
@@ -86,7 +88,7 @@ def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progr
         x = torch.randn(m, layer.k, device=device, dtype=torch.bfloat16)
         cands = candidates(layer, m)
         if max_candidates:
-            cands = cands[:: max(1, len(cands) // max_candidates)][:max_candidates] + [heuristic(layer, m)]
+            cands = cands[:max_candidates]
         best, best_t, heur_t = None, float("inf"), None
         for cfg in cands:
             try:

@@ -56,7 +56,7 @@ def decode_e8m0(e: torch.Tensor) -> torch.Tensor:
     """MX shared exponent: 2^(e-127); 255 is NaN."""
     e = e.to(torch.int32)
     v = torch.exp2((e - 127).to(torch.float32))
-    return torch.where(e == 255, torch.nan, v)
+    return torch.where(e == 255, torch.full_like(v, torch.nan), v)
 
 
 def encode_e8m0_ceil(s: torch.Tensor) -> torch.Tensor:

@@ -59,20 +59,20 @@ class QuantizedWeight:
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
-    """Reference: float32 [N, K] in the original input-channel order."""
+    """Reference: float32 [N, K] in the original input-channel order (computed on the weight's device)."""
     spec, (n, k) = qw.spec, qw.shape
-    codes = unpack_codes(qw.qweight.cpu(), spec.container_bits, k).t()  # [K, N], stored order
+    codes = unpack_codes(qw.qweight, spec.container_bits, k).t()  # [K, N], stored order
     if spec.is_int:
-        zero = qw.zeros.cpu().float().repeat_interleave(qw.group_size, 0) if qw.zeros is not None else spec.code_offset
+        zero = qw.zeros.float().repeat_interleave(qw.group_size, 0) if qw.zeros is not None else spec.code_offset
         vals = codes.to(torch.float32) - zero
     else:
         vals = decode_minifloat(codes, *spec.minifloat)
-    scale = decode_scales(qw.scales.cpu(), spec.scale_dtype).repeat_interleave(qw.group_size, 0)
+    scale = decode_scales(qw.scales, spec.scale_dtype).repeat_interleave(qw.group_size, 0)
     w = vals * scale
     if qw.global_scale is not None:
-        w = w * qw.global_scale.cpu().float()
+        w = w * qw.global_scale.float()
     if qw.perm is not None:
         out = torch.empty_like(w)
-        out[qw.perm.cpu()] = w
+        out[qw.perm] = w
         w = out
     return w.t().contiguous()

@@ -1,0 +1,282 @@
+"""WNA16 GEMM on one GPU: kestrel vs Humming (same format) vs cuBLAS bf16 (vs gemlite where it runs), one process.
+
+Timing: each call is captured 20x in a CUDA graph rotating over several weight copies (so the L2 holds none of
+them), median of 20 replays; plus triton's do_bench (median, one copy, Python launch included). Effective weight
+bandwidth = packed weight bytes / time, against a measured 4 GiB device-to-device copy (read + write).
+Writes raw JSON, a markdown table and a PNG plot to --out (default $OUT or bench_out).
+
+  python bench/gemm_wna16.py                                   # everything (Llama-3-8B + 70B, all M, int4 + mxfp4)
+  python bench/gemm_wna16.py --models llama3-70b --ms 1,16 --formats int4 --peers humming,cublas
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from kestrel.kernels.gemm_wna16 import gemm_wna16  # noqa: E402
+from kestrel.kernels.configs import LayerConfig, TuningConfig  # noqa: E402
+from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES  # noqa: E402
+from kestrel.quant import dequantize, quantize  # noqa: E402
+
+HUMMING_CFG = {"int4": [{"dtype": "int4", "group_size": 128}],
+               "mxfp4": [{"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8e8m0"},
+                         {"dtype": "float4e2m1", "group_size": 32}]}
+LAYER_NAMES = ["qkv", "o", "gate_up", "down"]
+
+
+def copy_bandwidth() -> dict:
+    nbytes = 4 << 30
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ts = []
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(10):
+        s.record(); dst.copy_(src); e.record(); e.synchronize(); ts.append(s.elapsed_time(e) / 1e3)
+    t = sorted(ts)[len(ts) // 2]
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes": nbytes, "median_s": t, "rw_TBps": 2 * nbytes / t / 1e12}
+
+
+def graph_us(fns, reps=20) -> float:
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(st)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(20):
+        s.record(); g.replay(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e))
+    del g
+    return sorted(ts)[len(ts) // 2] * 1e3 / reps
+
+
+def bench_us(fn) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def rel_err(y, ref) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def build_humming(fmt, w):
+    from humming.layer import HummingLayer
+    last = None
+    for cfg in HUMMING_CFG[fmt]:
+        try:
+            layer = HummingLayer(shape_n=w.shape[0], shape_k=w.shape[1], weight_config=dict(cfg),
+                                 torch_dtype=torch.bfloat16).cuda()
+            layer.load_from_unquantized(w)
+            layer.transform()
+            return layer, cfg
+        except Exception as ex:  # try the next spelling of the format
+            last = ex
+    raise last
+
+
+def build_gemlite(fmt, qw):
+    import gemlite
+    if fmt != "int4":
+        raise ValueError("gemlite peer only wired for int4")
+    n, k = qw.shape
+    from kestrel.quant.packing import unpack_codes
+    codes = unpack_codes(qw.qweight, 4, k).to(torch.uint8)  # gemlite takes unsigned codes + zeros
+    scales = qw.scales.t().contiguous().to(torch.bfloat16)
+    zeros = torch.full_like(scales, float(qw.spec.code_offset))
+    return gemlite.A16Wn(device="cuda", dtype=torch.bfloat16).from_weights(codes, scales, zeros, 4, qw.group_size)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama3-8b,llama3-70b", help="comma list of " + ",".join(MODEL_SHAPES))
+    ap.add_argument("--shapes", default=None, help="explicit N,K;N,K list instead of --models")
+    ap.add_argument("--ms", default="1,4,16,64,256,1024,4096", help="batch sizes M")
+    ap.add_argument("--formats", default="int4,mxfp4", help="comma list of kestrel formats (int4, mxfp4 have peers)")
+    ap.add_argument("--peers", default="humming,cublas", help="comma list of humming, cublas, gemlite")
+    ap.add_argument("--peer-formats", default="int4,mxfp4", help="formats for which to run Humming")
+    ap.add_argument("--copies", type=int, default=4, help="weight copies rotated through in the CUDA graph")
+    ap.add_argument("--budget-s", type=float, default=480, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = ap.parse_args()
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    import triton
+    gpu = torch.cuda.get_device_name()
+    meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python " + " ".join(sys.argv)}
+    peers = set(args.peers.split(","))
+    if "humming" in peers:
+        try:
+            import humming
+            meta["humming"] = humming.__version__
+        except Exception as ex:
+            meta["humming_error"] = repr(ex)
+            peers.discard("humming")
+    if "gemlite" in peers:
+        try:
+            import gemlite
+            meta["gemlite"] = getattr(gemlite, "__version__", "?")
+        except Exception as ex:
+            meta["gemlite_error"] = repr(ex)
+            peers.discard("gemlite")
+    print(meta, flush=True)
+    meta["copy"] = copy_bandwidth()
+    copy_bw = meta["copy"]["rw_TBps"]
+    print(f"D2D copy 4 GiB: {copy_bw:.3f} TB/s (read+write)", flush=True)
+    if args.shapes:
+        shapes = [("custom", tuple(int(v) for v in s.split(","))) for s in args.shapes.split(";")]
+    else:
+        shapes = [(f"{m}:{LAYER_NAMES[i]}", nk) for m in args.models.split(",") for i, nk in enumerate(MODEL_SHAPES[m])]
+    ms = [int(v) for v in args.ms.split(",")]
+    rows = []
+    torch.manual_seed(0)
+    for fmt in args.formats.split(","):
+        spec = FORMATS[fmt]
+        for name, (n, k) in shapes:
+            if time.time() - t_start > args.budget_s:
+                print(f"budget reached, skipping {fmt} {name}", flush=True)
+                continue
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(args.copies)]
+            qws = [quantize(w, spec) for w in ws]
+            wbytes = qws[0].nbytes
+            deq0 = dequantize(qws[0])  # fp32 reference weight on the GPU
+            hum, hum_cfg, gl = None, None, None
+            if "humming" in peers and fmt in args.peer_formats.split(","):
+                try:
+                    t0 = time.time()
+                    built = [build_humming(fmt, w) for w in ws]
+                    hum, hum_cfg = [b[0] for b in built], built[0][1]
+                    print(f"humming {fmt} {n}x{k} built in {time.time() - t0:.1f}s ({hum_cfg})", flush=True)
+                except Exception as ex:
+                    print(f"humming {fmt} failed: {ex!r}"[:400], flush=True)
+            if "gemlite" in peers:
+                try:
+                    gl = [build_gemlite(fmt, q) for q in qws]
+                except Exception as ex:
+                    print(f"gemlite {fmt} failed: {ex!r}"[:400], flush=True)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                row = {"fmt": fmt, "layer": name, "M": m, "N": n, "K": k, "w_bytes": wbytes,
+                       "kestrel_config": TuningConfig(gpu).lookup(LayerConfig(spec, n, k), m).to_dict()}
+                ref = x.float() @ deq0.t()
+                try:
+                    row["kestrel_err"] = rel_err(gemm_wna16(x, qws[0]), ref)
+                    row["kestrel_us"] = graph_us([lambda q=q: gemm_wna16(x, q) for q in qws])
+                    row["kestrel_us_dobench"] = bench_us(lambda: gemm_wna16(x, qws[0]))
+                except Exception as ex:
+                    traceback.print_exc()
+                    row["kestrel_error"] = repr(ex)[:300]
+                if hum is not None:
+                    try:
+                        t0 = time.time()
+                        row["humming_err_vs_own_quant"] = None
+                        y = hum[0](x)
+                        row["humming_first_call_s"] = round(time.time() - t0, 2)
+                        row["humming_us"] = graph_us([lambda L=L: L(x) for L in hum])
+                        row["humming_us_dobench"] = bench_us(lambda: hum[0](x))
+                        row["humming_config"] = str(hum_cfg)
+                    except Exception as ex:
+                        row["humming_error"] = repr(ex)[:300]
+                if gl is not None and m <= 256:
+                    try:
+                        row["gemlite_err"] = rel_err(gl[0](x), ref)
+                        row["gemlite_us"] = graph_us([lambda L=L: L(x) for L in gl])
+                    except Exception as ex:
+                        row["gemlite_error"] = repr(ex)[:300]
+                if "cublas" in peers:
+                    row["cublas_us"] = graph_us([lambda w=w: torch.matmul(x, w.t()) for w in ws])
+                for p in ("kestrel", "humming", "gemlite"):
+                    if f"{p}_us" in row:
+                        row[f"{p}_TBps"] = wbytes / (row[f"{p}_us"] * 1e-6) / 1e12
+                        row[f"{p}_frac_copy"] = row[f"{p}_TBps"] / copy_bw
+                if "kestrel_us" in row:
+                    for p in ("humming", "cublas", "gemlite"):
+                        if f"{p}_us" in row:
+                            row[f"speedup_vs_{p}"] = row[f"{p}_us"] / row["kestrel_us"]
+                rows.append(row)
+                print("ROW " + json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()
+                                            if k2 != "kestrel_config"}), flush=True)
+            del ws, qws, deq0, hum, gl
+            torch.cuda.empty_cache()
+    res = {"meta": meta, "rows": rows}
+    with open(os.path.join(args.out, "gemm_wna16.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    write_markdown(res, os.path.join(args.out, "gemm_wna16.md"))
+    try:
+        plot(res, os.path.join(args.out, "gemm_wna16.png"))
+    except Exception as ex:
+        print("plot failed:", ex)
+    print(open(os.path.join(args.out, "gemm_wna16.md")).read())
+
+
+def write_markdown(res, path):
+    m, rows = res["meta"], res["rows"]
+    f = lambda v, p=1: "" if v is None else f"{v:.{p}f}"
+    lines = [f"# WNA16 GEMM: kestrel vs Humming vs cuBLAS bf16", "",
+             f"GPU {m['gpu']}, torch {m['torch']}, triton {m['triton']}, humming {m.get('humming', '-')}, "
+             f"gemlite {m.get('gemlite', m.get('gemlite_error', '-'))}, {m['date']}", "",
+             f"Command: `{m['command']}`", "",
+             f"Device-to-device copy (4 GiB, read+write): {m['copy']['rw_TBps']:.3f} TB/s. Times are µs per call, "
+             "CUDA graph of 20 calls rotating over weight copies; TB/s = packed weight bytes / time; "
+             "x Humming / x cuBLAS = their time / kestrel time (>1 = kestrel faster).", "",
+             "| fmt | layer | M | N | K | kestrel µs | Humming µs | cuBLAS µs | gemlite µs | kestrel TB/s | % copy | "
+             "Humming TB/s | x Humming | x cuBLAS | kestrel rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append("| " + " | ".join([r["fmt"], r["layer"], str(r["M"]), str(r["N"]), str(r["K"]),
+                                         f(r.get("kestrel_us")), f(r.get("humming_us")), f(r.get("cublas_us")),
+                                         f(r.get("gemlite_us")), f(r.get("kestrel_TBps"), 2),
+                                         f(100 * r["kestrel_frac_copy"], 0) if "kestrel_frac_copy" in r else "",
+                                         f(r.get("humming_TBps"), 2), f(r.get("speedup_vs_humming"), 2),
+                                         f(r.get("speedup_vs_cublas"), 2), f(r.get("kestrel_err"), 4)]) + " |")
+    open(path, "w").write("\n".join(lines) + "\n")
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["rows"]
+    keys = sorted({(r["fmt"], r["layer"]) for r in rows})
+    cols = 4
+    nrow = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrow, cols, figsize=(4.2 * cols, 3.2 * nrow), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        rs = sorted([r for r in rows if (r["fmt"], r["layer"]) == key], key=lambda r: r["M"])
+        for p, style in (("kestrel", "o-"), ("humming", "s--"), ("cublas", "^:"), ("gemlite", "x-.")):
+            pts = [(r["M"], r[f"{p}_us"]) for r in rs if f"{p}_us" in r]
+            if pts:
+                ax.plot(*zip(*pts), style, label=p)
+        ax.set_xscale("log", base=2); ax.set_yscale("log")
+        ax.set_title(f"{key[0]} {key[1]} {rs[0]['N']}x{rs[0]['K']}", fontsize=8)
+        ax.set_xlabel("M"); ax.set_ylabel("µs")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle(f"WNA16 GEMM on {res['meta']['gpu']} (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
