@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.lowbit import (FP4_MAX, FP8_MAX, INT8_MAX, fp4_encode, pack_nibbles, ref_fp4_decode,
-                                    ref_fp4_encode, rint, round_e4m3, unpack_nibbles)
+                                    ref_fp4_encode, rint, round_bf16, round_e4m3, unpack_nibbles)
 
 _MIN_AMAX = 1e-10  # keeps an all-zero row from dividing by zero
 
@@ -241,7 +241,8 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch
 # ---------------------------------------------------------------- SiLU(gate) * up, optionally fused with FP8 quant
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, o_ptr, s_ptr, I, stride_x, stride_o, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, o_ptr, s_ptr, I, stride_x, stride_o, QUANT: tl.constexpr, OUT_BF16: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0)
     amax = tl.zeros((BLOCK,), tl.float32)
     if QUANT:
@@ -262,6 +263,8 @@ def _silu_mul_kernel(x_ptr, o_ptr, s_ptr, I, stride_x, stride_o, QUANT: tl.const
         if QUANT:
             y = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
             tl.store(o_ptr + row * stride_o + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
+        elif OUT_BF16:
+            tl.store(o_ptr + row * stride_o + cols, round_bf16(y).to(tl.bfloat16), mask=m)
         else:
             tl.store(o_ptr + row * stride_o + cols, y.to(o_ptr.dtype.element_ty), mask=m)
 
@@ -275,7 +278,8 @@ def _silu_mul(x: torch.Tensor, quant: bool):
     s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M:
         BLOCK = min(triton.next_power_of_2(I), 2048)
-        _silu_mul_kernel[(M,)](x, o, s, I, x.stride(0), o.stride(0), QUANT=quant, BLOCK=BLOCK, num_warps=4)
+        _silu_mul_kernel[(M,)](x, o, s, I, x.stride(0), o.stride(0), QUANT=quant,
+                               OUT_BF16=o.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=4)
     return (o, s) if quant else o
 
 

@@ -5,7 +5,8 @@ e4m3 value — and fed to the fp8 MMA. Weight group scales vary along K, so each
 scaled by its group's scale before it is added (BLOCK_K <= group); per-channel scales and the per-token activation
 scale go in the epilogue. Weight layout: packed uint8 [N, K // 2] (low nibble = even k), scales [N, K // group].
 Supported weight scales: fp32/bf16 (int4 or fp4, group >= 32 or per-channel), e8m0 per 32 (MXFP4), e4m3 per 16 +
-fp32 global (NVFP4; BLOCK_K = 16, so slower — MXFP4/int4 are the fast W4A8 formats).
+fp32 global (NVFP4: its 16-wide blocks are shorter than one fp8 MMA step, so NVFP4 weights take the bf16 MMA with
+both operands converted exactly in registers — slower; int4 / MXFP4 are the fast W4A8 formats).
 """
 import torch
 
@@ -34,7 +35,7 @@ class W4Weight:
         N, K = self.shape
         kind = {"int4": S_FLOAT, "mxfp4": S_E8M0, "nvfp4": S_E4M3}[self.fmt]
         group = 0 if self.group in (-1, K) and self.fmt == "int4" else self.group
-        scale = self.scale.reshape(-1) if group == 0 else self.scale
+        scale = self.scale.reshape(self.scale.shape[:-1]) if group == 0 else self.scale
         if kind == S_FLOAT:
             scale = scale.float()
         elif kind == S_E8M0:

@@ -4,7 +4,7 @@ Packing convention for 4-bit tensors (weights and activations alike): uint8 [row
 the even k, the high nibble the odd k. int4 nibbles are two's complement; fp4 nibbles are OCP e2m1 codes
 (sign bit 3, magnitude index 0..7 over {0, .5, 1, 1.5, 2, 3, 4, 6}).
 
-Rounding to fp8 is done explicitly (`round_e4m3`) before the cast: the cast is then exact, which makes results
+Rounding to fp8 / bf16 is done explicitly (`round_e4m3`, `round_bf16`) before the cast: the cast is then exact, which makes results
 bit-identical between the GPU and the Triton interpreter (whose fp32->fp8 cast mishandles mantissa carries).
 """
 import torch
@@ -26,6 +26,15 @@ def round_e4m3(x):
     sub = (tl.abs(x) + 16384.0) - 16384.0  # e4m3 subnormal step is 2^-9 = ulp(2^14) in fp32
     sub = tl.where(x < 0, -sub, sub)
     return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+@triton.jit
+def round_bf16(x):
+    """Round fp32 to the nearest bf16 value (ties to even), still as fp32: the cast after it is exact. The GPU cast
+    rounds the same way; the Triton CPU interpreter truncates, so stores go through this for identical results."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

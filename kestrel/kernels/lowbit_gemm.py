@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.lowbit import e8m0_to_f32, fp4_decode, fp4_to_e4m3, int4_value, unpack_k, unpack_k_rows
+from kestrel.kernels.lowbit import round_bf16, e8m0_to_f32, fp4_decode, fp4_to_e4m3, int4_value, unpack_k, unpack_k_rows
 
 # activation formats
 A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4 = 0, 1, 2, 3, 4
@@ -48,6 +48,7 @@ def _qgemm_kernel(
     WG: tl.constexpr, WGN: tl.constexpr, HAS_WGS: tl.constexpr,
     IS_MOE: tl.constexpr, MUL_ROUTED: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+    MMA8: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BN)
@@ -107,7 +108,7 @@ def _qgemm_kernel(
         else:
             wr = tl.load(w_base + offs_nc[None, :] * stride_wn + (k0 + kk[:, None]))
 
-        if A_FMT == 1 or A_FMT == 2:
+        if MMA8:
             # 8-bit MMA; K-varying scales applied to the partial product
             if A_FMT == 1:
                 if W_FMT == 3:
@@ -130,6 +131,8 @@ def _qgemm_kernel(
             acc += part
         else:
             # 16-bit MMA: dequantize the weight tile in registers (group scales folded in)
+            if A_FMT == 1 or A_FMT == 2:
+                a = a.to(tl.float32).to(tl.bfloat16)  # 8-bit values are exact in bf16; scale stays in the epilogue
             if W_FMT == 0:
                 wb = wr
             else:
@@ -168,6 +171,8 @@ def _qgemm_kernel(
     c_mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
         tl.atomic_add(c_ptr + c_off, acc, mask=c_mask)
+    elif OUT_BF16:
+        tl.store(c_ptr + c_off, round_bf16(acc).to(tl.bfloat16), mask=c_mask)
     else:
         tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
@@ -199,10 +204,16 @@ class Operand:
     scale_kind: int = S_FLOAT
 
 
+def uses_mma8(a: Operand, w: Operand) -> bool:
+    """8-bit MMA unless the weight scale blocks are shorter than one fp8/int8 MMA step (32 deep): then the 8-bit
+    activations (exact in bf16) go through the bf16 path with the weight dequantized in registers (NVFP4 weights)."""
+    return a.fmt in (A_FP8, A_INT8) and not (0 < w.group < 32)
+
+
 def max_block_k(a: Operand, w: Operand, K: int) -> int:
     """largest BK the scale layout allows (8-bit MMA with K-varying scales needs BK <= group)."""
     bk = 128
-    if a.fmt in (A_FP8, A_INT8):
+    if uses_mma8(a, w):
         for g in (a.group, w.group):
             if g:
                 bk = min(bk, g)
@@ -213,6 +224,10 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
            moe: dict | None = None):
     """Run the kernel. `moe` = dict(sorted_ids, expert_ids, num_post, num_valid, a_div, topk_weights|None)."""
     BK = min(cfg.BK, max_block_k(a, w, K))
+    while BK > 32 and (K // cfg.SPLIT_K) % BK:  # small / odd K: shrink the K tile rather than fail
+        BK //= 2
+    if a.group and not uses_mma8(a, w):
+        raise ValueError("per-group activation scales need weight scale groups of >= 32 (8-bit MMA path)")
     if K % BK or (K // cfg.SPLIT_K) % BK:
         raise ValueError(f"K={K} must be a multiple of BLOCK_K={BK} (x split_k={cfg.SPLIT_K})")
     wd = w.data
@@ -243,7 +258,8 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
         A_FMT=a.fmt, A_G=a.group if a.fmt in (A_FP8, A_INT8) else 0, W_FMT=w.fmt, W_SCALE=w.scale_kind,
         WG=w.group, WGN=w.group_n, HAS_WGS=w.global_scale is not None,
         IS_MOE=moe is not None, MUL_ROUTED=mul_routed, SPLIT_K=cfg.SPLIT_K,
-        BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M, DOT_F32=not out.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M, DOT_F32=not out.is_cuda, MMA8=uses_mma8(a, w),
+        OUT_BF16=out.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
