@@ -80,9 +80,12 @@ class DecodeCudaGraphs:
         self.seq_lens.zero_()
         for bs in tqdm(sorted(self.batch_sizes, reverse=True), desc="Capturing decode CUDA graphs",
                        disable=not progress):  # largest first, so smaller graphs reuse its memory pool
-            torch.cuda.synchronize()
-            for _ in range(2):  # warm-up outside the graph: Triton JIT and cuBLAS handles happen here
-                self._step(bs)
+            side = torch.cuda.Stream()  # warm-up outside the graph (Triton JIT, cuBLAS handles), on a side stream
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step(bs)
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
