@@ -16,3 +16,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[dict] | None = None  # per new token: {"token_id", "logprob", "top": {id: logprob}}
     metrics: dict = field(default_factory=dict)
+    text: str = ""  # all text so far (stop strings trimmed); complete once finished

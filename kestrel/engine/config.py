@@ -1,0 +1,50 @@
+"""Engine settings (see docs/CONTRACTS.md). Validation raises ValueError with a user-facing message."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None = embedded SmolLM2 GGUF
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 64  # max sequences in one batch
+    max_model_len: int | None = None  # None = model's context length (capped by KV capacity)
+    max_num_batched_tokens: int = 512  # chunked-prefill token budget per step
+    block_size: int = 16
+    kv_cache_gb: float = 1.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_gb (tests use a tiny cache to force preemption)
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"  # "auto" | "dummy"
+    model_shape: dict | str | None = None  # load_format="dummy": a known shape name or ModelConfig fields
+    quantization: str | None = None  # quantize-on-load scheme (kestrel.model.quantize), None = keep float weights
+    seed: int = 0
+    async_scheduling: bool = False  # overlap CPU scheduling of step n+1 with device step n
+    progress: bool = True  # progress bar while loading
+    speculative: Any = None  # kestrel.spec.SpeculativeConfig (the spec layer registers the step builder)
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.kv_cache_gb <= 0:
+            raise ValueError("kv_cache_gb must be > 0")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,46 @@
+"""Incremental detokenization with stop strings.
+
+Decodes a sliding window of ids (a few context tokens + the new ones) instead of the whole output each step, and
+waits while the text ends in an incomplete UTF-8 sequence. When stop strings are set, the last len(stop)-1
+characters are held back so a stream never shows the beginning of a stop string that is then trimmed."""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-5:])  # context so the first tokens decode with the right spacing
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.emitted = 0
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.skip = skip_special_tokens
+
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def add(self, new_ids: list[int]) -> bool:
+        """Append tokens; returns True if a stop string was found (text is then trimmed before it)."""
+        self.ids.extend(new_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            old_len = len(self.text)
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            if self.stop:
+                start = max(0, old_len - self.holdback)
+                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+                if hits:
+                    self.text = self.text[:min(hits)]
+                    return True
+        return False
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out (all of it when finished)."""
+        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out

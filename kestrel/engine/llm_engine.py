@@ -1,0 +1,188 @@
+"""LLMEngine: the synchronous engine loop (add_request / step / abort_request), see docs/CONTRACTS.md."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kestrel.model import load_model
+
+from .attention import AttentionBackend
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SeqStatus
+
+# Set by kestrel.spec on import (the engine sits below the spec layer and never imports it):
+# SPECULATIVE_BUILDER(engine, speculative_config) -> object with .step(engine, batch) and .stats().
+SPECULATIVE_BUILDER = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.config = config = config or EngineConfig(**kwargs)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, dtype=config.torch_dtype, device=config.device,
+                            load_format=config.load_format, model_shape=config.model_shape, progress=config.progress)
+        self.model = loaded.model
+        if config.quantization:
+            from kestrel.model.quantize import quantize_model
+
+            quantize_model(self.model, config.quantization)
+        self.model_config = mc = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name: str = loaded.name
+        self.eos_token_ids = set(mc.eos_token_ids)
+        bs = config.block_size
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            per_block = AttentionBackend.bytes_per_block(mc.num_hidden_layers, bs, mc.num_key_value_heads,
+                                                         mc.head_dim, config.torch_dtype)
+            num_blocks = max(1, int(config.kv_cache_gb * (1 << 30)) // per_block)
+        limit = min(mc.max_position_embeddings, num_blocks * bs)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds what fits (model context "
+                             f"{mc.max_position_embeddings}, KV cache {num_blocks * bs} tokens)")
+        self.max_model_len: int = config.max_model_len or limit
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, mc, num_blocks, bs, config.torch_dtype, config.device, config.seed)
+        self.spec = None
+        if config.speculative is not None:
+            if SPECULATIVE_BUILDER is None:
+                raise ValueError("speculative decoding needs the kestrel.spec package (import kestrel.spec)")
+            self.spec = SPECULATIVE_BUILDER(self, config.speculative)
+        self.seqs: dict[str, Sequence] = {}
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_steps = 0
+
+    # ---- requests ----
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.seqs:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                             f"(prompt + at least one generated token must fit)")
+        seq = Sequence(request_id, ids, params)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")  # frees its KV blocks now
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        if self.spec is not None:
+            return self.spec.step(self, batch)
+        order, logits = self.runner.forward_step(batch)
+        tokens, logprobs = self.runner.sample(batch, order, logits) if order else ([], [])
+        self.num_steps += 1
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_output_tokens == 0:
+                self.num_prompt_tokens += n
+            self.block_manager.register_full_blocks(seq)
+        outputs = []
+        now = time.monotonic()
+        for j, i in enumerate(order):
+            seq = batch.seqs[i]
+            outputs.append(self._append_token(seq, tokens[j], logprobs[j], now))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        p = seq.params
+        reason = None
+        is_stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        if is_stop_token:
+            reason = "stop"
+        elif seq.detok.add([token]):
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.seqs.pop(seq.request_id, None)
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            output_token_ids=seq.output_token_ids,
+            new_text=seq.detok.take_delta(reason is not None),
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_len=seq.prompt_len,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=[logprob] if logprob is not None else None,
+        )
+        out.text = seq.detok.text
+        if reason is not None:
+            out.metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
+                           "finished_time": now}
+        return out
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Offline: run every prompt to completion; returns the final RequestOutput of each, in order
+        (output_token_ids complete; `.text` holds the full text)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        base = f"gen-{time.monotonic_ns()}-"
+        ids = [base + str(i) for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids) and self.has_unfinished():
+            for out in self.step():
+                if out.finished and out.request_id in ids:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "kv_usage": self.block_manager.usage,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "num_free_kv_blocks": self.block_manager.num_free_blocks,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_preemptions": s.num_preemptions,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": self.num_steps,
+            **(self.spec.stats() if self.spec is not None else {}),
+        }

@@ -1,0 +1,94 @@
+"""Runs one scheduled step: flattens the batch (decodes first, then prefill chunks), writes KV and attends through
+the attention backend, computes logits only for sequences that produce a token, and samples."""
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionBackend, TorchAttentionBackend, build_metadata
+from .sampler import Sampler
+from .scheduler import ScheduledBatch
+
+
+class ForwardContext:
+    """What the model's attention layers see: `ctx.attention(layer, q, k, v)`."""
+
+    __slots__ = ("backend", "meta")
+
+    def __init__(self, backend: AttentionBackend, meta):
+        self.backend, self.meta = backend, meta
+
+    def attention(self, layer: int, q, k, v):
+        return self.backend.forward(layer, q, k, v, self.meta)
+
+
+class ModelRunner:
+    def __init__(self, model, model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
+                 seed: int = 0, backend_cls: type[AttentionBackend] | None = None):
+        self.model = model
+        self.cfg = model_config
+        self.block_size = block_size
+        self.device = device
+        c = model_config
+        if backend_cls is None:
+            backend_cls = TorchAttentionBackend
+            if torch.device(device).type == "cuda":
+                from .attention_triton import TritonAttentionBackend
+                backend_cls = TritonAttentionBackend
+        self.backend = backend_cls(c.num_hidden_layers, num_blocks, block_size, c.num_attention_heads,
+                                   c.num_key_value_heads, c.head_dim, dtype, device, c.sliding_window)
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def forward_step(self, batch: ScheduledBatch):
+        """Returns (order, logits): `order` lists indices into batch.seqs of the sequences that sample this step
+        (their prompt/recompute is complete), `logits` [len(order), vocab] float32."""
+        decode, prefill = [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            (decode if (n == 1 and seq.num_computed_tokens == seq.num_tokens - 1) else prefill).append(i)
+        ids: list[int] = []
+        for i in decode:
+            ids.append(batch.seqs[i].token_ids[-1])
+        for i in prefill:
+            s, n = batch.seqs[i], batch.num_new_tokens[i]
+            ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
+        meta, positions = build_metadata(
+            [(batch.seqs[i].num_tokens, batch.seqs[i].block_table) for i in decode],
+            [(batch.seqs[i].num_computed_tokens, batch.num_new_tokens[i], batch.seqs[i].block_table) for i in prefill],
+            self.block_size, self.cfg.sliding_window, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, ForwardContext(self.backend, meta))
+        # rows whose logits are needed: every decode, and prefills that reach the end of the known tokens
+        order, rows = list(decode), list(range(len(decode)))
+        for i, p in zip(prefill, meta.prefills):
+            s = batch.seqs[i]
+            if s.num_computed_tokens + batch.num_new_tokens[i] == s.num_tokens:
+                order.append(i)
+                rows.append(p.end - 1)
+        if not order:
+            return order, None
+        sel = hidden[rows] if rows != list(range(len(rows))) or len(rows) != hidden.shape[0] else hidden
+        logits = self.model.compute_logits(sel).float()
+        return order, logits
+
+    @torch.inference_mode()
+    def sample(self, batch: ScheduledBatch, order: list[int], logits):
+        seqs = [batch.seqs[i] for i in order]
+        return self.sampler(logits, [s.params for s in seqs], [s.output_token_ids for s in seqs],
+                            [s.generator for s in seqs])
+
+
+@torch.inference_mode()
+def prompt_logits(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Logits at every position of one sequence, through the same paged-attention path the engine uses
+    (a private KV cache sized for this prompt). For tests and scoring."""
+    c = model.config
+    n = len(token_ids)
+    nb = -(-n // block_size)
+    p = next(model.parameters())
+    backend = TorchAttentionBackend(c.num_hidden_layers, nb, block_size, c.num_attention_heads,
+                                    c.num_key_value_heads, c.head_dim, p.dtype, p.device, c.sliding_window)
+    meta, positions = build_metadata([], [(0, n, list(range(nb)))], block_size, c.sliding_window, p.device)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=p.device)
+    hidden = model(ids, torch.tensor(positions, device=p.device), ForwardContext(backend, meta))
+    return model.compute_logits(hidden).float()

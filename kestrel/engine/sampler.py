@@ -1,0 +1,84 @@
+"""Token sampling for one step, batched over the sequences that produce a token.
+
+Order (as in vLLM): penalties on the raw logits -> temperature -> top-k -> top-p -> min-p -> draw.
+Greedy rows take argmax of the penalized logits. Seeded requests draw with their own torch.Generator, so their
+tokens do not depend on what else is in the batch. Logprobs are of the raw model distribution."""
+from __future__ import annotations
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, output_ids: list[list[int]], params: list[SamplingParams]) -> torch.Tensor:
+    for i, p in enumerate(params):
+        if (p.presence_penalty or p.frequency_penalty) and output_ids[i]:
+            ids = torch.tensor(output_ids[i], device=logits.device)
+            counts = torch.zeros(logits.shape[-1], device=logits.device).index_add_(
+                0, ids, torch.ones(len(ids), device=logits.device))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def top_k_top_p_min_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                           min_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] (already temperature-scaled); top_k [B] (0 = off), top_p [B], min_p [B].
+    Returns logits with removed tokens set to -inf."""
+    V = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+    remove = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # keep the smallest set whose mass reaches top_p: drop a token if the mass before it already reaches top_p
+    mass_before = probs.cumsum(-1) - probs
+    remove |= mass_before >= top_p[:, None]
+    remove |= probs < (min_p[:, None] * probs[:, :1])
+    remove[:, 0] = False  # the most likely token always survives
+    mask = torch.zeros_like(remove).scatter_(-1, sorted_idx, remove)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_ids: list[list[int]],
+                 generators: list[torch.Generator | None]):
+        """logits [B, V] float32. Returns (token_ids list[int], logprobs list[dict|None])."""
+        raw = logits
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            logits = apply_penalties(logits.clone(), output_ids, params)
+        greedy = [p.temperature == 0.0 for p in params]
+        if all(greedy):
+            tokens = logits.argmax(-1)
+        else:
+            tokens = logits.argmax(-1)
+            rows = [i for i, g in enumerate(greedy) if not g]
+            sub = logits[rows]
+            temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype)
+            sub = sub / temps[:, None]
+            tk = torch.tensor([max(params[i].top_k, 0) for i in rows])
+            tp = torch.tensor([params[i].top_p for i in rows], dtype=sub.dtype)
+            mp = torch.tensor([params[i].min_p for i in rows], dtype=sub.dtype)
+            if bool((tk > 0).any() or (tp < 1).any() or (mp > 0).any()):
+                sub = top_k_top_p_min_p_mask(sub, tk, tp, mp)
+            probs = sub.softmax(-1)
+            for j, i in enumerate(rows):
+                g = generators[i] or self.generator
+                tokens[i] = torch.multinomial(probs[j], 1, generator=g)[0]
+        token_list = tokens.tolist()
+        logprobs: list[dict | None] = [None] * len(params)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = raw[want].float().log_softmax(-1)
+            for j, i in enumerate(want):
+                t = token_list[i]
+                entry = {"token_id": t, "logprob": lp[j, t].item(), "top": {}}
+                n = params[i].logprobs
+                if n:
+                    vals, idx = lp[j].topk(n)
+                    entry["top"] = dict(zip(idx.tolist(), vals.tolist()))
+                logprobs[i] = entry
+        return token_list, logprobs
