@@ -147,6 +147,8 @@ def _qgemm_kernel(
                         wv = wv * _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[None, :]
                     else:
                         wv = wv * _w_scale(ws_base, offs_nc[None, :], k0 + kk[:, None], WGN, stride_wsn, W_SCALE, WG)
+                if DOT_F32:  # interpreter: emulate the GPU's round-to-nearest bf16 cast (its own truncates)
+                    wv = round_bf16(wv)
                 wb = wv.to(a.dtype)
             if DOT_F32:  # the Triton CPU interpreter's bf16 dot is wrong; values are bf16-exact either way
                 acc = tl.dot(a.to(tl.float32), wb.to(tl.float32), acc)

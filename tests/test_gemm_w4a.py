@@ -1,0 +1,86 @@
+"""W4A8 (int4 / MXFP4 / NVFP4 weights x FP8 activations) and W4A4 (MXFP4 / NVFP4 both sides, emulated with bf16 MMA)
+vs dequantize-then-matmul on the CPU."""
+import pytest
+import torch
+
+from kestrel.kernels import act_quant as aq
+from kestrel.kernels.gemm_w4a4 import gemm_w4a4, ref_dequant_act, w4a4_linear
+from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear
+from kestrel.kernels.lowbit import unpack_nibbles
+from kestrel.kernels.lowbit_gemm import GemmConfig
+
+pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (or a GPU)")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _data(M, N, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * 0.05
+
+
+def test_int4_weight_quantizer_definition():
+    _, w = _data(1, 16, 256, 0)
+    qw = quantize_weight_w4(w, "int4", 128)
+    codes = unpack_nibbles(qw.packed).to(torch.int32)
+    vals = (codes ^ 8) - 8
+    assert vals.min() >= -8 and vals.max() <= 7
+    # symmetric RTN: |w - q*s| <= s/2, scale = group amax / 7
+    deq = qw.dequantize()
+    s = qw.scale.repeat_interleave(128, 1)
+    assert ((deq - w).abs() <= s / 2 + 1e-7).all()
+    torch.testing.assert_close(qw.scale, w.view(16, 2, 128).abs().amax(-1) / 7)
+
+
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", -1), ("int4", 32), ("mxfp4", 32), ("nvfp4", 16)])
+def test_w4a8_vs_dequant_matmul(fmt, group):
+    M, N, K = 5, 48, 256
+    x, w = _data(M, N, K, 1)
+    qw = quantize_weight_w4(w, fmt, group)
+    a, s = aq.ref_quant_fp8(x)
+    y = gemm_w4a8(a, s, qw, torch.float32, GemmConfig(BM=16, BN=32, BK=64))
+    ref = aq.dequant_8bit(a, s) @ qw.dequantize().t()
+    assert _rel(y, ref) < 1e-5
+    assert _rel(y, x @ w.t()) < 0.25  # 4-bit weights: sanity bound only
+
+
+def test_w4a8_linear_split_k_bf16():
+    x, w = _data(20, 64, 512, 2)
+    qw = quantize_weight_w4(w, "int4", 128)
+    y = w4a8_linear(x.to(torch.bfloat16), qw)
+    a, s = aq.ref_quant_fp8(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    assert _rel(y, aq.dequant_8bit(a, s) @ qw.dequantize().t()) < 4e-3
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_w4a4_vs_dequant_matmul(fmt):
+    M, N, K = 6, 40, 256
+    x, w = _data(M, N, K, 3)
+    qw = quantize_weight_w4(w, fmt)
+    if fmt == "mxfp4":
+        a, s = aq.ref_quant_mxfp4(x)
+        gs = None
+    else:
+        a, s, gs = aq.ref_quant_nvfp4(x)
+    y = gemm_w4a4(a, s, qw, gs, torch.float32, GemmConfig(BM=16, BN=32, BK=64))
+    ref = ref_dequant_act(a, s, gs, fmt) @ qw.dequantize().t()
+    assert _rel(y, ref) < 1e-5  # the in-register bf16 conversion is exact
+    y2 = w4a4_linear(x, qw, out_dtype=torch.float32)  # with the Triton activation quantizer
+    assert _rel(y2, ref) < 1e-5
+
+
+def test_w4_bad_inputs():
+    x, w = _data(4, 32, 128, 4)
+    with pytest.raises(ValueError):
+        quantize_weight_w4(w, "int3")
+    qw = quantize_weight_w4(w, "int4")
+    with pytest.raises(ValueError):
+        gemm_w4a4(torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 4, dtype=torch.uint8), qw)
+    with pytest.raises(ValueError):
+        gemm_w4a8(x, torch.ones(4, 1), qw)  # activations must be fp8
+    nv = quantize_weight_w4(w, "nvfp4")
+    with pytest.raises(ValueError):
+        gemm_w4a4(torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.float8_e4m3fn), nv)

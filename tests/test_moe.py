@@ -1,0 +1,119 @@
+"""MoE: routing + sort/align vs brute force, the grouped GEMM for every format vs a per-expert loop, and the fused
+MoE layer vs a plain per-expert loop on dequantized weights."""
+import pytest
+import torch
+
+from kestrel.kernels import act_quant as aq
+from kestrel.kernels.lowbit_gemm import A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4, Operand
+from kestrel.kernels.moe_align import max_blocks, moe_align, route_topk
+from kestrel.kernels.moe_gemm import grouped_gemm, moe_config, quantize_experts
+from kestrel.kernels.moe_layer import FusedMoE, ref_moe
+
+pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (or a GPU)")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("M,k,E,bm", [(7, 2, 4, 4), (1, 8, 64, 16), (40, 3, 5, 16)])
+def test_align_covers_every_slot_once(M, k, E, bm):
+    g = torch.Generator().manual_seed(M * E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
+    sorted_ids, expert_ids, num_post = moe_align(ids, E, bm)
+    T = M * k
+    npost = int(num_post)
+    counts = torch.bincount(ids.flatten().long(), minlength=E)
+    assert npost == int(((counts + bm - 1) // bm * bm).sum())
+    assert expert_ids.numel() == max_blocks(T, E, bm) and npost <= sorted_ids.numel()
+    valid = sorted_ids[:npost]
+    real = valid[valid < T]
+    assert sorted(real.tolist()) == list(range(T))  # every (token, slot) exactly once
+    assert (sorted_ids[npost:] == T).all()
+    for b in range(npost // bm):  # each block holds slots of its expert only
+        blk = sorted_ids[b * bm:(b + 1) * bm]
+        blk = blk[blk < T].long()
+        assert (ids.flatten()[blk] == expert_ids[b]).all()
+
+
+def test_route_topk_renormalizes():
+    logits = torch.randn(5, 8)
+    w, ids = route_topk(logits, 2)
+    torch.testing.assert_close(w.sum(-1), torch.ones(5))
+    assert torch.equal(ids.long(), torch.softmax(logits, -1).topk(2).indices)
+    with pytest.raises(ValueError):
+        route_topk(logits, 9)
+
+
+def _act(x, act):
+    """activation operand from the CPU reference quantizers + its dequantized value."""
+    if act == "bf16":
+        xb = x.to(torch.bfloat16)
+        return Operand(A_BF16, xb), xb.float()
+    if act == "fp8":
+        q, s = aq.ref_quant_fp8(x)
+        return Operand(A_FP8, q, s), aq.dequant_8bit(q, s)
+    if act == "int8":
+        q, s = aq.ref_quant_int8(x)
+        return Operand(A_INT8, q, s), aq.dequant_8bit(q, s)
+    if act == "mxfp4":
+        q, s = aq.ref_quant_mxfp4(x)
+        return Operand(A_MXFP4, q, s), aq.dequant_mxfp4(q, s)
+    q, s, gs = aq.ref_quant_nvfp4(x)
+    return Operand(A_NVFP4, q, s, gs), aq.dequant_nvfp4(q, s, gs)
+
+
+PAIRS = [("bf16", "bf16"), ("int4", "bf16"), ("fp8", "fp8"), ("int8", "int8"), ("int4", "fp8"), ("mxfp4", "fp8"),
+         ("nvfp4", "fp8"), ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4")]
+
+
+@pytest.mark.parametrize("wfmt,act", PAIRS)
+def test_grouped_gemm_vs_per_expert_loop(wfmt, act):
+    g = torch.Generator().manual_seed(11)
+    M, k, E, N, K = 6, 2, 4, 48, 128
+    x = torch.randn(M, K, generator=g)
+    W = quantize_experts(torch.randn(E, N, K, generator=g) * 0.1, wfmt, group=64)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
+    topk_w = torch.rand(M, k, generator=g)
+    a, a_deq = _act(x, act)
+    T = M * k
+    cfg = moe_config(T, E, act)
+    out = torch.full((T, N), float("nan"))  # poisoned: every slot must be written
+    grouped_gemm(a, W, moe_align(ids, E, cfg.BM), T, k, out, cfg, topk_weights=topk_w.reshape(-1))
+    Wd = W.dequantize()
+    if wfmt == "int4" and act == "bf16":
+        Wd = Wd.to(torch.bfloat16).float()  # W4A16 dequantizes the weight tile to bf16 in registers
+    ref = torch.stack([a_deq[t // k] @ Wd[ids.flatten()[t]].t() * topk_w.flatten()[t] for t in range(T)])
+    assert _rel(out, ref) < (2e-3 if (wfmt, act) == ("int4", "bf16") else 1e-5)
+
+
+# per-activation-format tolerance of the whole layer vs the loop: the loop computes the intermediate in another
+# order, and an fp4 / int8 re-quantization of it can flip a few roundings (a 4-bit flip moves a value by up to 1/3)
+LAYER_TOL = {"bf16": 5e-3, "fp8": 1e-2, "int8": 3e-2, "mxfp4": 6e-2, "nvfp4": 8e-2}
+
+
+@pytest.mark.parametrize("wfmt,act", PAIRS)
+def test_fused_moe_layer_vs_reference_loop(wfmt, act):
+    torch.manual_seed(5)
+    M, H, I, E, k = 6, 64, 32, 4, 2
+    router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    moe = FusedMoE.from_float(router, w13, w2, k, wfmt, act, group=32)
+    x = torch.randn(M, H).to(torch.bfloat16)
+    tw, ti = moe.route(x)
+    y = moe(x)
+    assert y.shape == (M, H) and y.dtype == torch.bfloat16
+    ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), act)
+    assert _rel(y, ref) < LAYER_TOL[act]
+    if (wfmt, act) == ("bf16", "bf16"):  # and the unquantized layer itself
+        assert _rel(y, ref_moe(x, tw, ti, w13, w2, "bf16")) < 1e-2
+
+
+def test_moe_bad_inputs():
+    router, w13, w2 = torch.randn(4, 64), torch.randn(4, 64, 64), torch.randn(4, 64, 32)
+    with pytest.raises(ValueError):
+        FusedMoE.from_float(router, w13, w2, 2, "fp8", "bf16")  # fp8 weights need fp8 activations here
+    with pytest.raises(ValueError):
+        FusedMoE.from_float(router, w13, w2, 2, "int5")
+    moe = FusedMoE.from_float(router, w13, w2, 2)
+    with pytest.raises(ValueError):
+        moe(torch.randn(3, 32))
