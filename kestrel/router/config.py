@@ -20,6 +20,8 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 120.0  # longest silence tolerated from a replica mid-response
     health_interval_s: float = 1.0
+    probe_timeout_s: float = 5.0  # a replica busy with a long prefill may answer /health slowly
+    probe_failures_down: int = 3  # failed probes in a row (not refused connections) that mark a replica down
     max_attempts: int = 3  # replicas tried for a request that has not started streaming
     prefix_chunk_chars: int = 64
     prefix_index_entries: int = 200_000
@@ -37,10 +39,10 @@ class RouterConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
         for name in ("max_inflight_per_replica", "max_attempts", "prefix_chunk_chars", "prefix_index_entries",
-                     "max_queued_per_tenant"):
+                     "max_queued_per_tenant", "probe_failures_down"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("queue_timeout_s", "connect_timeout_s", "read_timeout_s", "health_interval_s"):
+        for name in ("queue_timeout_s", "connect_timeout_s", "read_timeout_s", "health_interval_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for t, w in self.tenant_weights.items():

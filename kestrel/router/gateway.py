@@ -109,25 +109,35 @@ class Router:
     def remove_replica(self, url: str) -> None:
         self.replicas.pop(url.rstrip("/"), None)
 
-    def _replica_failed(self, r: Replica, reason: str) -> None:
-        log.warning("replica %s failed: %s", r.url, reason)
+    def _replica_failed(self, r: Replica, reason: str, lost_cache: bool = True) -> None:
+        log.warning("replica %s marked down: %s", r.url, reason)
         r.stats["failed"] += 1
         r.mark_down(reason)
-        self.index.forget_replica(r.url)  # when it comes back its cache will be cold
+        if lost_cache:  # the process went away: when it comes back its cache is cold
+            self.index.forget_replica(r.url)
+
+    @staticmethod
+    def _process_gone(e: BaseException) -> bool:
+        """Refused connection or a peer that vanished mid-response (vs. a slow but living replica)."""
+        return isinstance(e, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, UpstreamFailed))
 
     async def _probe(self, r: Replica) -> None:
         try:
-            ok = (await self.client.get(r.url + "/health", timeout=self.cfg.connect_timeout_s)).status_code == 200
-        except httpx.HTTPError:
-            ok = False
+            resp = await self.client.get(r.url + "/health", timeout=self.cfg.probe_timeout_s)
+            ok, gone, why = resp.status_code == 200, False, f"/health answered HTTP {resp.status_code}"
+        except httpx.HTTPError as e:
+            ok, gone, why = False, self._process_gone(e), f"/health: {type(e).__name__}: {e}"
         if not ok:
-            if r.healthy:
-                self._replica_failed(r, "health check failed")
+            # a busy replica may answer slowly: only a dead one (refused) is marked down at the first failure
+            r.probe_failures += 1
+            if r.healthy and (gone or r.probe_failures >= self.cfg.probe_failures_down):
+                self._replica_failed(r, why, lost_cache=gone)
             return
+        r.probe_failures = 0
         was_down = not r.healthy
         r.mark_up()
         try:
-            m = await self.client.get(r.url + "/metrics", timeout=self.cfg.connect_timeout_s)
+            m = await self.client.get(r.url + "/metrics", timeout=self.cfg.probe_timeout_s)
             if m.status_code == 200:
                 r.update_metrics(parse_metrics(m.text))
         except (httpx.HTTPError, ValueError):
@@ -240,12 +250,11 @@ class Router:
                 return error_json(f"{e}; last error: {last}" if avoid else str(e), 503)
             req["attempts"] += 1
             avoid.add(r.url)
-            t0 = time.monotonic()
             try:
                 resp = await self.client.post(r.url + req["path"], json=req["body"], headers=req["headers"])
             except httpx.HTTPError as e:
                 last = f"{r.url}: {type(e).__name__}: {e}"
-                self._replica_failed(r, last)
+                self._replica_failed(r, last, lost_cache=self._process_gone(e))
                 self._m_retries.inc()
                 continue
             finally:
@@ -253,8 +262,6 @@ class Router:
             if resp.status_code == 503:  # overloaded or shutting down: someone else may take it
                 last = f"{r.url}: HTTP 503"
                 continue
-            if resp.status_code == 200:
-                r.observe_ttft(time.monotonic() - t0)  # whole latency; still a fair relative load signal
             self._done(req, "ok" if resp.status_code == 200 else f"http_{resp.status_code}")
             return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"),
                             headers=self._route_headers(r, t, req))
@@ -279,7 +286,7 @@ class Router:
                 resp = await self.client.send(upstream, stream=True)
             except httpx.HTTPError as e:
                 last = f"{r.url}: {type(e).__name__}: {e}"
-                self._replica_failed(r, last)
+                self._replica_failed(r, last, lost_cache=self._process_gone(e))
                 self.scheduler.release(r)
                 self._m_retries.inc()
                 continue
@@ -315,7 +322,7 @@ class Router:
         forwarded, held, outcome = False, True, "client_disconnected"
         try:
             while True:
-                reason, saw_done = "", False
+                reason, saw_done, gone = "", False, True
                 try:
                     async for event in sse_events(resp):
                         if not forwarded:
@@ -326,7 +333,7 @@ class Router:
                     if not saw_done:
                         reason = "replica closed the stream before [DONE]"
                 except (httpx.HTTPError, UpstreamFailed) as e:
-                    reason = f"{type(e).__name__}: {e}"
+                    reason, gone = f"{type(e).__name__}: {e}", self._process_gone(e)
                 finally:
                     held = False
                     await resp.aclose()
@@ -334,7 +341,7 @@ class Router:
                 if not reason:
                     outcome = "ok"
                     return
-                self._replica_failed(r, reason)
+                self._replica_failed(r, reason, lost_cache=gone)
                 if forwarded:
                     outcome = "broken_stream"
                     yield sse_error(f"replica {r.url} failed mid-stream ({reason}); the response is incomplete")
@@ -366,7 +373,7 @@ class Router:
             try:
                 resp = await self.client.get(r.url + path, timeout=self.cfg.connect_timeout_s * 5)
             except httpx.HTTPError as e:
-                self._replica_failed(r, f"{type(e).__name__}: {e}")
+                self._replica_failed(r, f"{type(e).__name__}: {e}", lost_cache=self._process_gone(e))
                 continue
             return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
         return error_json("no healthy replica", 503)

@@ -47,6 +47,7 @@ class Replica:
     prefix_queries: float = 0.0
     ttft_ewma: float | None = None  # seconds
     consecutive_failures: int = 0
+    probe_failures: int = 0  # failed /health probes in a row
     last_error: str = ""
     last_poll: float = 0.0
     down_since: float | None = None

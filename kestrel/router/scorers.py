@@ -46,7 +46,10 @@ def predicted_latency(ctx: RouteContext, r: Replica, default_ttft: float = 0.05)
 
 
 def latency_scorer(ctx: RouteContext, replicas: list[Replica]) -> dict[str, float]:
-    preds = {r.url: predicted_latency(ctx, r) for r in replicas}
+    # a replica not yet observed is assumed typical, so it neither attracts nor repels traffic
+    seen = [r.ttft_ewma for r in replicas if r.ttft_ewma is not None]
+    typical = sum(seen) / len(seen) if seen else 0.05
+    preds = {r.url: predicted_latency(ctx, r, typical) for r in replicas}
     best = min(preds.values())
     return {k: (best / v if v > 0 else 1.0) for k, v in preds.items()}
 
