@@ -62,10 +62,9 @@ def quantize_experts(w: torch.Tensor, fmt: str, group: int = 128) -> ExpertWeigh
     if fmt == "bf16":
         return ExpertWeights("bf16", w.to(torch.bfloat16).contiguous())
     if fmt in ("fp8", "int8"):
-        E, N, K = w.shape
-        flat = w.float().reshape(E * N, K)
-        q, s = act_quant.ref_quant_fp8(flat) if fmt == "fp8" else act_quant.ref_quant_int8(flat)
-        return ExpertWeights(fmt, q.view(E, N, K), s.view(E, N))
+        quant = act_quant.ref_quant_fp8 if fmt == "fp8" else act_quant.ref_quant_int8
+        parts = [quant(we.float()) for we in w]  # one expert at a time: bounded fp32 temporaries
+        return ExpertWeights(fmt, torch.stack([q for q, _ in parts]), torch.stack([s.view(-1) for _, s in parts]))
     return ExpertWeights(fmt, w4=quantize_weight_w4(w, fmt, group))
 
 

@@ -1,0 +1,341 @@
+"""Low-bit dense GEMMs on one GPU, peers side by side in one process:
+  FP8 W8A8   kestrel vs torch._scaled_mm (cuBLASLt, row-wise scales) vs Humming W8A8 (fp8 weights, dynamic fp8 act)
+  INT8 W8A8  kestrel vs torch._int_mm (+ scale epilogue in torch)
+  W4A8       kestrel int4 g128 x fp8 vs Humming W4A8 (int4 g128, fp8 act) vs kestrel WNA16 int4 vs cuBLAS bf16
+  W4A4       kestrel MXFP4 x MXFP4 (bf16-MMA emulation) vs cuBLAS bf16 (Humming's fp4 activations need sm_100)
+
+Timing: calls captured 20x in a CUDA graph rotating over weight copies (>= 256 MB in all, so L2 holds none),
+median of 20 replays. "gemm" = quantized operands given; "e2e" = bf16 activations in (activation quant included).
+Every kestrel result is checked on the GPU against dequantize-then-matmul (rel. Frobenius error printed).
+Writes raw JSON + markdown table + PNG to --out (default $OUT or bench_out).
+
+  python bench/gemm_w8a8.py                         # all sections
+  python bench/gemm_w8a8.py --sections fp8 --ms 1,16,4096 --shapes 8192x8192
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from kestrel.kernels import act_quant as aq  # noqa: E402
+from kestrel.kernels.gemm_w4a4 import w4a4_linear  # noqa: E402
+from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear  # noqa: E402
+from kestrel.kernels.gemm_w8a8 import gemm_w8a8, quantize_weight_w8a8, ref_gemm_w8a8, w8a8_linear  # noqa: E402
+
+T0 = time.time()
+DEADLINE = [float("inf")]  # seconds after T0 after which no new case starts (set by --deadline-s)
+
+
+def past_deadline() -> bool:
+    if time.time() - T0 > DEADLINE[0]:
+        log("deadline reached: skipping the remaining cases")
+        return True
+    return False
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def graph_us(fns, reps=20) -> float:
+    """median µs per call: `reps` calls rotating over fns, captured in one CUDA graph, 20 replays."""
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(st)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(20):
+        s.record(); g.replay(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e))
+    del g
+    return sorted(ts)[len(ts) // 2] * 1e3 / reps
+
+
+def safe_us(fns) -> float | None:
+    try:
+        return graph_us(fns)
+    except Exception as ex:  # a peer that cannot run a case is reported as missing, not fatal
+        log("  timing failed:", repr(ex)[:300])
+        torch.cuda.synchronize()
+        return None
+
+
+def rel(y, ref) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, min(4, math.ceil((256 << 20) / max(1, nbytes))))
+
+
+def humming_layer(N, K, wcfg, icfg, W):
+    from humming.layer import HummingLayer
+    layer = HummingLayer(shape_n=N, shape_k=K, weight_config=dict(wcfg), input_config=dict(icfg) if icfg else None,
+                         torch_dtype=torch.bfloat16).cuda()
+    layer.load_from_unquantized(W)
+    layer.transform()
+    return layer
+
+
+def scaled_mm(a, s, wq, ws_row):
+    return torch._scaled_mm(a, wq.t(), scale_a=s, scale_b=ws_row, out_dtype=torch.bfloat16)
+
+
+def run_fp8(N, K, ms, rows, budget):
+    nc = copies_for(N * K)
+    Ws = [torch.randn(N, K, device="cuda") * 0.02 for _ in range(nc)]
+    q = [quantize_weight_w8a8(W, "fp8") for W in Ws]
+    ws_row = [s.view(1, N).contiguous() for _, s in q]
+    hum = None
+    if time.time() - T0 < budget:
+        try:
+            t = time.time()
+            hum = [humming_layer(N, K, {"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}, W.to(torch.bfloat16))
+                   for W in Ws]
+            log(f"  humming fp8 layers ready ({time.time() - t:.1f}s)")
+        except Exception:
+            traceback.print_exc()
+    for M in ms:
+        if past_deadline():
+            break
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        a, s = aq.quant_fp8(x)
+        r = {"section": "fp8", "M": M, "N": N, "K": K}
+        y = gemm_w8a8(a, s, *q[0])
+        r["err_vs_dequant"] = rel(y, ref_gemm_w8a8(a, s, *q[0]))
+        r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
+        r["kestrel_e2e_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i]) for i in range(nc)])
+        try:
+            yc = scaled_mm(a, s, q[0][0], ws_row[0])
+            r["scaled_mm_err_vs_dequant"] = rel(yc, ref_gemm_w8a8(a, s, *q[0]))
+            r["scaled_mm_us"] = safe_us([lambda i=i: scaled_mm(a, s, q[i][0], ws_row[i]) for i in range(nc)])
+            r["scaled_mm_e2e_us"] = safe_us([lambda i=i: scaled_mm(*aq.quant_fp8(x), q[i][0], ws_row[i])
+                                             for i in range(nc)])
+        except Exception as ex:
+            r["scaled_mm_error"] = repr(ex)[:200]
+        if hum is not None:
+            try:
+                yh = hum[0](x)
+                r["humming_err_vs_bf16"] = rel(yh, x.float() @ Ws[0].t())
+                r["humming_e2e_us"] = safe_us([lambda L=L: L(x) for L in hum])
+            except Exception as ex:
+                r["humming_error"] = repr(ex)[:200]
+        r["cublas_bf16_us"] = safe_us([lambda W=W.to(torch.bfloat16): x @ W.t() for W in Ws[:1]] * 1)
+        r["kestrel_tflops"] = 2 * M * N * K / (r["kestrel_gemm_us"] or float("inf")) / 1e6
+        rows.append(r)
+        log("ROW", json.dumps(r))
+    del hum, Ws, q
+    torch.cuda.empty_cache()
+
+
+def run_int8(N, K, ms, rows):
+    nc = copies_for(N * K)
+    q = [quantize_weight_w8a8(torch.randn(N, K, device="cuda") * 0.02, "int8") for _ in range(nc)]
+    wt = [wq.t() for wq, _ in q]
+    for M in ms:
+        if past_deadline():
+            break
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        a, s = aq.quant_int8(x)
+        r = {"section": "int8", "M": M, "N": N, "K": K}
+        r["err_vs_dequant"] = rel(gemm_w8a8(a, s, *q[0]), ref_gemm_w8a8(a, s, *q[0]))
+        r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
+        if M > 16:  # torch._int_mm needs M > 16
+            r["int_mm_scaled_us"] = safe_us([lambda i=i: (torch._int_mm(a, wt[i]).float() * s * q[i][1]).to(torch.bfloat16)
+                                             for i in range(nc)])
+        rows.append(r)
+        log("ROW", json.dumps(r))
+    torch.cuda.empty_cache()
+
+
+def run_w4(N, K, ms, rows, budget, sections):
+    nc = copies_for(N * K // 2)
+    Ws = [torch.randn(N, K, device="cuda") * 0.02 for _ in range(nc)]
+    w4 = [quantize_weight_w4(W, "int4", 128) for W in Ws] if "w4a8" in sections else []
+    mx = [quantize_weight_w4(W, "mxfp4") for W in Ws] if "w4a4" in sections else []
+    wna, gemm_wna16 = [], None
+    if w4:
+        try:  # kestrel's WNA16 (the part-1 kernel), same int4 g128 weights
+            from kestrel.kernels.gemm_wna16 import gemm_wna16
+            from kestrel.kernels.tuning import FORMATS
+            from kestrel.quant import quantize
+            wna = [quantize(W, FORMATS["int4"]) for W in Ws]
+        except Exception:
+            traceback.print_exc()
+    Wb = [W.to(torch.bfloat16) for W in Ws]
+    hum = None
+    if w4 and time.time() - T0 < budget:
+        try:
+            t = time.time()
+            hum = [humming_layer(N, K, {"dtype": "int4", "group_size": 128}, {"dtype": "float8e4m3"}, W) for W in Wb]
+            log(f"  humming w4a8 layers ready ({time.time() - t:.1f}s)")
+        except Exception:
+            traceback.print_exc()
+    for M in ms:
+        if past_deadline():
+            break
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        r = {"section": "w4", "M": M, "N": N, "K": K}
+        r["cublas_bf16_us"] = safe_us([lambda W=W: x @ W.t() for W in Wb])
+        if w4:
+            a, s = aq.quant_fp8(x)
+            r["w4a8_err_vs_dequant"] = rel(gemm_w4a8(a, s, w4[0]), aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
+            r["kestrel_w4a8_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i]) for i in range(nc)])
+            r["kestrel_w4a8_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
+            if wna:
+                r["kestrel_wna16_int4_us"] = safe_us([lambda i=i: gemm_wna16(x, wna[i]) for i in range(nc)])
+            if hum is not None:
+                try:
+                    r["humming_w4a8_err_vs_bf16"] = rel(hum[0](x), x.float() @ Ws[0].t())
+                    r["humming_w4a8_e2e_us"] = safe_us([lambda L=L: L(x) for L in hum])
+                except Exception as ex:
+                    r["humming_error"] = repr(ex)[:200]
+        if mx:
+            ya = w4a4_linear(x, mx[0])
+            qa, sa = aq.quant_mxfp4(x)
+            r["w4a4_err_vs_dequant"] = rel(ya, aq.dequant_mxfp4(qa, sa) @ mx[0].dequantize().t())
+            r["kestrel_w4a4_mxfp4_e2e_us"] = safe_us([lambda i=i: w4a4_linear(x, mx[i]) for i in range(nc)])
+        rows.append(r)
+        log("ROW", json.dumps(r))
+    del hum
+    torch.cuda.empty_cache()
+
+
+def check_act_quant() -> dict:
+    """GPU activation-quant kernels vs the CPU torch references: count of differing codes / scales."""
+    out = {}
+    x = (torch.randn(64, 4096) * torch.rand(64, 1) * 10).to(torch.bfloat16)
+    xc = x.cuda()
+    try:
+        for name, fn, ref in (("fp8", aq.quant_fp8, aq.ref_quant_fp8), ("int8", aq.quant_int8, aq.ref_quant_int8),
+                              ("mxfp4", aq.quant_mxfp4, aq.ref_quant_mxfp4), ("nvfp4", aq.quant_nvfp4, aq.ref_quant_nvfp4)):
+            g, r = fn(xc), ref(x)
+            out[name] = [int((a.cpu().view(torch.uint8) != b.view(torch.uint8)).sum()) if a.element_size() == 1
+                         else float((a.cpu() - b).abs().max()) for a, b in zip(g, r)]
+        q, s = aq.silu_mul_fp8(xc[:, :2048].float().contiguous().view(64, 2048))
+        rq, rs = aq.ref_quant_fp8(aq.ref_silu_mul(x[:, :2048].float()))
+        out["silu_mul_fp8_code_mismatch_frac"] = float((q.cpu().view(torch.uint8) != rq.view(torch.uint8)).float().mean())
+    except Exception as ex:
+        traceback.print_exc()
+        out["error"] = repr(ex)[:300]
+    return out
+
+
+RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
+    ("fp8 gemm vs cuBLASLt _scaled_mm", "scaled_mm_us", "kestrel_gemm_us"),
+    ("fp8 e2e vs _scaled_mm + our act quant", "scaled_mm_e2e_us", "kestrel_e2e_us"),
+    ("fp8 e2e vs Humming W8A8", "humming_e2e_us", "kestrel_e2e_us"),
+    ("fp8 gemm vs cuBLAS bf16", "cublas_bf16_us", "kestrel_gemm_us"),
+    ("int8 gemm vs torch._int_mm+scale", "int_mm_scaled_us", "kestrel_gemm_us"),
+    ("w4a8 e2e vs Humming W4A8", "humming_w4a8_e2e_us", "kestrel_w4a8_e2e_us"),
+    ("w4a8 e2e vs kestrel WNA16 int4", "kestrel_wna16_int4_us", "kestrel_w4a8_e2e_us"),
+    ("w4a8 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a8_e2e_us"),
+    ("w4a4 mxfp4 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a4_mxfp4_e2e_us"),
+]
+
+
+def write_report(rows, out, meta, stem="gemm_w8a8", ratios=None):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    cols = sorted({k for r in rows for k in r if k.endswith("_us")})
+    lines = [f"# {stem} — {meta.get('gpu')} — {meta.get('date')}", "", f"command: `{meta.get('command')}`", "",
+             "times in µs (CUDA graph of 20 calls, median of 20 replays); ratio > 1 = kestrel faster", ""]
+    for sec in dict.fromkeys(r["section"] for r in rows):
+        sr = [r for r in rows if r["section"] == sec]
+        c = [k for k in cols if any(k in r for r in sr)]
+        lines += [f"## {sec}", "", "| M | N | K | " + " | ".join(c) + " | err |",
+                  "|" + "---|" * (len(c) + 4)]
+        for r in sr:
+            err = next((v for k, v in r.items() if k.endswith("err_vs_dequant")), None)
+            lines.append(f"| {r['M']} | {r['N']} | {r['K']} | " + " | ".join(
+                f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in c) + f" | {err if err is None else f'{err:.1e}'} |")
+        lines.append("")
+    lines += ["## ratios (peer time / kestrel time)", "", "| comparison | M | N x K | ratio |", "|---|---|---|---|"]
+    for name, peer, ours in ratios or RATIOS:
+        for r in rows:
+            if r.get(peer) and r.get(ours):
+                lines.append(f"| {name} | {r['M']} | {r['N']}x{r['K']} | {r[peer] / r[ours]:.2f} |")
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines[-60:]))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        secs = list(dict.fromkeys(r["section"] for r in rows))
+        fig, axes = plt.subplots(1, len(secs), figsize=(6 * len(secs), 4.5), squeeze=False)
+        for ax, sec in zip(axes[0], secs):
+            for shape in dict.fromkeys((r["N"], r["K"]) for r in rows if r["section"] == sec):
+                sr = [r for r in rows if r["section"] == sec and (r["N"], r["K"]) == shape]
+                for k in cols:
+                    pts = [(r["M"], r[k]) for r in sr if r.get(k)]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=f"{k.replace('_us', '')} {shape[0]}x{shape[1]}")
+            ax.set_xscale("log", base=2); ax.set_yscale("log"); ax.set_xlabel("M"); ax.set_ylabel("µs")
+            ax.set_title(sec); ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, f"{stem}.png"), dpi=110)
+    except Exception:
+        traceback.print_exc()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default="fp8,int8,w4a8,w4a4", help="comma list of fp8,int8,w4a8,w4a4")
+    p.add_argument("--shapes", default="8192x8192,28672x8192", help="comma list of NxK weight shapes")
+    p.add_argument("--ms", default="1,16,64,256,1024,4096", help="comma list of batch sizes M")
+    p.add_argument("--budget-s", type=float, default=200, help="skip Humming (slow JIT) once this much time has passed")
+    p.add_argument("--deadline-s", type=float, default=float("inf"), help="start no new case after this many seconds")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gemm_w8a8.py needs a CUDA GPU")
+    DEADLINE[0] = args.deadline_s
+    secs = args.sections.split(",")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.ms.split(",")]
+    torch.manual_seed(0)
+    import triton
+    meta = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv)}
+    try:
+        import humming
+        meta["humming"] = humming.__version__
+    except Exception as ex:
+        meta["humming"] = f"unavailable: {ex!r}"
+    meta["act_quant_gpu_vs_cpu_ref"] = check_act_quant()
+    log(meta)
+    rows = []
+    for N, K in shapes:
+        for sec, fn in (("fp8", lambda: run_fp8(N, K, ms, rows, args.budget_s)), ("int8", lambda: run_int8(N, K, ms, rows)),
+                        ("w4", lambda: run_w4(N, K, ms, rows, args.budget_s, secs))):
+            if sec in secs or (sec == "w4" and ({"w4a8", "w4a4"} & set(secs))):
+                log(f"== {sec} {N}x{K}")
+                try:
+                    fn()
+                except Exception:
+                    traceback.print_exc()
+                write_report(rows, args.out, meta)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Fused MoE layer (routed experts) on one GPU, peers side by side in one process:
+  kestrel FusedMoE (sort/align + 2 grouped GEMM launches for all experts) in bf16, FP8 W8A8 and int4-g128 W4A16
+  vs a per-expert cuBLAS bf16 loop (gather -> up -> SiLU·mul -> down -> weighted scatter-add; the index lists are
+     precomputed and the whole loop captured in a CUDA graph, so it pays no host sync or launch gaps)
+  vs Humming's MoE GEMM ("indexed" grouped GEMM, fp8 W8A8 and int4 W4A16) composed the same way (its sort/align
+     runs outside the timed region: a Python loop in humming.testing; SiLU·mul and the weighted sum in torch).
+Timed region: given x [M, H] and the router's top-k (weights, ids) -> output [M, H]. CUDA graph of 20 calls.
+Shapes: Qwen3-30B-A3B (128 experts, top-8), DeepSeek-V2-Lite (64, top-6), Mixtral-8x7B (8, top-2),
+DeepSeek-V3 (256, top-8, H=7168). Output: raw JSON + markdown + PNG in --out.
+
+  python bench/moe.py
+  python bench/moe.py --models qwen3-30b-a3b --ms 1,64,4096 --formats bf16,fp8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from gemm_w8a8 import DEADLINE, T0, log, past_deadline, rel, safe_us, write_report  # noqa: E402
+
+from kestrel.kernels.moe_align import route_topk  # noqa: E402
+from kestrel.kernels.moe_gemm import quantize_experts  # noqa: E402
+from kestrel.kernels.moe_layer import FusedMoE, ref_moe  # noqa: E402
+
+MODELS = {  # experts, top_k, hidden, moe intermediate
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v2-lite": (64, 6, 2048, 1408),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "deepseek-v3": (256, 8, 7168, 2048),
+}
+FMT = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"), "int4": ("int4", "bf16")}  # weight fmt, activation fmt
+HUMMING = {"fp8": ({"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}),
+           "int4": ({"dtype": "int4", "group_size": 128}, None)}
+
+
+RATIOS = [(f"kestrel {f} vs {peer}", col, f"kestrel_{f}_us")
+          for f in ("bf16", "fp8", "int4") for peer, col in (("per-expert cuBLAS bf16 loop", "cublas_loop_us"),
+                                                             (f"Humming {f}", f"humming_{f}_us"))]
+
+
+def cublas_loop(x, topk_w, topk_ids, w13, w2):
+    """per-expert bf16 loop with index lists computed up front (outside the timed region)."""
+    E, I = w13.shape[0], w2.shape[-1]
+    plan = []
+    for e in range(E):
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        if tok.numel():
+            plan.append((e, tok, topk_w[tok, slot].to(torch.bfloat16)[:, None]))
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+    def run():
+        out.zero_()
+        for e, tok, wt in plan:
+            h = x[tok] @ w13[e].t()
+            y = (F.silu(h[:, :I]) * h[:, I:]) @ w2[e].t()
+            out.index_add_(0, tok, (y * wt).float())
+        return out
+    return run
+
+
+def humming_moe(fmt, w13, w2, E, top_k):
+    from humming.layer import HummingLayer
+    wcfg, icfg = HUMMING[fmt]
+    layers = []
+    for W in (w13, w2):
+        L = HummingLayer(shape_n=W.shape[1], shape_k=W.shape[2], weight_config=dict(wcfg),
+                         input_config=dict(icfg) if icfg else None, num_experts=E, torch_dtype=torch.bfloat16).cuda()
+        L.load_from_unquantized(W)
+        L.transform()
+        layers.append(L)
+    return layers
+
+
+def humming_forward(layers, x, topk_w, topk_ids, E, top_k):
+    """build Humming's indexed-GEMM metadata for this batch, return a closure that runs the layer."""
+    from humming.testing.data import generate_moe_tensors
+    from humming.tune import get_heuristics_config
+    M, H = x.shape
+    I = layers[1].shape_k
+    cc = {"gemm_type": "indexed"}
+    meta = []
+    for L in layers:
+        cfg = get_heuristics_config(L.humming_config, shape_m=M * top_k, gemm_type="indexed")
+        _, _, sid, eid, npad = generate_moe_tensors(topk_ids, E, "indexed", cfg["block_shape"][0])
+        meta.append((cfg, sid, eid, npad))
+
+    def run():
+        (c1, s1, e1, n1), (c2, s2, e2, n2) = meta
+        h = layers[0](x, sorted_ids=s1, expert_ids=e1, num_tokens_padded=n1, top_k=top_k, compute_config=cc,
+                      tuning_config=c1)
+        a = F.silu(h[:, :I]) * h[:, I:]
+        y = layers[1](a, sorted_ids=s2, expert_ids=e2, num_tokens_padded=n2, top_k=1, compute_config=cc,
+                      tuning_config=c2)
+        return (y.view(M, top_k, H).float() * topk_w[..., None]).sum(1)
+    return run
+
+
+def run_model(name, ms, fmts, rows, budget):
+    E, k, H, I = MODELS[name]
+    log(f"== {name}: E={E} top{k} H={H} I={I}")
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    router = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
+    ours = {}
+    for f in fmts:
+        wf, af = FMT[f]
+        ours[f] = FusedMoE(router, quantize_experts(w13, wf), quantize_experts(w2, wf), k, af)
+    hum = {}
+    for f in fmts:
+        if f in HUMMING and time.time() - T0 < budget:
+            try:
+                t = time.time()
+                hum[f] = humming_moe(f, w13, w2, E, k)
+                log(f"  humming {f} MoE layers ready ({time.time() - t:.1f}s)")
+            except Exception:
+                traceback.print_exc()
+    check = E * 2 * I * H < 1.5e9  # the fp32 reference loop needs the dequantized weights in memory
+    for M in ms:
+        if past_deadline():
+            break
+        x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        tw, ti = route_topk(x @ router.t(), k)
+        r = {"section": name, "M": M, "N": 2 * I, "K": H, "E": E, "top_k": k}
+        r["cublas_loop_us"] = safe_us([cublas_loop(x, tw, ti, w13, w2)])
+        for f in fmts:
+            moe = ours[f]
+            try:
+                y = moe(x, (tw, ti))
+                if M <= 256 and check:  # the reference loop is slow at large M; correctness shown at small M
+                    ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), moe.act)
+                    r[f"{f}_err_vs_dequant"] = rel(y, ref)
+                r[f"kestrel_{f}_us"] = safe_us([lambda moe=moe: moe(x, (tw, ti))])
+            except Exception as ex:
+                traceback.print_exc()
+                r[f"kestrel_{f}_error"] = repr(ex)[:200]
+            if f in hum:
+                try:
+                    run = humming_forward(hum[f], x, tw, ti, E, k)
+                    if M <= 256 and check:
+                        r[f"humming_{f}_err_vs_bf16"] = rel(run(), ref_moe(x, tw, ti, w13.float(), w2.float()))
+                    r[f"humming_{f}_us"] = safe_us([run])
+                except Exception as ex:
+                    traceback.print_exc()
+                    r[f"humming_{f}_error"] = repr(ex)[:200]
+        rows.append(r)
+        log("ROW", json.dumps(r))
+    del ours, hum, w13, w2
+    torch.cuda.empty_cache()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {','.join(MODELS)}")
+    p.add_argument("--ms", default="1,16,64,256,1024,4096", help="comma list of token counts M")
+    p.add_argument("--formats", default="bf16,fp8,int4", help="comma list of bf16,fp8,int4 (int4 = W4A16 g128)")
+    p.add_argument("--humming-models", default="qwen3-30b-a3b,mixtral-8x7b",
+                   help="models on which Humming runs too (its JIT costs ~10 s per layer and format)")
+    p.add_argument("--budget-s", type=float, default=240, help="skip Humming once this much time has passed")
+    p.add_argument("--deadline-s", type=float, default=float("inf"), help="start no new case after this many seconds")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/moe.py needs a CUDA GPU")
+    DEADLINE[0] = args.deadline_s
+    import triton
+    meta = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv)}
+    try:
+        import humming
+        meta["humming"] = humming.__version__
+    except Exception as ex:
+        meta["humming"] = f"unavailable: {ex!r}"
+    log(meta)
+    torch.manual_seed(0)
+    ms = [int(v) for v in args.ms.split(",")]
+    fmts = args.formats.split(",")
+    hm = set(args.humming_models.split(","))
+    rows = []
+    for name in args.models.split(","):
+        if past_deadline():
+            break
+        try:
+            run_model(name, ms, fmts, rows, args.budget_s if name in hm else -1)
+        except Exception:
+            traceback.print_exc()
+        write_report(rows, args.out, meta, stem="moe", ratios=RATIOS)
+
+
+if __name__ == "__main__":
+    main()
