@@ -326,8 +326,9 @@ def main():
     log(meta)
     rows = []
     for N, K in shapes:
-        for sec, fn in (("fp8", lambda: run_fp8(N, K, ms, rows, args.budget_s)), ("int8", lambda: run_int8(N, K, ms, rows)),
-                        ("w4", lambda: run_w4(N, K, ms, rows, args.budget_s, secs))):
+        for sec, fn in (("fp8", lambda: run_fp8(N, K, ms, rows, args.budget_s)),
+                        ("w4", lambda: run_w4(N, K, ms, rows, args.budget_s, secs)),
+                        ("int8", lambda: run_int8(N, K, ms, rows))):
             if sec in secs or (sec == "w4" and ({"w4a8", "w4a4"} & set(secs))):
                 log(f"== {sec} {N}x{K}")
                 try:
