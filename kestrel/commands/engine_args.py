@@ -73,6 +73,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
         else:  # dicts, lists, nested settings
             group.add_argument(flag, dest=f.name, type=_json_arg, default=default, metavar="JSON",
                                help=help_ + " (JSON; default: %(default)s)")
+    group.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1,
+                       metavar="N", help="split the model over N processes/GPUs (tensor parallelism; rank r uses "
+                                         "cuda:r, gloo on the CPU); 1 = one process (default: %(default)s)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -81,9 +84,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def build_engine(args: argparse.Namespace):
     """The LLMEngine the flags describe (loading shows a progress bar unless --no-progress)."""
+    config = engine_config_from_args(args)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp != 1:
+        from kestrel.engine.tp_worker import launch_tp_engine
+
+        return launch_tp_engine(config, tp)
     from kestrel.engine.llm_engine import LLMEngine
 
-    return LLMEngine(engine_config_from_args(args))
+    return LLMEngine(config)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
