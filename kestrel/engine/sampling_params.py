@@ -19,6 +19,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # number of top logprobs to return per token (0 = only the sampled one)
+    priority: int = 0  # scheduling class, lower is admitted first (router: 0 interactive, 1 batch; vLLM's convention)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -48,6 +49,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if len(self.stop) > 16:
             raise ValueError("at most 16 stop strings are allowed")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):

@@ -35,7 +35,14 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which were found
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        # waiting stays ordered by priority (lower first), FIFO within a class: batch work never delays
+        # an interactive request's admission
+        prio = seq.params.priority
+        if not self.waiting or self.waiting[-1].params.priority <= prio:
+            self.waiting.append(seq)
+            return
+        pos = next(i for i, w in enumerate(self.waiting) if w.params.priority > prio)
+        self.waiting.insert(pos, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

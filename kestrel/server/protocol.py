@@ -34,6 +34,7 @@ class _Sampling(BaseModel):
     min_p: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    priority: int = 0  # lower is scheduled first (the router sets 0 interactive / 1 batch)
 
 
 class CompletionRequest(_Sampling):

@@ -93,7 +93,8 @@ def sampling_params(state: ServerState, req: _Sampling, prompt_len: int, max_tok
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=stop,
             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logprobs=logprobs)
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logprobs=logprobs,
+            priority=req.priority)
     except ValueError as e:
         word = str(e).split(" ", 1)[0]
         param = word if word in {f.name for f in fields(SamplingParams)} else None
