@@ -21,7 +21,7 @@ N, K, TOL = 64, 256, 1e-2
 FORMATS = [
     QuantSpec("int4", group_size=128), QuantSpec("uint4", has_zero_point=True, group_size=32, scale_dtype="fp16"),
     QuantSpec("int8", group_size=-1), QuantSpec("int3", group_size=64), QuantSpec("uint2", has_zero_point=True, group_size=64),
-    QuantSpec("uint1", has_zero_point=True, group_size=128), QuantSpec("int5", group_size=128),
+    QuantSpec("int5", group_size=128),
     QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
     QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True),
     QuantSpec("fp8_e4m3", group_size=-1, scale_dtype="fp32"), QuantSpec("fp8_e5m2", group_size=128, scale_dtype="fp16"),
@@ -47,10 +47,11 @@ def test_formats_default_config(spec, m):
 
 
 @pytest.mark.parametrize("cfg", [
-    ComputeConfig("gemv", 1, 32, 64, split_k=2, num_stages=2),       # split-K GEMV, group > tile
-    ComputeConfig("gemv", 1, 64, 256, split_k=1),                      # tile spans two groups (scale inside)
-    ComputeConfig("dot", 16, 32, 32, split_k=4, num_stages=2),        # split-K tensor-core path
-    ComputeConfig("dot", 32, 64, 256, split_k=1),                      # scale inside the tile
+    ComputeConfig("gemv", 1, 32, 0, split_k=2, num_warps=1, num_stages=2),  # split-K GEMV
+    ComputeConfig("gemv", 1, 64, 0, split_k=1, num_warps=2, num_stages=1),
+    ComputeConfig("dot", 16, 32, 32, split_k=4, num_stages=2),              # split-K tensor-core path
+    ComputeConfig("dot", 32, 64, 256, split_k=1),                            # groups inside the K tile
+    ComputeConfig("dequant_mm", 1, 32, 64),                                  # Triton dequant + matmul
 ], ids=lambda c: f"{c.kernel}-bn{c.block_n}-bk{c.block_k}-sk{c.split_k}")
 @pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128),
                                   QuantSpec("uint4", has_zero_point=True, group_size=64, scale_dtype="fp16"),
@@ -58,6 +59,13 @@ def test_formats_default_config(spec, m):
 def test_compute_configs(cfg, spec):
     W = torch.randn(N, K, generator=torch.Generator().manual_seed(2))
     _check(quantize(W, spec), 1 if cfg.kernel == "gemv" else 20, cfg)
+
+
+def test_one_bit_weights():
+    W = torch.randn(N, 512, generator=torch.Generator().manual_seed(4))  # 1-bit packing needs K % 512 == 0
+    qw = quantize(W, QuantSpec("uint1", has_zero_point=True, group_size=128))
+    for m in (1, 5):
+        _check(qw, m)
 
 
 def test_fp16_activations_and_batch_dims():
@@ -99,3 +107,5 @@ def test_bad_inputs():
         gemm_wna16(torch.randn(2, K), qw)  # fp32 activations are not WNA16
     with pytest.raises(ValueError):
         gemm_wna16(torch.randn(2, K).bfloat16(), qw, ComputeConfig("dot", 16, 64, 96))  # K % BLOCK_K != 0
+    with pytest.raises(ValueError):
+        quantize(torch.randn(N, 192), QuantSpec("int4", group_size=64))  # K not a multiple of the packing block

@@ -77,3 +77,13 @@ def test_tune_cli_list_and_bad_shape(capsys):
         tune_cli.run(p.parse_args(["tune", "--shape", "4096x4096", "--list"]))
     with pytest.raises(ValueError):
         tune_cli.run(p.parse_args(["tune", "--shape", "4096,4000", "--list"]))
+
+
+def test_tune_cache_nearest_shape(tmp_path, monkeypatch):
+    cache = tmp_path / "tune.json"
+    monkeypatch.setenv("KESTREL_TUNE_CACHE", str(cache))
+    spec = QuantSpec("int4")
+    tuned = ComputeConfig("gemv", 1, 256, 0, 4, 2, 3)
+    cache.write_text(json.dumps({cache_key("G", LayerConfig(spec, 8192, 8192), 1): {"config": tuned.to_dict()}}))
+    assert TuningConfig("G").lookup(LayerConfig(spec, 10240, 8192), 1) == tuned  # same shape class
+    assert TuningConfig("G").lookup(LayerConfig(spec, 256, 512), 1) == heuristic(LayerConfig(spec, 256, 512), 1)

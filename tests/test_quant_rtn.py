@@ -18,7 +18,7 @@ SPECS = {  # spec -> max relative Frobenius error of RTN on Gaussian weights (we
 
 @pytest.mark.parametrize("spec", list(SPECS), ids=lambda s: s.name)
 def test_rtn_error(spec):
-    W = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    W = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
     qw = quantize(W, spec)
     err = ((dequantize(qw) - W).norm() / W.norm()).item()
     assert err < SPECS[spec]
@@ -29,7 +29,18 @@ def test_rtn_error(spec):
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 def test_pack_roundtrip(bits):
     g = torch.Generator().manual_seed(bits)
-    c = torch.randint(0, 2**bits, (16, 96), generator=g, dtype=torch.int32)
+    c = torch.randint(0, 2**bits, (16, 512), generator=g, dtype=torch.int32)
     cb = bits if bits in (1, 2, 4, 8) else (4 if bits == 3 else 8)
-    assert torch.equal(unpack_codes(pack_codes(c, cb), cb, 96), c)
+    assert torch.equal(unpack_codes(pack_codes(c, cb), cb, 512), c)
     assert torch.equal(unpack_bitstream(pack_bitstream(c, bits, dim=1), bits, dim=1), c)
+
+
+def test_planar_layout_definition():
+    # word row b*16 + r, bit field i holds k = b*(16*epw) + i*16 + r (packing.py); checked bit by bit
+    c = torch.randint(0, 16, (3, 256), generator=torch.Generator().manual_seed(9), dtype=torch.int32)
+    words = pack_codes(c, 4)
+    for n in range(3):
+        for k in (0, 5, 16, 37, 127, 128, 200, 255):
+            b, rem = divmod(k, 128)
+            i, r = divmod(rem, 16)
+            assert (int(words[b * 16 + r, n]) >> (4 * i)) & 0xF == int(c[n, k])

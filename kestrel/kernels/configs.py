@@ -33,10 +33,11 @@ class LayerConfig:
 
 @dataclass(frozen=True)
 class ComputeConfig:
-    kernel: str = "dot"  # "gemv" (M == 1, CUDA cores) | "dot" (tensor cores, weights as the A operand)
+    # "gemv" (CUDA cores, tiny M) | "dot" (tensor cores) | "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
+    kernel: str = "dot"
     block_m: int = 16
     block_n: int = 64
-    block_k: int = 128
+    block_k: int = 128  # dot: K tile; dequant_mm: dequant tile; gemv: unused (one planar block per step)
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
@@ -49,12 +50,14 @@ class ComputeConfig:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def valid_for(self, layer: LayerConfig) -> bool:
-        epw = layer.spec.elems_per_word
-        if self.kernel not in ("gemv", "dot") or layer.k % self.block_k or self.block_k % epw:
+        k_steps = layer.k // layer.spec.k_multiple if self.kernel == "gemv" else layer.k // max(1, self.block_k)
+        if self.kernel not in ("gemv", "dot", "dequant_mm") or self.block_n < 16 or self.split_k < 1:
             return False
-        if self.kernel == "dot" and (self.block_k < 16 or self.block_m < 16):
+        if self.kernel != "gemv" and (self.block_k < 16 or layer.k % self.block_k):
             return False
-        return (layer.k // self.block_k) >= self.split_k >= 1
+        if self.kernel == "dot" and self.block_m < 16:
+            return False
+        return k_steps >= self.split_k
 
 
 def m_bucket(m: int) -> int:
@@ -103,28 +106,29 @@ def _pow2_floor(x: int) -> int:
 def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
     """Shape-class defaults (used when no tuned entry exists)."""
     gs = layer.k if layer.spec.group_size == -1 else layer.spec.group_size
-    k_tiles = lambda bk: layer.k // bk
 
     def fit_bk(bk: int) -> int:
         while bk > 16 and layer.k % bk:
             bk //= 2
         return bk
 
-    if m <= 16:
-        bn = 64 if layer.n >= 64 else 32
-        bk = fit_bk(max(32, min(256, gs)) if gs >= 32 else 128)
-        kind = "gemv" if m == 1 else "dot"
-        if kind == "dot":
-            bk = fit_bk(min(bk, 128))
-        # enough CTAs to cover the SMs a few times over; split-K where N alone is too narrow
-        n_tiles = -(-layer.n // bn)
-        split = max(1, min(_pow2_floor((4 * num_sms) // max(1, n_tiles)), k_tiles(bk) // 2, 16))
-        return ComputeConfig(kernel=kind, block_m=1 if kind == "gemv" else 16, block_n=bn, block_k=bk,
-                             split_k=split, num_warps=4, num_stages=4)
+    def split_for(n_tiles: int, k_steps: int, ctas_per_sm: int) -> int:
+        want = _pow2_floor(max(1, (ctas_per_sm * num_sms) // max(1, n_tiles)))
+        return max(1, min(want, k_steps // 4 or 1, 32))
+
+    if m <= 2:  # decode: stream the weight on CUDA cores; 1-warp CTAs, many per SM, split-K for narrow N
+        bn = 128 if layer.n >= 128 else 64
+        split = split_for(-(-layer.n // bn), layer.k // layer.spec.k_multiple, 8)
+        return ComputeConfig("gemv", 1, bn, 0, split, num_warps=1, num_stages=3)
     if m <= 64:
-        return ComputeConfig("dot", block_m=max(16, _pow2_floor(m)), block_n=128, block_k=fit_bk(64),
-                             split_k=1, num_warps=4, num_stages=4)
-    return ComputeConfig("dot", block_m=128, block_n=128, block_k=fit_bk(64), split_k=1, num_warps=8, num_stages=3)
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bk = fit_bk(min(128, max(32, gs)))
+        bn = 64
+        split = split_for(-(-layer.n // bn), layer.k // bk, 2)
+        return ComputeConfig("dot", bm, bn, bk, split, num_warps=4, num_stages=4)
+    if m < 512:
+        return ComputeConfig("dot", 128, 128, fit_bk(64), 1, num_warps=8, num_stages=3)
+    return ComputeConfig("dequant_mm", 1, 64, fit_bk(128), 1, num_warps=4, num_stages=1)
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,41 @@
-"""In-register decode of the internal packed layout (kestrel/quant/packing.py) for the WNA16 kernels.
+"""In-register decode of the internal planar packed layout (kestrel/quant/packing.py) for the WNA16 kernels.
 
-Tiles are unpacked as [BLOCK_N, BLOCK_K // EPW, EPW]: one int32 word per (n, k // EPW), one shift per code.
-Every decoded value (integer code minus zero, or minifloat) is exact in bf16/fp16, so kernels may apply the
-group scale after the dot product when a K tile lies inside one group.
+Two flavours:
+- plane decoders (GEMV): take a whole word tile and return the values of bit field i as fp32 with 2-3 integer
+  ops per element, by moving the field straight into fp32 bits (no int->float conversion instruction):
+  integers become 1 + c / 2^BITS (the kernel corrects with the x sum), minifloats become their own value
+  times 2^(BIAS-127) (fp32 keeps subnormals; the kernel multiplies back by a power of two).
+- element decoders (tensor-core path, dequant kernel): exact unscaled values per element.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def unpack_tile(q, BITS: tl.constexpr, EPW: tl.constexpr):
-    """int32 words [BN, BKW] -> unsigned codes [BN, BKW, EPW] (int32)."""
-    shifts = tl.arange(0, EPW) * BITS
-    return (q[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+def shift_bits(q, SH: tl.constexpr):
+    """q << SH for SH >= 0, q >> -SH otherwise (callers mask away sign-extended bits)."""
+    if SH >= 0:
+        return q << SH
+    else:
+        return q >> (-SH)
+
+
+@triton.jit
+def int_plane(q, FIELD: tl.constexpr, BITS: tl.constexpr):
+    """Field FIELD (BITS wide) of every word -> fp32 1 + c / 2^BITS, exactly (mantissa insertion)."""
+    mant = shift_bits(q, (23 - BITS) - FIELD * BITS) & (((1 << BITS) - 1) << (23 - BITS))
+    return (mant | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp_plane(q, FIELD: tl.constexpr, BITS: tl.constexpr, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr):
+    """Field FIELD of every word, a minifloat (sign at bit EXP_BITS+MAN_BITS) -> its fp32 value."""
+    BIAS: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
+    lo: tl.constexpr = FIELD * BITS
+    mag = shift_bits(q, (23 - MAN_BITS) - lo) & (((1 << (EXP_BITS + MAN_BITS)) - 1) << (23 - MAN_BITS))
+    sign = shift_bits(q, 31 - (lo + EXP_BITS + MAN_BITS)) & (-2147483648)
+    # same exponent/mantissa bits read as fp32 = value * 2^(BIAS-127), subnormals included
+    return (mag | sign).to(tl.float32, bitcast=True) * (2.0 ** (127 - BIAS))
 
 
 @triton.jit

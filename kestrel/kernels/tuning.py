@@ -30,20 +30,20 @@ MODEL_SHAPES = {  # (N, K) of the linear layers (fused qkv and gate_up)
 
 def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     out = []
-    if m == 1:
-        for bn, bk, sk, w, st in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (4, 8), (3, 5)):
-            out.append(ComputeConfig("gemv", 1, bn, bk, sk, w, st))
-    if m <= 16:
-        for bn, bk, sk, st in itertools.product((64, 128), (64, 128, 256), (1, 2, 4, 8), (3, 5)):
-            out.append(ComputeConfig("dot", 16, bn, bk, sk, 4, st))
-    elif m <= 64:
-        for bm, bn, bk, sk, w, st in itertools.product((16, 32, 64), (64, 128), (64, 128), (1, 2, 4), (4, 8), (3, 4)):
-            if bm <= max(16, m):
-                out.append(ComputeConfig("dot", bm, bn, bk, sk, w, st))
+    if m <= 4:
+        for (bn, w), sk, st in itertools.product(((128, 1), (256, 2), (64, 1), (512, 4), (128, 2), (256, 4)),
+                                                 (1, 2, 4, 8, 16, 32), (1, 3, 4)):
+            out.append(ComputeConfig("gemv", 1, bn, 0, sk, w, st))
+    if m <= 64:
+        for bm, bn, bk, sk, st in itertools.product((16, 32, 64), (64, 128), (64, 128, 256), (1, 2, 4, 8), (3, 4, 5)):
+            if bm <= max(16, 1 << (m - 1).bit_length()):
+                out.append(ComputeConfig("dot", bm, bn, bk, sk, 4, st))
     else:
         for bm, bn, bk, w, st in itertools.product((64, 128), (64, 128, 256), (32, 64, 128), (4, 8), (3, 4)):
             if bm * bn <= 128 * 256 and not (bn == 256 and w == 4):
                 out.append(ComputeConfig("dot", bm, bn, bk, 1, w, st))
+        for bn, bk in itertools.product((32, 64, 128), (64, 128, 256)):
+            out.append(ComputeConfig("dequant_mm", 1, bn, bk, 1, 4, 1))
     h = heuristic(layer, m)
     seen, uniq = set(), []
     for c in [h] + out:

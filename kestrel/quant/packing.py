@@ -1,35 +1,47 @@
 """The one internal packed layout the kernels read, and the bit-stream helpers converters use.
 
-Internal layout: codes (unsigned, `container_bits` wide) packed along K into int32 words, K-major:
-`qweight[K // epw, N]`, code of (n, k) in word (k // epw, n) at bit (k % epw) * container_bits.
-K-major keeps each tile's loads contiguous along N (coalesced) and lets the kernel unpack a
-[BLOCK_K // epw, epw, BLOCK_N] block with one broadcast shift.
+Internal layout ("planar", chosen for the kernels): codes (unsigned, `container_bits` wide) packed into int32
+words, K-major: `qweight[K // epw, N]`. K is cut into blocks of PLANE_ROWS * epw elements; within block b, word
+row b * PLANE_ROWS + r holds in its bit field i (bits i*cb .. i*cb+cb-1) the code of k = b*block + i*PLANE_ROWS + r.
+So one [PLANE_ROWS, BN] tile of words unpacks, field by field, into epw tiles [PLANE_ROWS, BN] of *contiguous* k
+with the same register layout as the loaded words (no reshapes or shuffles in the kernel), loads are contiguous
+along N (coalesced), and every field of a tile lies in one quantization group when group >= PLANE_ROWS.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+PLANE_ROWS = 16
+
+
+def plane_block(container_bits: int) -> int:
+    """K granularity of the layout: PLANE_ROWS words of 32 // container_bits codes."""
+    return PLANE_ROWS * (32 // container_bits)
+
 
 def pack_codes(codes: torch.Tensor, container_bits: int) -> torch.Tensor:
-    """codes [N, K] (0 <= c < 2^bits) -> int32 [K // epw, N]."""
+    """codes [N, K] (0 <= c < 2^bits) -> int32 [K // epw, N] in the planar layout."""
     n, k = codes.shape
     epw = 32 // container_bits
-    if k % epw:
-        raise ValueError(f"K={k} must be a multiple of {epw} to pack {container_bits}-bit codes")
-    c = codes.t().to(torch.int64).reshape(k // epw, epw, n)
-    shifts = (torch.arange(epw, dtype=torch.int64, device=codes.device) * container_bits).view(1, epw, 1)
-    words = (c << shifts).sum(dim=1)
-    return _to_int32(words)
+    pb = plane_block(container_bits)
+    if k % pb:
+        raise ValueError(f"K={k} must be a multiple of {pb} to pack {container_bits}-bit codes")
+    c = codes.t().to(torch.int64).reshape(k // pb, epw, PLANE_ROWS, n)
+    shifts = (torch.arange(epw, dtype=torch.int64, device=codes.device) * container_bits).view(1, epw, 1, 1)
+    words = (c << shifts).sum(dim=1)  # [K/pb, PLANE_ROWS, N]
+    return _to_int32(words.reshape(k // epw, n))
 
 
 def unpack_codes(qweight: torch.Tensor, container_bits: int, k: int) -> torch.Tensor:
-    """int32 [K // epw, N] -> codes int32 [N, K]."""
+    """int32 [K // epw, N] (planar) -> codes int32 [N, K]."""
     epw = 32 // container_bits
-    w = qweight.to(torch.int64) & 0xFFFFFFFF
-    shifts = (torch.arange(epw, dtype=torch.int64, device=qweight.device) * container_bits).view(1, epw, 1)
-    c = (w.unsqueeze(1) >> shifts) & ((1 << container_bits) - 1)
-    return c.reshape(k, -1).t().to(torch.int32).contiguous()
+    pb = plane_block(container_bits)
+    n = qweight.shape[1]
+    w = (qweight.to(torch.int64) & 0xFFFFFFFF).reshape(k // pb, 1, PLANE_ROWS, n)
+    shifts = (torch.arange(epw, dtype=torch.int64, device=qweight.device) * container_bits).view(1, epw, 1, 1)
+    c = (w >> shifts) & ((1 << container_bits) - 1)  # [K/pb, epw, PLANE_ROWS, N]
+    return c.reshape(k, n).t().to(torch.int32).contiguous()
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,8 @@ def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
         raise ValueError("RTN quantize() does not produce act-order weights; use from_gptq for those")
     n, k = w.shape
     gs = k if spec.group_size == -1 else spec.group_size
-    if k % gs or k % spec.elems_per_word:
-        raise ValueError(f"K={k} must be a multiple of the group size {gs} and of {spec.elems_per_word}")
+    if k % gs or k % spec.k_multiple:
+        raise ValueError(f"K={k} must be a multiple of the group size {gs} and of {spec.k_multiple} ({spec.weight_dtype})")
     wf = w.detach().float().reshape(n, k // gs, gs)  # runs on w's device (GPU quantizes big weights fast)
     bits = spec.weight_bits
     zeros = gscale = None

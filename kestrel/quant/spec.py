@@ -38,8 +38,8 @@ class QuantSpec:
             raise ValueError(f"unknown act_dtype {self.act_dtype!r}; expected one of {ACT_DTYPES}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"unknown scale_dtype {self.scale_dtype!r}; expected one of {SCALE_DTYPES}")
-        if self.group_size != -1 and (self.group_size <= 0 or self.group_size & (self.group_size - 1)):
-            raise ValueError(f"group_size must be -1 (per channel) or a power of two, got {self.group_size}")
+        if self.group_size != -1 and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
+            raise ValueError(f"group_size must be -1 (per channel) or a power of two >= 16, got {self.group_size}")
         if self.has_zero_point and not self.is_int:
             raise ValueError("zero points are only defined for integer weight types")
 
@@ -72,6 +72,12 @@ class QuantSpec:
     @property
     def elems_per_word(self) -> int:
         return 32 // self.container_bits
+
+    @property
+    def k_multiple(self) -> int:
+        """K must be a multiple of this (the packed layout's block; see packing.py)."""
+        from kestrel.quant.packing import plane_block
+        return plane_block(self.container_bits)
 
     @property
     def code_offset(self) -> int:
