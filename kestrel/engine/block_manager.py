@@ -29,6 +29,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # head = evict first
         self.hash_to_block: dict[int, int] = {}
+        self.offload = None  # optional HostKVTier (kv_offload.py): evicted prefix blocks go there, hits come back
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,9 +60,14 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = self._chain(prev, tokens)
             bid = self.hash_to_block.get(h)
-            if bid is None or self.blocks[bid].token_ids != tokens:
+            if bid is None and self.offload is not None and h in self.offload and self.free:
+                bid = self._restore(h, tokens)  # comes back referenced
+                if bid is None:
+                    break
+            elif bid is None or self.blocks[bid].token_ids != tokens:
                 break
-            self._ref(bid)
+            else:
+                self._ref(bid)
             seq.block_table.append(bid)
             seq.block_hashes.append(h)
             prev = h
@@ -96,12 +102,27 @@ class BlockManager:
             del self.free[bid]
         blk.ref_count += 1
 
+    def _restore(self, h: int, tokens: tuple[int, ...]) -> int | None:
+        """Bring an offloaded prefix block back into a free device block instead of recomputing it."""
+        bid = self._take_free()
+        if not self.offload.load(h, tokens, bid):
+            self.blocks[bid].ref_count = 0
+            self.free[bid] = None
+            self.free.move_to_end(bid, last=False)
+            return None
+        blk = self.blocks[bid]
+        blk.hash, blk.token_ids = h, tokens
+        self.hash_to_block[h] = bid
+        return bid
+
     def _take_free(self) -> int:
         bid, _ = self.free.popitem(last=False)
         blk = self.blocks[bid]
         if blk.hash is not None:  # evict its cache entry: contents are about to be overwritten
             if self.hash_to_block.get(blk.hash) == bid:
                 del self.hash_to_block[blk.hash]
+                if self.offload is not None:
+                    self.offload.save(blk.hash, blk.token_ids, bid)
             blk.hash = blk.token_ids = None
         blk.ref_count = 1
         return bid

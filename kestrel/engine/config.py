@@ -1,7 +1,7 @@
 """Engine settings (see docs/CONTRACTS.md). Validation raises ValueError with a user-facing message."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +28,18 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool = False  # overlap CPU scheduling of step n+1 with device step n
     progress: bool = True  # progress bar while loading
-    speculative: Any = None  # kestrel.spec.SpeculativeConfig (the spec layer registers the step builder)
+    cuda_graphs: bool = True  # GPU: replay decode steps from captured CUDA graphs (--no-cuda-graphs: eager)
+    # KV offload (kv_offload.py): evicted prefix-cache blocks are kept in host memory (and optionally on disk)
+    kv_offload_gb: float = field(default=0.0, metadata={
+        "help": "host-memory tier for evicted prefix-cache KV blocks, in GB; 0 = off"})
+    kv_offload_disk_dir: str | None = field(default=None, metadata={
+        "help": "directory for a disk tier below the host tier (needs --kv-offload-disk-gb)"})
+    kv_offload_disk_gb: float = field(default=0.0, metadata={"help": "size of the disk KV tier in GB"})
+    # kestrel.spec.SpeculativeConfig or its flag text (the spec layer registers the step builder)
+    speculative: str | None = field(default=None, metadata={
+        "help": "speculative decoding, e.g. 'drafter=ngram,k=4' or 'drafter=head,head=FILE,k=4,schedule=fixed'; "
+                "keys: drafter (ngram|draft_model|head), k, schedule (confidence|fixed), token_budget, "
+                "min_survival, ngram_max, ngram_min, draft_model, head; default: off"})
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -40,6 +51,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.kv_offload_gb < 0 or self.kv_offload_disk_gb < 0:
+            raise ValueError("kv_offload_gb and kv_offload_disk_gb must be >= 0")
+        if self.kv_offload_disk_gb > 0 and not self.kv_offload_disk_dir:
+            raise ValueError("kv_offload_disk_gb needs kv_offload_disk_dir")
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -52,6 +52,16 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, mc, num_blocks, bs, config.torch_dtype, config.device, config.seed)
+        # subclasses (tensor parallel) replace the runner after this: they capture nothing here
+        if config.cuda_graphs and torch.device(config.device).type == "cuda" and type(self) is LLMEngine:
+            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, config.progress)
+        if config.kv_offload_gb > 0:
+            from .kv_offload import HostKVTier
+            b = self.runner.backend
+            per = HostKVTier.bytes_per_block(b.k_cache)
+            self.block_manager.offload = HostKVTier(
+                b.k_cache, b.v_cache, max(1, int(config.kv_offload_gb * (1 << 30)) // per),
+                config.kv_offload_disk_dir, int(config.kv_offload_disk_gb * (1 << 30)) // per)
         self.spec = None
         if config.speculative is not None:
             if SPECULATIVE_BUILDER is None:
@@ -185,4 +195,5 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
             **(self.spec.stats() if self.spec is not None else {}),
+            **(self.block_manager.offload.stats() if self.block_manager.offload is not None else {}),
         }

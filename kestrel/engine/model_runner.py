@@ -37,6 +37,15 @@ class ModelRunner:
         self.backend = backend_cls(c.num_hidden_layers, num_blocks, block_size, c.num_attention_heads,
                                    c.num_key_value_heads, c.head_dim, dtype, device, c.sliding_window)
         self.sampler = Sampler(seed)
+        self.graphs = None  # DecodeCudaGraphs once enable_cuda_graphs() ran
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, progress: bool = True) -> None:
+        """Capture decode steps of up to max_num_seqs sequences in CUDA graphs (GPU only; see cuda_graphs.py)."""
+        from .cuda_graphs import DecodeCudaGraphs
+
+        self.graphs = DecodeCudaGraphs(self.model, self.backend.k_cache, self.backend.v_cache, max_num_seqs,
+                                       -(-max_model_len // self.block_size), self.cfg.sliding_window)
+        self.graphs.capture(progress)
 
     @torch.inference_mode()
     def forward_step(self, batch: ScheduledBatch):
@@ -45,6 +54,11 @@ class ModelRunner:
         decode, prefill = [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             (decode if (n == 1 and seq.num_computed_tokens == seq.num_tokens - 1) else prefill).append(i)
+        if self.graphs is not None and decode and not prefill and len(decode) <= self.graphs.batch_sizes[-1]:
+            seqs = [batch.seqs[i] for i in decode]
+            logits = self.graphs.run_seqs([s.token_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs],
+                                          [s.block_table for s in seqs])
+            return decode, logits.float()
         ids: list[int] = []
         for i in decode:
             ids.append(batch.seqs[i].token_ids[-1])
