@@ -122,3 +122,17 @@ class DecodeCudaGraphs:
             self.seq_lens[n:bs].zero_()
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+    def run_seqs(self, last_tokens: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """`run` from host lists (the engine's per-sequence state): one host-to-device copy per tensor."""
+        n = len(last_tokens)
+        width = max(len(t) for t in block_tables)
+        bt = torch.zeros(n, width, dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slots = bt[torch.arange(n), pos // self.block_size].long() * self.block_size + pos % self.block_size
+        dev = self.input_ids.device
+        return self.run(torch.tensor(last_tokens, dtype=torch.long).to(dev, non_blocking=True),
+                        pos.to(dev, non_blocking=True), slots.to(dev, non_blocking=True),
+                        bt.to(dev, non_blocking=True), (pos + 1).to(torch.int32).to(dev, non_blocking=True))
