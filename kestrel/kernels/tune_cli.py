@@ -23,6 +23,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-candidates", type=int, default=None,
                    help="measure at most this many candidates per (shape, M), nearest to the heuristic first, to save time")
     p.add_argument("--list", action="store_true", help="only print the candidate counts, measure nothing")
+    from kestrel.kernels.lowbit_tuning import LOWBIT_KERNELS
+    p.add_argument("--lowbit", action="append", choices=sorted(LOWBIT_KERNELS),
+                   help="also tune this W8A8 / W4A8 / W4A4 GEMM for the same shapes and M (repeatable; "
+                        "without --format only the low-bit kernels are tuned); stored in the low-bit tune cache")
     return p
 
 
@@ -53,6 +57,16 @@ def run(args) -> int:
         shapes += MODEL_SHAPES[model]
     if not shapes:
         raise ValueError("give at least one --shape N,K or --model")
+    if args.lowbit:  # low-bit GEMMs (kestrel/kernels/lowbit_tuning.py) share the shape / M arguments
+        from kestrel.kernels.lowbit_tuning import candidates as lowbit_candidates, run_cli
+        uniq = list(dict.fromkeys(shapes))
+        if args.list:
+            for k in args.lowbit:
+                print(k, {m: len(lowbit_candidates(k, m, n, kk, args.max_candidates)) for n, kk in uniq for m in ms})
+        else:
+            run_cli(args.lowbit, uniq, ms, args.max_candidates)
+        if not args.formats:
+            return 0
     layers = []
     for f in args.formats or ["int4"]:
         for n, k in dict.fromkeys(shapes):

@@ -1,0 +1,103 @@
+"""`kestrel tune --lowbit KERNEL`: measure candidate GemmConfigs of the W8A8 / W4A8 / W4A4 GEMMs on this GPU and
+store the fastest per (GPU, kernel, N, K, M bucket) in the low-bit tune cache (lowbit_tune.py), which the kernels
+read before falling back to lowbit_gemm.heuristic_config."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.kernels import act_quant as aq
+from kestrel.kernels.lowbit_gemm import (A_FP8, A_INT8, A_MXFP4, A_NVFP4, GemmConfig, candidate_configs,
+                                         heuristic_config)
+from kestrel.kernels.lowbit_tune import m_bucket, store
+
+# kernel name -> (activation format, weight format); the names are the cache keys the kernels look up
+LOWBIT_KERNELS = {
+    "w8a8-fp8": (A_FP8, "fp8"),
+    "w8a8-int8": (A_INT8, "int8"),
+    "w4a8-int4": (A_FP8, "int4"),
+    "w4a8-mxfp4": (A_FP8, "mxfp4"),
+    "w4a4-mxfp4": (A_MXFP4, "mxfp4"),
+    "w4a4-nvfp4": (A_NVFP4, "nvfp4"),
+}
+
+
+def make_case(kernel: str, M: int, N: int, K: int, device="cuda"):
+    """-> run(cfg) computing that kernel on random data of this shape."""
+    from kestrel.kernels.gemm_w4a4 import gemm_w4a4
+    from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4
+    from kestrel.kernels.gemm_w8a8 import gemm_w8a8, quantize_weight_w8a8
+    if kernel not in LOWBIT_KERNELS:
+        raise ValueError(f"unknown low-bit kernel {kernel!r}; choose from {sorted(LOWBIT_KERNELS)}")
+    a_fmt, w_fmt = LOWBIT_KERNELS[kernel]
+    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    w = torch.randn(N, K, device=device) * 0.02
+    if kernel.startswith("w8a8"):
+        wq, ws = quantize_weight_w8a8(w, w_fmt)
+        a, s = aq.quant_int8(x) if w_fmt == "int8" else aq.quant_fp8(x)
+        return lambda cfg: gemm_w8a8(a, s, wq, ws, config=cfg)
+    qw = quantize_weight_w4(w, w_fmt, 128)
+    if kernel.startswith("w4a8"):
+        a, s = aq.quant_fp8(x)
+        return lambda cfg: gemm_w4a8(a, s, qw, config=cfg)
+    if w_fmt == "mxfp4":
+        a, s = aq.quant_mxfp4(x)
+        gs = None
+    else:
+        a, s, gs = aq.quant_nvfp4(x)
+    return lambda cfg: gemm_w4a4(a, s, qw, gs, config=cfg)
+
+
+def candidates(kernel: str, M: int, N: int, K: int, max_candidates: int | None = None) -> list[GemmConfig]:
+    a_fmt = LOWBIT_KERNELS[kernel][0]
+    h = heuristic_config(M, N, K, a_fmt, a_fmt)
+    out = [h] + [c for c in candidate_configs(M, a_fmt) if c != h and K % (c.BK * c.SPLIT_K) == 0]
+    return out[:max_candidates] if max_candidates else out
+
+
+def _do_bench_us(fn) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+
+
+def tune_lowbit(kernel: str, shapes: list[tuple[int, int]], ms: list[int], progress=None,
+                max_candidates: int | None = None, timer=None, device="cuda", save: bool = True) -> dict:
+    """-> {"kernel|N|K|M": {"config", "us", "heuristic_us"}}; winners are stored in the cache when `save`."""
+    timer = timer or _do_bench_us
+    results = {}
+    for N, K in shapes:
+        for M in ms:
+            run = make_case(kernel, M, N, K, device)
+            best, best_t, heur_t = None, float("inf"), None
+            for i, cfg in enumerate(candidates(kernel, M, N, K, max_candidates)):
+                try:
+                    t = timer(lambda cfg=cfg: run(cfg))
+                except Exception:  # rejected by the compiler (shared memory, registers): skip
+                    t = float("inf")
+                if i == 0:
+                    heur_t = t
+                if t < best_t:
+                    best, best_t = cfg, t
+                if progress is not None:
+                    progress.update(1)
+            if best is not None:
+                if save:
+                    store(kernel, M, N, K, best)
+                results[f"{kernel}|N{N}|K{K}|M{m_bucket(M)}"] = {"config": best.as_dict(), "us": best_t,
+                                                                  "heuristic_us": heur_t}
+    return results
+
+
+def run_cli(kernels: list[str], shapes: list[tuple[int, int]], ms: list[int], max_candidates: int | None) -> None:
+    """the `kestrel tune --lowbit` path: progress bar, one line per winner."""
+    if not torch.cuda.is_available():
+        raise ValueError("kestrel tune needs a CUDA GPU (none is visible)")
+    from tqdm import tqdm
+
+    from kestrel.kernels.lowbit_tune import cache_path
+    total = sum(len(candidates(k, m, n, kk, max_candidates)) for k in kernels for n, kk in shapes for m in ms)
+    with tqdm(total=total, desc=f"tuning low-bit GEMMs on {torch.cuda.get_device_name()}", unit="cfg") as bar:
+        for k in kernels:
+            bar.set_postfix_str(k)
+            for key, v in tune_lowbit(k, shapes, ms, progress=bar, max_candidates=max_candidates).items():
+                tqdm.write(f"{key}: {v['us']:.1f} us (heuristic {v['heuristic_us']:.1f}) {v['config']}")
+    print(f"wrote {cache_path()}")
