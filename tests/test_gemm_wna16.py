@@ -50,7 +50,7 @@ def test_formats_default_config(spec, m):
     ComputeConfig("gemv", 1, 32, 0, split_k=2, num_warps=1, num_stages=2),  # split-K GEMV
     ComputeConfig("gemv", 1, 64, 0, split_k=1, num_warps=2, num_stages=1),
     ComputeConfig("dot", 16, 32, 32, split_k=4, num_stages=2),              # split-K tensor-core path
-    ComputeConfig("dot", 32, 64, 256, split_k=1),                            # groups inside the K tile
+    ComputeConfig("dot", 32, 64, 256, split_k=1, num_stages=1),              # groups inside the K tile
     ComputeConfig("dequant_mm", 1, 32, 64),                                  # Triton dequant + matmul
 ], ids=lambda c: f"{c.kernel}-bn{c.block_n}-bk{c.block_k}-sk{c.split_k}")
 @pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128),
