@@ -99,8 +99,11 @@ class DraftHead(nn.Module):
     def load(cls, path: str, device="cpu") -> "DraftHead":
         from safetensors import safe_open
         from safetensors.torch import load_file
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+        except Exception as e:  # missing file, not safetensors, truncated
+            raise ValueError(f"cannot read draft head {path!r}: {e}") from None
         if "kestrel_draft_head" not in meta:
             raise ValueError(f"{path} is not a kestrel draft head (train one with `kestrel train-draft`)")
         head = cls(**json.loads(meta["kestrel_draft_head"]))

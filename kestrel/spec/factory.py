@@ -45,5 +45,17 @@ def build_drafter(cfg: SpeculativeConfig, engine) -> Drafter:
     raise ValueError(f"unknown drafter {cfg.drafter!r}")
 
 
-def build_spec_decoder(engine, cfg: SpeculativeConfig) -> SpecDecoder:
+def build_spec_decoder(engine, cfg: SpeculativeConfig | str | dict) -> SpecDecoder | None:
+    """The engine's SPECULATIVE_BUILDER: EngineConfig.speculative may be a SpeculativeConfig, the flag text
+    ('drafter=ngram,k=4') or a dict of SpeculativeConfig fields."""
+    from kestrel.spec.config import parse_speculative
+
+    if isinstance(cfg, str):
+        cfg = parse_speculative(cfg)
+        if cfg is None:
+            return None
+    elif isinstance(cfg, dict):
+        cfg = SpeculativeConfig(**cfg)
+    elif not isinstance(cfg, SpeculativeConfig):
+        raise ValueError(f"speculative must be a SpeculativeConfig, a 'drafter=...,k=...' string or a dict, got {cfg!r}")
     return SpecDecoder(cfg, build_drafter(cfg, engine))

@@ -6,6 +6,7 @@ hidden @ lm_head^T, so they are recomputed for the sampled positions of each ste
 """
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -38,51 +39,57 @@ def collect_hidden(model, seqs: list[list[int]], device, progress: bool = True) 
 
 
 def _sample_batch(hidden, seqs, k, n, gen: random.Random, device):
-    """n random (sequence, t) positions with t + 1 < len: inputs h_t, x_{t+1}; per slot i the previous token
-    x_{t+1+i}, the teacher hidden at t+1+i (its logits predict x_{t+2+i}), and a validity mask."""
-    hs, nxt, prev, teach, mask = [], [], [], [], []
+    """n random (sequence, t) positions with t + 2 < len: inputs h_t, x_{t+1}; per slot i the previous token
+    x_{t+1+i}, the teacher hidden at t+1+i (its logits predict x_{t+2+i}), the token x_{t+2+i} the target actually
+    generated there, and a validity mask."""
+    hs, nxt, prev, teach, label, mask = [], [], [], [], [], []
     for _ in range(n):
         j = gen.randrange(len(seqs))
         L = len(seqs[j])
-        t = gen.randrange(L - 1)
+        t = gen.randrange(L - 2)
         hs.append(hidden[j][t])
         nxt.append(seqs[j][t + 1])
-        idx = [min(t + 1 + i, L - 1) for i in range(k)]
+        idx = [min(t + 1 + i, L - 2) for i in range(k)]
         prev.append([seqs[j][p] for p in idx])
+        label.append([seqs[j][p + 1] for p in idx])
         teach.append(hidden[j][idx])
-        mask.append([t + 1 + i <= L - 1 for i in range(k)])
+        mask.append([t + 2 + i <= L - 1 for i in range(k)])
     f = lambda x: torch.tensor(x, device=device)
-    return torch.stack(hs).to(device), f(nxt), f(prev), torch.stack(teach).to(device), f(mask)
+    return torch.stack(hs).to(device), f(nxt), f(prev), torch.stack(teach).to(device), f(label), f(mask)
 
 
 def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Tensor], seqs: list[list[int]],
                k: int = 4, steps: int = 500, batch_positions: int = 256, lr: float = 1e-3, seed: int = 0,
                head: DraftHead | None = None, progress: bool = True, conf_weight: float = 0.5) -> DraftHead:
-    """Distil: soft cross-entropy to the teacher's distribution at each slot + BCE of the confidence output
-    against 'the head's argmax equals the teacher's argmax' (per-slot acceptance under greedy verification)."""
+    """Distil: cross-entropy to the teacher's distribution at each slot (soft) and to the token the teacher actually
+    generated there (hard: a sharp signal even where the teacher is flat), + BCE of the confidence output against
+    'the head's argmax equals the teacher's argmax' (per-slot acceptance under greedy verification)."""
     device = embed.device
     torch.manual_seed(seed)
     gen = random.Random(seed)
-    seqs = [s for s, h in zip(seqs, hidden) if len(s) >= 2]
-    hidden = [h for s, h in zip(seqs, hidden) if len(s) >= 2]
+    keep = [j for j, s in enumerate(seqs) if len(s) >= 3]
+    seqs, hidden = [seqs[j] for j in keep], [hidden[j] for j in keep]
     if not seqs:
-        raise ValueError("train-draft needs sequences of at least 2 tokens")
+        raise ValueError("train-draft needs sequences of at least 3 tokens")
     head = head or DraftHead(embed.shape[1], k=k)
     head = head.to(device).train()
     embed, lm_head = embed.detach().float(), lm_head.detach().float()
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    warm = max(1, steps // 20)
+    cosine = lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: max(cosine(i), 0.05))
     bar = tqdm(range(steps), desc="Training draft head", unit="step", disable=not progress)
     stats = {}
     for step in bar:
-        h, nxt, prev, teach, mask = _sample_batch(hidden, seqs, head.k, batch_positions, gen, device)
+        h, nxt, prev, teach, label, mask = _sample_batch(hidden, seqs, head.k, batch_positions, gen, device)
         logits, conf = head.forward_teacher(h, embed[nxt], embed[prev], lm_head)
         with torch.no_grad():
             t_logits = teach @ lm_head.t()
             t_prob = torch.softmax(t_logits, -1)
             hit = (logits.argmax(-1) == t_logits.argmax(-1)).float()
         m = mask.float()
-        ce = -(t_prob * torch.log_softmax(logits, -1)).sum(-1)
+        logp = torch.log_softmax(logits, -1)
+        ce = -(t_prob * logp).sum(-1) - logp.gather(-1, label[..., None]).squeeze(-1)
         bce = F.binary_cross_entropy_with_logits(conf, hit, reduction="none")
         loss = ((ce + conf_weight * bce) * m).sum() / m.sum()
         opt.zero_grad(set_to_none=True)
