@@ -15,6 +15,7 @@ COMMANDS = [
     "kestrel.commands.chat",
     "kestrel.router.cli",
     "kestrel.kernels.tune_cli",
+    "kestrel.spec.train_cli",
 ]
 
 
