@@ -22,7 +22,8 @@ COMMANDS = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kestrel", description="kestrel: LLM inference stack "
                                      "(OpenAI-compatible server, offline generation, interactive chat).")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                help="run `kestrel COMMAND --help` for its flags")
     for name in COMMANDS:
         try:
             module = importlib.import_module(name)
