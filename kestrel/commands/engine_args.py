@@ -25,11 +25,15 @@ ENGINE_HELP = {
     "num_kv_blocks": "exact number of KV cache blocks (overrides --kv-cache-gb)",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes across requests",
     "load_format": "'auto' loads real weights; 'dummy' makes random weights of --model-shape (for benchmarks)",
-    "model_shape": "JSON object of model config overrides for --load-format dummy, e.g. '{\"num_layers\": 2}'",
-    "quantization": "quantize the linear layers at load time with this kestrel quant format",
+    "model_shape": "for --load-format dummy: a known shape (llama-3-8b, llama-3-70b, llama-3-70b-tp8, mistral-7b, "
+                   "qwen-moe) or a JSON object of model config fields, e.g. '{\"num_hidden_layers\": 2}'",
+    "quantization": "quantize the linear layers at load time (RTN): none, int4-g128, int4-g128-zp, int8, fp8 "
+                    "(FP8 weights, bf16 activations), mxfp4, nvfp4",
     "seed": "global random seed (sampling of requests without their own seed)",
     "async_scheduling": "overlap CPU scheduling of the next step with the current device step",
     "progress": "show a progress bar while loading the model",
+    "cuda_graphs": "on a GPU, capture decode steps of each batch-size bucket in CUDA graphs and replay them "
+                   "(--no-cuda-graphs runs every step eagerly)",
 }
 
 
@@ -43,6 +47,8 @@ def _unwrap(tp):
 
 
 def _json_arg(text: str):
+    if not text.lstrip().startswith(("{", "[")):
+        return text  # a plain name (e.g. --model-shape llama-3-8b); the consumer validates it
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
