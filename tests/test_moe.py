@@ -5,7 +5,7 @@ import torch
 
 from kestrel.kernels import act_quant as aq
 from kestrel.kernels.lowbit_gemm import A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4, Operand
-from kestrel.kernels.moe_align import max_blocks, moe_align, route_topk
+from kestrel.kernels.moe_align import max_blocks, moe_align, moe_align_torch, route_topk
 from kestrel.kernels.moe_gemm import grouped_gemm, moe_config, quantize_experts
 from kestrel.kernels.moe_layer import FusedMoE, ref_moe
 
@@ -34,6 +34,9 @@ def test_align_covers_every_slot_once(M, k, E, bm):
         blk = sorted_ids[b * bm:(b + 1) * bm]
         blk = blk[blk < T].long()
         assert (ids.flatten()[blk] == expert_ids[b]).all()
+    # the single-launch Triton align and the torch-ops one agree exactly (both stable)
+    for got, want in zip((sorted_ids, expert_ids, num_post), moe_align_torch(ids, E, bm)):
+        assert torch.equal(got, want)
 
 
 def test_route_topk_renormalizes():

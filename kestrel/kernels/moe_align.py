@@ -2,9 +2,16 @@
 
 All outputs have sizes fixed by (tokens, top_k, experts, block) alone — no host sync, so the MoE layer can be
 captured in a CUDA graph. Padding slots hold the sentinel `num_tokens * top_k` and are masked in the kernel.
+Two implementations with identical (stable) output: one Triton launch for decode-sized batches (the ~20 small torch
+launches of the other cost more than the expert GEMMs themselves at M=1), torch ops for large batches.
 """
+import warnings
+
 import torch
 import triton
+import triton.language as tl
+
+TRITON_MAX_SLOTS = 16384  # above this the single-CTA kernel's O(slots * experts) work outgrows the torch path
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
@@ -24,16 +31,80 @@ def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_slots, block_m) + min(num_experts, num_slots)
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, npost_ptr, T, E, n_blocks,
+                  BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """one CTA: per-expert counts -> padded offsets -> block expert ids -> stable scatter of slot indices."""
+    e_idx = tl.arange(0, BLOCK_E)
+    t_idx = tl.arange(0, BLOCK_T)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        ids = tl.load(ids_ptr + t0 + t_idx, mask=t0 + t_idx < T, other=BLOCK_E)
+        counts += tl.sum((ids[:, None] == e_idx[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    cum = tl.cumsum(padded, axis=0)
+    tl.store(npost_ptr, tl.sum(padded, axis=0))
+    cum_blk = cum // BM
+    for b0 in range(0, n_blocks, BLOCK_T):
+        b = b0 + t_idx
+        e_of_b = tl.sum((cum_blk[None, :] <= b[:, None]).to(tl.int32), axis=1)  # experts that end at or before b
+        tl.store(expert_ids_ptr + b, tl.minimum(e_of_b, E - 1), mask=b < n_blocks)
+    for p0 in range(0, n_blocks * BM, BLOCK_T):
+        tl.store(sorted_ptr + p0 + t_idx, tl.zeros([BLOCK_T], tl.int32) + T, mask=p0 + t_idx < n_blocks * BM)
+    tl.debug_barrier()  # the sentinel fill above must land before the scatter below overwrites it
+    cursor = cum - padded
+    for t0 in range(0, T, BLOCK_T):
+        ids = tl.load(ids_ptr + t0 + t_idx, mask=t0 + t_idx < T, other=BLOCK_E)
+        onehot = (ids[:, None] == e_idx[None, :]).to(tl.int32)
+        base = tl.sum(onehot * cursor[None, :], axis=1)
+        earlier = (ids[:, None] == ids[None, :]) & (t_idx[None, :] < t_idx[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)  # earlier slots of the same expert in this chunk (stable)
+        tl.store(sorted_ptr + base + rank, t0 + t_idx, mask=t0 + t_idx < T)
+        cursor += tl.sum(onehot, axis=0)
+
+
+_TRITON_ALIGN_OK = [True]
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """topk_ids [M, k] -> (sorted_ids int32 [B * block_m], expert_ids int32 [B], num_post int32 [1]).
 
-    sorted_ids lists the flat slot indices (token * k + j) grouped by expert, each expert's run padded to a multiple
-    of block_m; expert_ids[b] is the expert of block b; num_post the number of valid (padded) rows.
+    sorted_ids lists the flat slot indices (token * k + j) grouped by expert (in slot order within an expert), each
+    expert's run padded to a multiple of block_m; expert_ids[b] is the expert of block b; num_post the number of
+    valid (padded) rows.
     """
+    from kestrel.kernels.act_quant import use_triton
+    T = topk_ids.numel()
+    if use_triton(topk_ids) and 0 < T <= TRITON_MAX_SLOTS and _TRITON_ALIGN_OK[0]:
+        if not topk_ids.is_cuda:
+            _check_ids(topk_ids, num_experts)
+        B = max_blocks(T, num_experts, block_m)
+        sorted_ids = torch.empty(B * block_m, dtype=torch.int32, device=topk_ids.device)
+        expert_ids = torch.empty(B, dtype=torch.int32, device=topk_ids.device)
+        num_post = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
+        BLOCK_E = triton.next_power_of_2(num_experts)
+        BLOCK_T = max(16, min(128, 8192 // BLOCK_E))
+        try:
+            _align_kernel[(1,)](topk_ids.reshape(-1).to(torch.int32).contiguous(), sorted_ids, expert_ids, num_post,
+                                T, num_experts, B, BM=block_m, BLOCK_E=BLOCK_E, BLOCK_T=BLOCK_T, num_warps=8)
+            return sorted_ids, expert_ids, num_post
+        except Exception as ex:  # a Triton build that rejects the kernel: keep working on the torch path
+            _TRITON_ALIGN_OK[0] = False
+            warnings.warn(f"Triton moe_align unavailable ({ex!r}); using the torch implementation")
+    return moe_align_torch(topk_ids, num_experts, block_m)
+
+
+def _check_ids(topk_ids: torch.Tensor, num_experts: int):
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
+        raise ValueError(f"expert ids must be in [0, {num_experts})")
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """moe_align with ~20 torch ops (any size; same output)."""
     flat = topk_ids.reshape(-1).long()
     T = flat.numel()
-    if not flat.is_cuda and T and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):  # no sync on GPU
-        raise ValueError(f"expert ids must be in [0, {num_experts})")
+    if not flat.is_cuda:  # (no host sync on the GPU)
+        _check_ids(flat, num_experts)
     dev = flat.device
     counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
