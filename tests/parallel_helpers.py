@@ -16,12 +16,13 @@ def free_init_method() -> str:
 
 
 def make_tiny_llama(path: str, seed: int = 0, **overrides) -> None:
-    """A random tiny Llama in HF format (config.json + safetensors + the embedded tokenizer)."""
+    """A random tiny Llama in HF format (config.json + safetensors + the embedded tokenizer; the model's vocabulary
+    is the tokenizer's first 1000 ids, enough for token-id prompts and small, fast shards)."""
     import transformers
 
     from kestrel.model.loader import load_tokenizer, resolve
 
-    kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    kw = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-5,
               bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
     kw.update(overrides)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kestrel.model.parallel import ParallelGroup, destroy_distributed, init_distributed, shard_llama
-from kestrel.model.parallel.distributed import free_port
+from kestrel.model.parallel.distributed import apply_nccl_env, free_port
 
 from .attention import AttentionBackend
 from .block_manager import BlockManager
@@ -134,6 +134,16 @@ class TPLLMEngine(LLMEngine):
     def stats(self) -> dict:
         return {**super().stats(), "tensor_parallel_size": self.tp_size}
 
+    def kill_workers(self) -> None:
+        """At interpreter exit: end the workers without a collective (another thread may be inside one)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for p in self._workers:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
     def shutdown(self) -> None:
         """Rank 0: release the workers and wait for them (idempotent)."""
         if self._stopped or self.group.rank != 0:
@@ -182,8 +192,6 @@ def launch_tp_engine(config: EngineConfig, tensor_parallel_size: int, start_meth
     """This process becomes rank 0 of an N-process tensor-parallel engine; ranks 1..N-1 are started here."""
     import torch.multiprocessing as mp
 
-    from kestrel.model.parallel.shard_llama import check_tp_size  # noqa: F401  (fail fast on bad sizes below)
-
     n = int(tensor_parallel_size)
     if n < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {n}")
@@ -191,6 +199,7 @@ def launch_tp_engine(config: EngineConfig, tensor_parallel_size: int, start_meth
         if not torch.cuda.is_available() or torch.cuda.device_count() < n:
             have = torch.cuda.device_count() if torch.cuda.is_available() else 0
             raise ValueError(f"--tensor-parallel-size {n} needs {n} GPUs, {have} visible")
+    apply_nccl_env()  # before the workers start: they inherit it
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context(start_method)
     workers = []
@@ -208,5 +217,5 @@ def launch_tp_engine(config: EngineConfig, tensor_parallel_size: int, start_meth
     engine._workers = workers
     if workers:
         threading.Thread(target=_watchdog, args=(engine,), daemon=True, name="tp-watchdog").start()
-        atexit.register(engine.shutdown)
+        atexit.register(engine.kill_workers)
     return engine

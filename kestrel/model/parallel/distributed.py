@@ -15,14 +15,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-# NVLink SHARP / multicast stay off: the lent H200 hosts do not support it (device README), and NCCL, symmetric
-# memory and NVSHMEM each have their own switch. Set before the first NCCL communicator exists.
+# NVLink multicast (NVLS) stays off: on shared multi-GPU hosts a program using it can take the host's GPUs out of
+# service, and NCCL, PyTorch symmetric memory and NVSHMEM each have their own switch. Forced (not defaulted), and
+# set before the first communicator exists and before worker processes start, so they inherit it.
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def apply_nccl_env() -> None:
     for k, v in NCCL_SAFE_ENV.items():
-        os.environ.setdefault(k, v)
+        os.environ[k] = v
 
 
 def free_port() -> int:
