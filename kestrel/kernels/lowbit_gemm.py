@@ -304,6 +304,8 @@ def candidate_configs(M: int, a_fmt: int) -> list[GemmConfig]:
 def run_dense(a: Operand, w: Operand, M: int, N: int, K: int, out_dtype: torch.dtype,
               cfg: GemmConfig | None = None) -> torch.Tensor:
     """Dense C[M, N] = A[M, K] @ W[N, K]^T with the scales of both operands."""
+    if M == 0:
+        return torch.empty((0, N), dtype=out_dtype, device=a.data.device)
     if cfg is None:
         cfg = heuristic_config(M, N, K, a.fmt, w.fmt)
     if cfg.SPLIT_K > 1:
@@ -311,6 +313,5 @@ def run_dense(a: Operand, w: Operand, M: int, N: int, K: int, out_dtype: torch.d
         launch(a, w, acc, M, N, K, cfg)
         return acc.to(out_dtype)
     out = torch.empty((M, N), dtype=out_dtype, device=a.data.device)
-    if M:
-        launch(a, w, out, M, N, K, cfg)
+    launch(a, w, out, M, N, K, cfg)
     return out
