@@ -16,7 +16,9 @@ from kestrel.kernels.attention import default_num_splits, paged_decode_attention
 
 
 def default_batch_buckets(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4] + list(range(8, 257, 8))
+    # dense where batches are small, coarser above: each bucket costs a capture at start-up, and decode of a
+    # padded row is cheap (its attention is empty; the weight reads dominate the GEMMs)
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256] + list(range(320, 1025, 64))
     return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
 
 
