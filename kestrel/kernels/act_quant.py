@@ -3,7 +3,8 @@ NVFP4 (e4m3 scale per 16 + fp32 global scale), and SiLU·mul fused with FP8 quan
 
 Every function has a CPU reference `ref_*` written with plain torch ops (a different algorithm where it can be:
 table lookup for fp4, torch casts for fp8) so tests compare the Triton kernels against something independent.
-Scales are fp32 dequant multipliers (x ≈ q * scale); MX scales are raw e8m0 bytes (uint8), NV block scales are
+Divisions use IEEE round-to-nearest (tl.math.div_rn, as torch does on the GPU), so codes match the references bit
+for bit on the GPU too, not only in the interpreter. Scales are fp32 dequant multipliers (x ≈ q * scale); MX scales are raw e8m0 bytes (uint8), NV block scales are
 torch.float8_e4m3fn. 4-bit outputs are packed two per byte as described in kestrel/kernels/lowbit.py.
 """
 import os
@@ -50,13 +51,13 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
         qmax = 127.0
     else:
         qmax = 448.0
-    scale = tl.maximum(tl.max(amax, 0), 1e-10) / qmax
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), qmax)
     tl.store(s_ptr + row * n_groups + g, scale)
     for off in range(0, G, BLOCK):
         cols = base + off + tl.arange(0, BLOCK)
         m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x / scale, -qmax), qmax)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -qmax), qmax)
         if IS_INT8:
             tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
         else:
@@ -185,9 +186,9 @@ def _quant_nvfp4_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, K, stride_x, stride_q, stri
     gs = tl.load(gs_ptr)
     xb = tl.reshape(x, (BLOCK // 16, 16))
     amax = tl.max(tl.abs(xb), 1)
-    sb = round_e4m3(tl.minimum((amax / 6.0) / gs, 448.0))  # block scale, itself quantized to e4m3
+    sb = round_e4m3(tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, 6.0), gs), 448.0))  # block scale -> e4m3
     denom = sb * gs
-    y = tl.where(denom[:, None] > 0, xb / tl.where(denom > 0, denom, 1.0)[:, None], 0.0)
+    y = tl.where(denom[:, None] > 0, tl.math.div_rn(xb, tl.where(denom > 0, denom, 1.0)[:, None]), 0.0)
     y = tl.minimum(tl.maximum(y, -6.0), 6.0)
     codes = tl.reshape(fp4_encode(y), (BLOCK // 2, 2))
     lo, hi = tl.split(codes)
@@ -252,7 +253,7 @@ def _silu_mul_kernel(x_ptr, o_ptr, s_ptr, I, stride_x, stride_o, QUANT: tl.const
             g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
             u = tl.load(x_ptr + row * stride_x + I + cols, mask=m, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(g / (1.0 + tl.exp(-g)) * u))
-        scale = tl.maximum(tl.max(amax, 0), 1e-10) / 448.0
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
         tl.store(s_ptr + row, scale)
     for off in range(0, I, BLOCK):
         cols = off + tl.arange(0, BLOCK)
@@ -261,7 +262,7 @@ def _silu_mul_kernel(x_ptr, o_ptr, s_ptr, I, stride_x, stride_o, QUANT: tl.const
         u = tl.load(x_ptr + row * stride_x + I + cols, mask=m, other=0.0).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * u
         if QUANT:
-            y = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+            y = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0)
             tl.store(o_ptr + row * stride_o + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
         elif OUT_BF16:
             tl.store(o_ptr + row * stride_o + cols, round_bf16(y).to(tl.bfloat16), mask=m)
