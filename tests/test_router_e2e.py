@@ -85,6 +85,46 @@ def test_prefix_aware_routing_raises_replica_cache_hits(replicas, router_for):
     assert aware > 1.5 * robin, (aware, robin)
 
 
+def _chat_tokens(url, content, stream, timeout=120):
+    """Greedy chat completion; returns (token strings with logprobs, response headers)."""
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 10, "temperature": 0,
+            "logprobs": True, "stream": stream}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return [(c["token"], c["logprob"]) for c in r.json()["choices"][0]["logprobs"]["content"]], r.headers
+    toks = []
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            lp = json.loads(line[6:])["choices"][0].get("logprobs")
+            toks += [(c["token"], c["logprob"]) for c in (lp or {}).get("content", [])]
+    return toks, r.headers
+
+
+def test_pd_disaggregation_token_identical_to_single_replica(replicas, tmp_path):
+    prefill, decode = replicas
+    rt = launch.router(launch.free_port(), [], "--prefill-replica", prefill.url, "--decode-replica", decode.url,
+                       "--health-interval", "0.2", log_path=str(tmp_path / "router-pd.log")).wait_healthy(60)
+    try:
+        prompts = ["Explain, in the voice of a ship's log, how the harbour pilots guide vessels through fog at "
+                   "night and why the bells matter. " * 2,
+                   "List three facts about owls and describe where they nest in old forests near rivers. " * 2]
+        for i, prompt in enumerate(prompts):
+            single, _ = _chat_tokens(prefill.url, prompt, stream=False)  # reference: one replica does it all
+            hits0 = parse_metrics(httpx.get(decode.url + "/metrics").text).get("prefix_hits", 0)
+            pd, headers = _chat_tokens(rt.url, prompt, stream=i % 2 == 0)
+            hits1 = parse_metrics(httpx.get(decode.url + "/metrics").text).get("prefix_hits", 0)
+            blocks = int(headers["x-kestrel-kv-blocks"])
+            assert headers["x-kestrel-prefill-replica"] == prefill.url and headers["x-kestrel-replica"] == decode.url
+            assert blocks >= 2, dict(headers)
+            # the decode replica never saw this prompt, yet served the handed-over blocks from its prefix cache
+            assert hits1 - hits0 >= 16 * blocks
+            assert [t for t, _ in pd] == [t for t, _ in single]
+            assert [lp for _, lp in pd] == pytest.approx([lp for _, lp in single], abs=1e-3)
+    finally:
+        rt.stop()
+
+
 def test_replica_killed_mid_stream_real(replicas, router_for):
     rt = router_for()
     body = {"messages": [{"role": "user", "content": "Tell me a long story about a fox."}], "max_tokens": 200,

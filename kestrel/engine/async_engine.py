@@ -8,6 +8,7 @@ sleeps on a condition variable (no polling).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import traceback
@@ -42,6 +43,7 @@ class AsyncLLMEngine:
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, object, SamplingParams]] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple] = []  # (fn, concurrent Future): work that must run on the engine thread
         self._streams: dict[str, _Stream] = {}
         self._stats: dict = dict(engine.stats())
         self._closed = False
@@ -108,6 +110,16 @@ class AsyncLLMEngine:
             if not done:
                 self.abort(request_id)
 
+    async def call(self, fn):
+        """Run fn(engine) on the engine thread between steps (e.g. KV block export/import) and return its result."""
+        fut = concurrent.futures.Future()
+        with self._cv:
+            if self._closed:
+                raise EngineError("the engine is shut down")
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return await asyncio.wrap_future(fut)
+
     def abort(self, request_id: str) -> None:
         with self._cv:
             if request_id in self._streams:
@@ -124,14 +136,21 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._inbox or self._aborts or self._closed or self.engine.has_unfinished()):
+                while not (self._inbox or self._aborts or self._calls or self._closed
+                           or self.engine.has_unfinished()):
                     self._cv.wait()
                 if self._closed:
                     streams, self._streams = self._streams, {}
                     break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = set(self._aborts), []
+                calls, self._calls = self._calls, []
             self._apply(inbox, aborts)
+            for fn, fut in calls:
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:
+                    fut.set_exception(e)
             if self.engine.has_unfinished():
                 self._step()
             stats = dict(self.engine.stats())
@@ -139,6 +158,8 @@ class AsyncLLMEngine:
                 self._stats = stats
         for s in streams.values():
             s.put(EngineError("the engine is shut down"))
+        for _, fut in self._calls:
+            fut.set_exception(EngineError("the engine is shut down"))
 
     def _apply(self, inbox, aborts: set[str]) -> None:
         for rid, prompt, params in inbox:

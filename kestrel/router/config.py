@@ -35,6 +35,8 @@ class RouterConfig:
                              "--decode-replica)")
         if bool(self.prefill_replicas) != bool(self.decode_replicas):
             raise ValueError("P/D disaggregation needs both --prefill-replica and --decode-replica")
+        if self.decode_replicas and self.replicas:
+            raise ValueError("with P/D disaggregation give --prefill-replica and --decode-replica only (not --replica)")
         for url in [*self.replicas, *self.prefill_replicas, *self.decode_replicas]:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")

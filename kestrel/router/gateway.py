@@ -97,6 +97,8 @@ class Router:
         self.picker = Picker(self.index, cfg.weights, cfg.policy)
         self.scheduler = FairScheduler(lambda: list(self.replicas.values()), cfg.max_inflight_per_replica,
                                        cfg.tenant_weights, cfg.qos, cfg.queue_timeout_s, cfg.max_queued_per_tenant)
+        # with P/D disaggregation requests are served by decode replicas after a prefill replica's KV hand-over
+        self.serve_role = "decode" if cfg.decode_replicas else "both"
         self.client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
         self._init_metrics()
@@ -180,6 +182,7 @@ class Router:
         self._m_healthy = Gauge("kestrel_router_healthy_replicas", "Replicas passing health checks", registry=r)
         self._m_queued = Gauge("kestrel_router_queued_requests", "Requests waiting for a replica slot", registry=r)
         self._m_queued.set_function(self.scheduler.queue_len)
+        self._m_pd = Counter("kestrel_router_prefill_legs", "P/D prefill legs by outcome", ["outcome"], registry=r)
         self._m_prefix = Counter("kestrel_router_prefix_matched_chunks",
                                  "Prompt chunks the chosen replica was believed to hold", registry=r)
 
@@ -197,7 +200,8 @@ class Router:
             return r
         return choose
 
-    async def _acquire(self, req: dict, avoid: set[str], role: str = "both") -> tuple[Replica, Ticket]:
+    async def _acquire(self, req: dict, avoid: set[str], role: str | None = None) -> tuple[Replica, Ticket]:
+        role = role or self.serve_role
         if not any(r.healthy and r.role == role for r in self.replicas.values()):
             raise QueueTimeout("no healthy replica")
         t = Ticket(req["tenant"], req["priority"], req["cost"], self._chooser(req["hashes"], avoid, role))
@@ -206,8 +210,41 @@ class Router:
         self._m_wait.labels(t.tenant, t.priority).observe(t.queue_wait)
         return r, t
 
+    async def _prefill_leg(self, req: dict, decode: Replica) -> None:
+        """P/D: a prefill replica computes the prompt's KV and pushes it to `decode` (replica to replica); if that
+        fails the decode replica simply computes the prompt itself, so this never fails the request."""
+        try:
+            p, t = await self._acquire(req, set(), role="prefill")
+        except QueueTimeout as e:
+            req["pd"] = {"error": str(e)}
+            return
+        try:
+            kind = "chat" if "chat" in req["path"] else "completion"
+            resp = await self.client.post(p.url + "/kv/prefill", headers=req["headers"],
+                                          json={"kind": kind, "request": req["body"], "target": decode.url})
+            if resp.status_code == 200:
+                req["pd"] = {"prefill": p.url, **resp.json()}
+                self._m_pd.labels("ok").inc()
+            else:
+                req["pd"] = {"prefill": p.url, "error": f"HTTP {resp.status_code}: {resp.text[:200]}"}
+                self._m_pd.labels("refused").inc()
+        except httpx.HTTPError as e:
+            self._replica_failed(p, f"{type(e).__name__}: {e}", lost_cache=self._process_gone(e))
+            req["pd"] = {"prefill": p.url, "error": str(e)}
+            self._m_pd.labels("failed").inc()
+        finally:
+            self.scheduler.release(p)
+
     def _route_headers(self, r: Replica, t: Ticket, req: dict) -> dict:
-        return {"x-kestrel-replica": r.url, "x-kestrel-tenant": t.tenant, "x-kestrel-priority": t.priority,
+        pd = req.get("pd")
+        if pd is not None:
+            extra = {"x-kestrel-prefill-replica": pd.get("prefill", ""),
+                     "x-kestrel-kv-blocks": str(pd.get("imported", 0))}
+            if "error" in pd:
+                extra["x-kestrel-prefill-error"] = pd["error"][:200].replace("\n", " ")
+        else:
+            extra = {}
+        return {**extra, "x-kestrel-replica": r.url, "x-kestrel-tenant": t.tenant, "x-kestrel-priority": t.priority,
                 "x-kestrel-queue-ms": f"{t.queue_wait * 1000:.1f}", "x-kestrel-arrival-seq": str(t.arrival_seq),
                 "x-kestrel-dispatch-seq": str(t.dispatch_seq),
                 "x-kestrel-served-while-queued": str(t.dispatch_seq - t.dispatched_before), "x-kestrel-attempts": str(req["attempts"])}
@@ -250,6 +287,8 @@ class Router:
                 return error_json(f"{e}; last error: {last}" if avoid else str(e), 503)
             req["attempts"] += 1
             avoid.add(r.url)
+            if r.role == "decode":
+                await self._prefill_leg(req, r)
             try:
                 resp = await self.client.post(r.url + req["path"], json=req["body"], headers=req["headers"])
             except httpx.HTTPError as e:
@@ -280,6 +319,8 @@ class Router:
             req["attempts"] += 1
             avoid.add(r.url)
             t.meta["t0"] = time.monotonic()
+            if r.role == "decode":
+                await self._prefill_leg(req, r)
             try:
                 upstream = self.client.build_request("POST", r.url + req["path"], json=req["body"],
                                                      headers=req["headers"])

@@ -13,6 +13,7 @@ from kestrel.engine.async_engine import AsyncLLMEngine
 from kestrel.server.chat import create_chat_completion
 from kestrel.server.completions import create_completion
 from kestrel.server.errors import APIError, error_response, install_error_handlers
+from kestrel.server.kv_transfer import install_kv_transfer
 from kestrel.server.metrics import Metrics
 from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest
 from kestrel.server.serving import ServerState, now
@@ -39,6 +40,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None, api
     app = FastAPI(title="kestrel", version="0.1.0")
     app.state.kestrel = state
     install_error_handlers(app)
+    install_kv_transfer(app, state)  # /kv/prefill, /kv/import: prefill/decode disaggregation
 
     if api_key:
         @app.middleware("http")
