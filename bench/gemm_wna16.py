@@ -173,6 +173,7 @@ def main():
                 try:
                     gl = [build_gemlite(fmt, q) for q in qws]
                 except Exception as ex:
+                    meta.setdefault("gemlite_errors", []).append(f"{fmt} {n}x{k}: {ex!r}"[:300])
                     print(f"gemlite {fmt} failed: {ex!r}"[:400], flush=True)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -235,6 +236,7 @@ def write_markdown(res, path):
     lines = [f"# WNA16 GEMM: kestrel vs Humming vs cuBLAS bf16", "",
              f"GPU {m['gpu']}, torch {m['torch']}, triton {m['triton']}, humming {m.get('humming', '-')}, "
              f"gemlite {m.get('gemlite', m.get('gemlite_error', '-'))}, {m['date']}", "",
+             *([f"gemlite failed: {m['gemlite_errors'][0]}", ""] if m.get("gemlite_errors") else []),
              f"Command: `{m['command']}`", "",
              f"Device-to-device copy (4 GiB, read+write): {m['copy']['rw_TBps']:.3f} TB/s. Times are µs per call, "
              "CUDA graph of 20 calls rotating over weight copies; TB/s = packed weight bytes / time; "

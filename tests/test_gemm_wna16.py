@@ -49,8 +49,8 @@ def test_formats_default_config(spec, m):
 @pytest.mark.parametrize("cfg", [
     ComputeConfig("gemv", 1, 32, 0, split_k=2, num_warps=1, num_stages=2),  # split-K GEMV
     ComputeConfig("gemv", 1, 64, 0, split_k=1, num_warps=2, num_stages=1),
-    ComputeConfig("dot", 16, 32, 32, split_k=4, num_stages=2),              # split-K tensor-core path
-    ComputeConfig("dot", 32, 64, 256, split_k=1, num_stages=1),              # groups inside the K tile
+    ComputeConfig("dot", 16, 32, 0, split_k=2, num_stages=2),               # split-K tensor-core path
+    ComputeConfig("dot", 32, 64, 0, split_k=1, num_stages=1, num_warps=2),
     ComputeConfig("dequant_mm", 1, 32, 64),                                  # Triton dequant + matmul
 ], ids=lambda c: f"{c.kernel}-bn{c.block_n}-bk{c.block_k}-sk{c.split_k}")
 @pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128),
@@ -106,6 +106,6 @@ def test_bad_inputs():
     with pytest.raises(ValueError):
         gemm_wna16(torch.randn(2, K), qw)  # fp32 activations are not WNA16
     with pytest.raises(ValueError):
-        gemm_wna16(torch.randn(2, K).bfloat16(), qw, ComputeConfig("dot", 16, 64, 96))  # K % BLOCK_K != 0
+        gemm_wna16(torch.randn(2, K).bfloat16(), qw, ComputeConfig("dequant_mm", 1, 64, 96))  # K % BLOCK_K != 0
     with pytest.raises(ValueError):
         quantize(torch.randn(N, 192), QuantSpec("int4", group_size=64))  # K not a multiple of the packing block

@@ -47,12 +47,12 @@ def test_tune_cache_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv("KESTREL_TUNE_CACHE", str(cache))
     tc = TuningConfig("FakeGPU")
     assert tc.lookup(layer, 3) == heuristic(layer, 3)  # no cache: heuristic
-    tuned = ComputeConfig("dot", 16, 128, 256, 2, 4, 5)
+    tuned = ComputeConfig("dot", 16, 128, 0, 2, 4, 5)
     cache.write_text(json.dumps({cache_key("FakeGPU", layer, m_bucket(3)): {"config": tuned.to_dict(), "us": 1.0}}))
     assert tc.lookup(layer, 3) == tuned and tc.lookup(layer, 4) == tuned  # 3 and 4 share the bucket
     assert tc.lookup(layer, 16) == heuristic(layer, 16)  # other bucket untouched
     assert TuningConfig("OtherGPU").lookup(layer, 3) == heuristic(layer, 3)  # keyed by GPU name
-    bad = ComputeConfig("dot", 16, 128, 96)  # does not divide K: ignored
+    bad = ComputeConfig("dequant_mm", 16, 128, 96)  # does not divide K: ignored
     cache.write_text(json.dumps({cache_key("FakeGPU", layer, 4): {"config": bad.to_dict()}}))
     assert tc.lookup(layer, 4) == heuristic(layer, 4)
 

@@ -37,7 +37,7 @@ class ComputeConfig:
     kernel: str = "dot"
     block_m: int = 16
     block_n: int = 64
-    block_k: int = 128  # dot: K tile; dequant_mm: dequant tile; gemv: unused (one planar block per step)
+    block_k: int = 0  # dequant_mm: dequant K tile; gemv/dot step one planar block (packing.py) at a time
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
@@ -50,10 +50,10 @@ class ComputeConfig:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def valid_for(self, layer: LayerConfig) -> bool:
-        k_steps = layer.k // layer.spec.k_multiple if self.kernel == "gemv" else layer.k // max(1, self.block_k)
+        k_steps = layer.k // layer.spec.k_multiple
         if self.kernel not in ("gemv", "dot", "dequant_mm") or self.block_n < 16 or self.split_k < 1:
             return False
-        if self.kernel != "gemv" and (self.block_k < 16 or layer.k % self.block_k):
+        if self.kernel == "dequant_mm" and (self.block_k < 16 or layer.k % self.block_k):
             return False
         if self.kernel == "dot" and self.block_m < 16:
             return False
@@ -105,8 +105,6 @@ def _pow2_floor(x: int) -> int:
 
 def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
     """Shape-class defaults (used when no tuned entry exists)."""
-    gs = layer.k if layer.spec.group_size == -1 else layer.spec.group_size
-
     def fit_bk(bk: int) -> int:
         while bk > 16 and layer.k % bk:
             bk //= 2
@@ -122,12 +120,11 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
         return ComputeConfig("gemv", 1, bn, 0, split, num_warps=1, num_stages=3)
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bk = fit_bk(min(128, max(32, gs)))
         bn = 64
-        split = split_for(-(-layer.n // bn), layer.k // bk, 2)
-        return ComputeConfig("dot", bm, bn, bk, split, num_warps=4, num_stages=4)
+        split = split_for(-(-layer.n // bn), layer.k // layer.spec.k_multiple, 2)
+        return ComputeConfig("dot", bm, bn, 0, split, num_warps=4, num_stages=3)
     if m < 512:
-        return ComputeConfig("dot", 128, 128, fit_bk(64), 1, num_warps=8, num_stages=3)
+        return ComputeConfig("dot", 128, 128, 0, 1, num_warps=8, num_stages=3)
     return ComputeConfig("dequant_mm", 1, 64, fit_bk(128), 1, num_warps=4, num_stages=1)
 
 

@@ -5,9 +5,8 @@ Kernels (JIT-specialised by constexprs per format and ComputeConfig; ComputeConf
   coalesced loads; each bit field of the tile is a [16, BN] tile of contiguous k in the same registers, decoded
   with 2-3 integer ops into fp32 and FMA'd with x on CUDA cores; the group scale (and zero) is applied once per
   field group after an in-thread reduction. Split-K over programs for narrow N.
-- "dot"   (M >= ~8): tensor cores; the [BK, BN] weight tile is gathered from the planar words, decoded to exact
-  unscaled values in bf16/fp16 and fed to tl.dot, the group scale multiplies the tile product when the K tile
-  lies in one group.
+- "dot"   (M >= ~4): tensor cores on the same planar tiles: each bit field is an exact unscaled bf16/fp16
+  [16, BN] operand for a K=16 MMA against x; group scales multiply the partial products.
 - "dequant_mm" (large M, compute-bound): one bandwidth-bound Triton pass writes W as bf16, then cuBLAS.
 """
 from __future__ import annotations
@@ -17,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig
-from kestrel.kernels.dequant import decode_codes, decode_scale, fp_plane, int_plane
+from kestrel.kernels.dequant import decode_codes, decode_scale, fp_plane, int_plane, int_to_f32
 from kestrel.quant.packing import PLANE_ROWS
 from kestrel.quant.weight import QuantizedWeight
 
@@ -116,37 +115,55 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, 
                 BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
                 MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
                 SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, R: tl.constexpr):
+    """Tensor cores over the planar layout: each loaded [R, BN] word tile gives EPW exact bf16/fp16 planes of
+    contiguous k, each multiplied by the matching [BM, R] slice of x (K=16 MMAs); the group scale multiplies the
+    partial product of the planes that share a group."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    # per-tile scale after the dot when the K tile lies inside one group (zeros are folded into the values)
-    SCALE_INSIDE: tl.constexpr = (not PER_CHANNEL) and GROUP_SIZE < BLOCK_K
+    PB: tl.constexpr = R * EPW
+    PPG: tl.constexpr = EPW if PER_CHANNEL else (EPW if GROUP_SIZE // R >= EPW else GROUP_SIZE // R)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    k_tiles = K // BLOCK_K
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    offs_r = tl.arange(0, R)
+    n_blocks = K // PB
+    per_split = tl.cdiv(n_blocks, SPLIT_K)
+    b0 = pid_k * per_split
+    b1 = tl.minimum(b0 + per_split, n_blocks)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in tl.range(kt0, kt1, num_stages=NUM_STAGES):
-        k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0)
-        w = _gather_tile(qw_ptr, s_ptr, z_ptr, k, offs_n, n_mask, N, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS,
-                         CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, SCALE_INSIDE, R)
-        w = w.to(x_ptr.dtype.element_ty)
-        if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same (bf16-rounded) values
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        if SCALE_INSIDE or PER_CHANNEL:
-            acc = tl.dot(x, w, acc)
-        else:
-            g = (kt * BLOCK_K) // GROUP_SIZE
-            s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0), SCALE_KIND)
-            acc += tl.dot(x, w) * s[None, :]
+    for b in tl.range(b0, b1, num_stages=NUM_STAGES):
+        q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        for i in tl.static_range(EPW):
+            g = (b * PB + (i - i % PPG) * R) // GROUP_SIZE
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (b * PB + i * R + offs_r)[None, :],
+                        mask=m_mask[:, None], other=0.0)
+            if IS_INT:
+                if i % PPG == 0:
+                    if HAS_ZERO:
+                        zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)[None, :]
+                    else:
+                        zero = CODE_OFFSET * 1.0
+                v = int_to_f32((q >> (i * BITS)) & ((1 << BITS) - 1)) - zero
+            else:
+                v = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS)
+            w = v.to(x_ptr.dtype.element_ty)
+            if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            if i % PPG == 0:
+                part = tl.dot(x, w)
+            else:
+                part = tl.dot(x, w, part)
+            if (i + 1) % PPG == 0:
+                if PER_CHANNEL:
+                    acc += part
+                else:
+                    acc += part * decode_scale(tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0),
+                                               SCALE_KIND)[None, :]
     if PER_CHANNEL:
         acc = acc * decode_scale(tl.load(s_ptr + offs_n, mask=n_mask, other=0), SCALE_KIND)[None, :]
     if HAS_GSCALE:
@@ -157,6 +174,7 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, 
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(y_ptrs, acc, mask=mask)
+
 
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, gs_ptr, w_ptr, N, K,
@@ -234,7 +252,7 @@ def gemm_wna16(x: torch.Tensor, qw: QuantizedWeight, config: ComputeConfig | Non
     else:
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
         _dot_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, m, n, k, x2.stride(0), y.stride(0),
-                          BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, DOT_F32=x.device.type != "cuda", **common)
+                          BLOCK_M=cfg.block_m, DOT_F32=x.device.type != "cuda", **common)
     if split > 1:
         y = y.to(x.dtype)
     return y.reshape(*lead, n)

@@ -35,13 +35,13 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
                                                  (1, 2, 4, 8, 16, 32), (1, 3, 4)):
             out.append(ComputeConfig("gemv", 1, bn, 0, sk, w, st))
     if m <= 64:
-        for bm, bn, bk, sk, st in itertools.product((16, 32, 64), (64, 128), (64, 128, 256), (1, 2, 4, 8), (3, 4, 5)):
+        for bm, bn, sk, w, st in itertools.product((16, 32, 64), (32, 64, 128), (1, 2, 4, 8), (4, 2), (2, 3, 4)):
             if bm <= max(16, 1 << (m - 1).bit_length()):
-                out.append(ComputeConfig("dot", bm, bn, bk, sk, 4, st))
+                out.append(ComputeConfig("dot", bm, bn, 0, sk, w, st))
     else:
-        for bm, bn, bk, w, st in itertools.product((64, 128), (64, 128, 256), (32, 64, 128), (4, 8), (3, 4)):
+        for bm, bn, sk, w, st in itertools.product((64, 128), (64, 128, 256), (1, 2), (4, 8), (2, 3)):
             if bm * bn <= 128 * 256 and not (bn == 256 and w == 4):
-                out.append(ComputeConfig("dot", bm, bn, bk, 1, w, st))
+                out.append(ComputeConfig("dot", bm, bn, 0, sk, w, st))
         for bn, bk in itertools.product((32, 64, 128), (64, 128, 256)):
             out.append(ComputeConfig("dequant_mm", 1, bn, bk, 1, 4, 1))
     h = heuristic(layer, m)
