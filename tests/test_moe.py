@@ -120,3 +120,4 @@ def test_moe_bad_inputs():
     moe = FusedMoE.from_float(router, w13, w2, 2)
     with pytest.raises(ValueError):
         moe(torch.randn(3, 32))
+    assert moe(torch.randn(0, 64)).shape == (0, 64)  # an empty batch is fine

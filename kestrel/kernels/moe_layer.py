@@ -46,6 +46,8 @@ class FusedMoE(torch.nn.Module):
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"FusedMoE expects x [tokens, {self.hidden}], got {tuple(x.shape)}")
         M = x.shape[0]
+        if M == 0:
+            return torch.empty_like(x)
         topk_w, topk_ids = self.route(x) if routing is None else routing
         if not act_quant.use_triton(x):
             return ref_moe(x, topk_w, topk_ids, self.w13.dequantize(), self.w2.dequantize(), self.act).to(x.dtype)
@@ -90,10 +92,7 @@ def ref_moe(x, topk_w, topk_ids, w13, w2, act: str = "bf16") -> torch.Tensor:
         if tok.numel() == 0:
             continue
         h = xq[tok] @ w13[e].float().t()
-        if act == "bf16":
-            h = h.to(torch.bfloat16).float()  # the kernel writes the up-projection in bf16
-        else:
-            h = h.to(torch.bfloat16).float()
+        h = h.to(torch.bfloat16).float()  # the kernel writes the up-projection in bf16
         a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
         if act == "bf16":
             a = a.to(torch.bfloat16).float()
