@@ -142,7 +142,7 @@ def run_fp8(N, K, ms, rows, budget):
         r["kestrel_tflops"] = 2 * M * N * K / (r["kestrel_gemm_us"] or float("inf")) / 1e6
         rows.append(r)
         log("ROW", json.dumps(r))
-    del hum, Ws, q
+    del hum, Ws
     torch.cuda.empty_cache()
 
 

@@ -100,8 +100,8 @@ def quant_act(x: torch.Tensor, act: str) -> Operand:
 
 
 def moe_config(num_slots: int, num_experts: int, act: str) -> GemmConfig:
-    """block_m follows the average rows per expert (decode: 16, so padding waste stays small)."""
-    from kestrel.kernels.lowbit_tune import lookup
+    """block_m follows the average rows per expert (decode: 16, so padding waste stays small). Not yet in the tune
+    cache: up and down projections must share block_m (one sort/align serves both)."""
     per_expert = num_slots / max(num_experts, 1)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 else 128
     dq16 = act in ("bf16", "mxfp4", "nvfp4")
