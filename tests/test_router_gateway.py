@@ -161,3 +161,35 @@ def test_not_started_request_is_retried_elsewhere(fleet):
     reps[1].kill()  # nothing left: a clear 503, not a hang
     r = httpx.post(rt.url + "/v1/chat/completions", json=_chat("q", 3), timeout=30)
     assert r.status_code in (502, 503) and "error" in r.json()
+
+
+def test_hung_replica_times_out_and_client_disconnect_frees_slot(fleet):
+    import os
+    import signal
+
+    rt, reps = fleet(2, token_delay=0.05, router_args=("--read-timeout", "1.5"))
+    # a client that goes away mid-stream gives its replica slot back
+    with httpx.stream("POST", rt.url + "/v1/chat/completions", json=_chat("bye", 100, stream=True),
+                      timeout=30) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i == 2:
+                break
+    deadline = time.monotonic() + 30
+    while any(s["inflight"] for s in httpx.get(rt.url + "/router/replicas").json()["replicas"]):
+        assert time.monotonic() < deadline, "slot never released after client disconnect"
+        time.sleep(0.05)
+    # a replica that hangs (SIGSTOP: alive, connection open, silent) mid-stream: the stream ends with an error
+    # after the read timeout instead of hanging, and the replica is marked down
+    got = []
+    try:
+        with httpx.stream("POST", rt.url + "/v1/chat/completions", json=_chat("hang", 100, stream=True),
+                          timeout=60) as resp:
+            victim = next(r for r in reps if r.url == resp.headers["x-kestrel-replica"])
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    got.append(line)
+                    if len(got) == 2:
+                        os.kill(victim.p.pid, signal.SIGSTOP)
+    finally:
+        os.kill(victim.p.pid, signal.SIGCONT)
+    assert got[-1] == "data: [DONE]" and "ReadTimeout" in json.loads(got[-2][6:])["error"]["message"]
