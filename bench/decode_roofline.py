@@ -87,7 +87,7 @@ def compile_small_ops(model):
 
 @torch.inference_mode()
 def run_case(model, cfg, batch: int, prompt_len: int, new_tokens: int, mode: str, block_size: int = 16,
-             dev: str = "cuda") -> dict:
+             dev: str = "cuda", max_model_len: int = 8192) -> dict:
     dtype = next(model.parameters()).dtype
     max_len = prompt_len + new_tokens + 1
     blocks_per_seq = -(-max_len // block_size)
@@ -113,15 +113,17 @@ def run_case(model, cfg, batch: int, prompt_len: int, new_tokens: int, mode: str
     def slots_of(p):
         return tables.long()[rows, p // block_size] * block_size + p % block_size
 
-    if mode == "eager":
-        splits = attn.decode_splits(batch, blocks_per_seq * block_size)
+    if mode in ("eager", "profile"):
+        splits = attn.decode_splits(batch, max(blocks_per_seq * block_size, max_model_len))
 
         def step(ids, pos, slots, seq_lens):
             ctx = _GraphDecodeCtx(attn.k_caches, attn.v_caches, attn.windows, attn.scale, slots, tables, seq_lens, splits)
             return model.compute_logits(model(ids, pos, ctx))
     else:
+        # block tables as wide as the server's (max_model_len): the split-KV factor is chosen for that capacity
         graphs = DecodeCudaGraphs(model, attn.k_caches, attn.v_caches, max_num_seqs=batch,
-                                  max_blocks_per_seq=blocks_per_seq, batch_sizes=[batch])
+                                  max_blocks_per_seq=max(blocks_per_seq, max_model_len // block_size),
+                                  batch_sizes=[batch])
         t0 = time.perf_counter()
         graphs.capture(progress=False)
         capture_s = time.perf_counter() - t0
@@ -134,6 +136,8 @@ def run_case(model, cfg, batch: int, prompt_len: int, new_tokens: int, mode: str
         ids = step(ids, pos, slots_of(pos), seq_lens).argmax(-1)
         pos += 1
         seq_lens += 1
+    if mode == "profile":
+        return profile_step(lambda: step(ids, pos, slots_of(pos), seq_lens))
     if dev == "cuda":
         torch.cuda.synchronize()
     ctx_start = int(pos[0])
@@ -156,6 +160,35 @@ def run_case(model, cfg, batch: int, prompt_len: int, new_tokens: int, mode: str
     return out
 
 
+KERNEL_GROUPS = (("attention", ("_decode_kernel", "_reduce_splits", "_store_kvcache")),
+                 ("gemm", ("gemm", "gemv", "_dot_kernel", "cutlass", "nvjet", "sm90", "xmma", "splitk")),
+                 ("norm", ("norm",)))
+
+
+def profile_step(fn) -> dict:
+    """Device time per kernel group of one eager decode step (kernel sums, no launch gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    groups, top, n = {}, {}, 0
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        us = ev.time_range.elapsed_us()
+        name = ev.name
+        n += 1
+        g = next((g for g, keys in KERNEL_GROUPS if any(k in name.lower() or k in name for k in keys)), "other")
+        groups[g] = groups.get(g, 0.0) + us
+        top[name] = top.get(name, 0.0) + us
+    tops = sorted(top.items(), key=lambda kv: -kv[1])[:12]
+    return dict(kernels=n, group_us=groups, top_us=[(k[:90], v) for k, v in tops],
+                kernel_ms=sum(groups.values()) / 1e3)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-shape", default="llama-3-8b", help="shape name from kestrel/model/shapes.py")
@@ -163,7 +196,8 @@ def main(argv=None):
     ap.add_argument("--batch-sizes", default="1", help="comma-separated decode batch sizes")
     ap.add_argument("--prompt-len", type=int, default=512, help="context tokens before decoding")
     ap.add_argument("--new-tokens", type=int, default=128, help="timed decode steps")
-    ap.add_argument("--modes", default="eager,graph,graph+compile", help="comma-separated: eager, graph, graph+compile")
+    ap.add_argument("--max-model-len", type=int, default=8192, help="context capacity the decode graph is built for")
+    ap.add_argument("--modes", default="eager,graph,graph+compile", help="comma-separated: eager, graph, graph+compile, profile (kernel time per group of one eager step)")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -196,8 +230,22 @@ def main(argv=None):
                 compile_small_ops(model)
                 compiled = True
             for b in (int(x) for x in args.batch_sizes.split(",")):
+                if mode == "profile":
+                    try:
+                        p = run_case(model, cfg, b, args.prompt_len, args.new_tokens, "profile",
+                                     max_model_len=args.max_model_len)
+                    except Exception as ex:
+                        print(f"[{q}] profile FAILED {type(ex).__name__}: {ex}", flush=True)
+                        continue
+                    rows.append(dict(quantization=q, mode="profile", batch=b, **p))
+                    print(f"[{q}] profile batch {b}: {p['kernels']} kernels, {p['kernel_ms']:.3f} ms of kernel time; "
+                          + ", ".join(f"{g} {v / 1e3:.3f} ms" for g, v in sorted(p["group_us"].items())), flush=True)
+                    for name, us in p["top_us"]:
+                        print(f"    {us:9.1f} us  {name}", flush=True)
+                    continue
                 try:
-                    r = run_case(model, cfg, b, args.prompt_len, args.new_tokens, "eager" if mode == "eager" else "graph")
+                    r = run_case(model, cfg, b, args.prompt_len, args.new_tokens, "eager" if mode == "eager" else "graph",
+                                 max_model_len=args.max_model_len)
                 except Exception as ex:  # report and go on: one failing variant must not hide the others
                     print(f"[{q}] {mode} batch {b}: FAILED {type(ex).__name__}: {ex}", flush=True)
                     rows.append(dict(quantization=q, mode=mode, batch=b, error=f"{type(ex).__name__}: {ex}"))
@@ -214,6 +262,8 @@ def main(argv=None):
     print("\n| quantization | mode | batch | tok/s | step ms | roofline tok/s | % of roofline |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        if r["mode"] == "profile":
+            continue
         if "error" in r:
             print(f"| {r['quantization']} | {r['mode']} | {r['batch']} | failed: {r['error'][:60]} | | | |")
         else:
