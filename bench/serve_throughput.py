@@ -142,7 +142,7 @@ def bench_kestrel(args, async_sched, workloads, levels, out_dir):
     try:
         model, ready_s = wait_ready(base, proc, args.startup_timeout)
         print(f"kestrel (async_scheduling={async_sched}) ready in {ready_s:.0f}s", flush=True)
-        asyncio.run(run_level(base, model, workloads[1][:2], 1))  # warm-up: first requests pay lazy init
+        asyncio.run(run_level(base, model, workloads["warmup"], 2))  # first requests pay lazy init
         for c in levels:
             r = asyncio.run(run_level(base, model, workloads[c], c))
             r.update(system="kestrel", async_scheduling=async_sched)
@@ -242,7 +242,7 @@ def main(argv=None):
     shape = json.loads(args.model_shape) if args.model_shape.lstrip().startswith("{") else model_shape(args.model_shape)
     vocab = shape["vocab_size"]
     workloads = {c: sharegpt_like(n, args.seed + c, vocab, args.max_input, args.max_output) for c, n in zip(levels, counts)}
-    workloads.setdefault(1, sharegpt_like(4, args.seed + 1, vocab, args.max_input, args.max_output))
+    workloads["warmup"] = sharegpt_like(4, args.seed + 9999, vocab, 64, 16)  # distinct prompts: no prefix hits later
     import torch
     import triton
     info = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__, triton=triton.__version__,
