@@ -90,3 +90,22 @@ def test_tenant_and_priority_from_request():
     for bad in ("urgent", [1], True):
         with pytest.raises(ValueError):
             priority_of({}, {"priority": bad})
+
+
+def test_ticket_that_cannot_be_placed_does_not_block_others():
+    """P/D: a request holding the only decode slot queues for a prefill slot behind another decode request;
+    the prefill ticket must still be served (else both wait forever)."""
+    async def main():
+        dec, pre = Replica("http://d", role="decode"), Replica("http://p", role="prefill")
+        sched = FairScheduler(lambda: [dec, pre], max_inflight_per_replica=1)
+
+        def role(name):
+            return lambda free: next((r for r in free if r.role == name), None)
+        assert await sched.acquire(Ticket("A", "interactive", 1.0, role("decode"))) is dec
+        waiting_decode = asyncio.create_task(sched.acquire(Ticket("B", "interactive", 1.0, role("decode"))))
+        await asyncio.sleep(0)
+        got = await asyncio.wait_for(sched.acquire(Ticket("A", "interactive", 1.0, role("prefill"))), 5)
+        assert got is pre and not waiting_decode.done()
+        sched.release(dec)
+        assert await asyncio.wait_for(waiting_decode, 5) is dec
+    asyncio.run(main())

@@ -138,18 +138,22 @@ class FairScheduler:
             raise
 
     def pump(self) -> None:
+        """Hand free slots to queued tickets in queue order. A ticket that cannot use any free replica (e.g. it
+        needs a decode replica and only prefill ones are free) keeps its place but does not block the ones
+        behind it: with P/D, a request holding a decode slot must be able to get its prefill slot."""
+        blocked = []
         while self._heap:
-            head = self._heap[0]
+            head = heapq.heappop(self._heap)
             if head.cancelled:
-                heapq.heappop(self._heap)
                 continue
             free = [r for r in self.replicas() if r.healthy and r.inflight < self.limit]
             if not free:
-                return
+                heapq.heappush(self._heap, head)
+                break
             replica = head.choose(free)
-            if replica is None:  # e.g. no replica of the role it needs is free: it keeps its place
-                return
-            heapq.heappop(self._heap)
+            if replica is None:
+                blocked.append(head)
+                continue
             self.queued[head.tenant] -= 1
             replica.inflight += 1
             if self.policy == "wfq":
@@ -159,6 +163,8 @@ class FairScheduler:
             head.queue_wait = time.monotonic() - head.enqueued_at
             head.replica = replica
             head.future.set_result(replica)
+        for t in blocked:
+            heapq.heappush(self._heap, t)
 
     def release(self, replica: Replica) -> None:
         replica.inflight = max(0, replica.inflight - 1)
