@@ -71,7 +71,7 @@ def test_shared_prefix_requests_land_where_prefix_is_cached(fleet, policy):
     # Prompt = "<user>" + 572-char document + " question t": its 9 full 64-char chunks are all shared.
     docs = [f"document {d}: " + (f"lorem ipsum {d} " * 40) for d in range(3)]
     for turn in range(4):
-        for d, doc in enumerate(docs):
+        for doc in docs:
             r = httpx.post(rt.url + "/v1/chat/completions", json=_chat(doc + f" question {turn}"), timeout=30)
             assert r.status_code == 200
     queries = sum(parse_metrics(httpx.get(r.url + "/metrics").text)["prefix_queries"] for r in reps)

@@ -82,7 +82,7 @@ def install_kv_transfer(app: FastAPI, state: ServerState) -> None:
             async with httpx.AsyncClient(timeout=60.0) as client:
                 resp = await client.post(str(target).rstrip("/") + "/kv/import", content=data, headers=headers)
         except httpx.HTTPError as e:
-            raise APIError(f"pushing KV to {target} failed: {type(e).__name__}: {e}", 502, "upstream_error")
+            raise APIError(f"pushing KV to {target} failed: {type(e).__name__}: {e}", 502, "upstream_error") from None
         if resp.status_code != 200:
             raise APIError(f"{target} refused the KV blocks: HTTP {resp.status_code} {resp.text[:300]}", 502,
                            "upstream_error")
