@@ -48,6 +48,8 @@ def build_dummy_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, dev
                 mod.bias.zero_()
         elif type(mod).__name__.endswith("Norm"):
             mod.weight.fill_(1.0)
+        if hasattr(mod, "reset_dummy"):  # modules with raw parameters (stacked MoE experts) fill themselves
+            mod.reset_dummy(gen, std)
         # anything else with parameters (a quantizing linear factory's QuantLinear) was filled when made
     model.rope.build(device, dtype)  # the tables are buffers computed in __init__ on the CPU
     return model.eval()
