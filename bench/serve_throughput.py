@@ -251,11 +251,6 @@ def main(argv=None):
     r, cmd = bench_kestrel(args, True, workloads, levels, args.out_dir)
     rows += r
     cmds.append(cmd)
-    alevels = [int(x) for x in args.async_levels.split(",") if x]
-    if alevels:
-        r, cmd = bench_kestrel(args, False, workloads, alevels, args.out_dir)
-        rows += r
-        cmds.append(cmd)
     hlevels = [int(x) for x in args.hf_levels.split(",") if x]
     if hlevels:
         try:
@@ -263,6 +258,11 @@ def main(argv=None):
         except Exception as ex:
             print(f"HF peer FAILED: {type(ex).__name__}: {ex}", flush=True)
             rows.append(dict(system="hf-transformers", error=str(ex)))
+    alevels = [int(x) for x in args.async_levels.split(",") if x]
+    if alevels:
+        r, cmd = bench_kestrel(args, False, workloads, alevels, args.out_dir)
+        rows += r
+        cmds.append(cmd)
     info["server_cmds"] = cmds
     print("\n| system | async | C | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---|---|---|---|---|---|---|---|")
