@@ -4,6 +4,8 @@
 - `free_port()`: an unused local TCP port.
 - `kestrel_server(*args)`: context manager running `kestrel serve --port <free> *args` as a subprocess; yields a
   `RunningServer` (url, proc, log()) once /health answers; the process is stopped on exit.
+- fixture `smollm2_engine` (session): one LLMEngine on the embedded SmolLM2 (max_model_len 512, 0.05 GB KV cache),
+  shared by every test that needs the real model in-process. Leave it idle (finish or abort your requests).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 
 def smollm2_gguf_path() -> str:
@@ -74,3 +77,11 @@ def kestrel_server(*args: str, startup_timeout: float = 900.0):
             proc.kill()
             proc.wait()
         log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    from kestrel.engine.config import EngineConfig
+    from kestrel.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(max_model_len=512, kv_cache_gb=0.05, progress=False))

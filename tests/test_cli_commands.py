@@ -64,10 +64,8 @@ def test_bad_flags_give_clear_error(args, capsys):
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from kestrel.engine.llm_engine import LLMEngine
-
-    return LLMEngine(EngineConfig(max_model_len=512, kv_cache_gb=0.05, progress=False))
+def engine(smollm2_engine):
+    return smollm2_engine
 
 
 def run_cli(monkeypatch, capsys, engine, args: list[str], stdin: str = "") -> str:
