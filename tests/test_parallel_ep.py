@@ -15,7 +15,7 @@ from kestrel.model.parallel import (ColumnParallelLinear, DPGatheredMLP, ExpertP
                                     plan_placement)
 
 E, I, TOP_K, H = 4, 32, 2, 64
-PROMPTS = [[1, 504, 3108, 314, 2725, 30, 253, 1789], [1, 47, 990, 19, 31], [1, 2887, 314, 260, 1130, 282, 4306] * 2]
+PROMPTS = [[1, 504, 308, 314, 725, 30, 253, 789], [1, 47, 990, 19, 31], [1, 887, 314, 260, 130, 282, 406] * 2]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 

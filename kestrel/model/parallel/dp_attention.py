@@ -1,7 +1,7 @@
 """Data-parallel attention: each rank runs attention (and its own scheduler and KV cache) for its own requests,
 with replicated attention weights, while the MoE / MLP layers are shared across ranks (expert parallelism, or a
 tensor-parallel MLP fed with everyone's tokens). Attention needs no communication; the shared layers do, so all
-ranks must step together: a rank with nothing to run still runs an empty forward, joining every collective.
+ranks must step together: a rank with nothing to run still runs a dummy forward, joining every collective.
 
 `dp_generate` drives one rank's LLMEngine that way; `DPGatheredMLP` wraps a tensor-parallel dense MLP so that a
 rank's tokens are gathered from all ranks before it and its own rows kept after it.
@@ -15,7 +15,7 @@ from .distributed import ParallelGroup
 
 
 class _NoAttention:
-    """Context for an empty step: there are no tokens, so attention returns an empty [0, heads * head_dim]."""
+    """Context of a dummy step: attention is skipped (zeros), the other layers run as usual."""
 
     def attention(self, layer, q, k, v):
         return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
@@ -23,9 +23,10 @@ class _NoAttention:
 
 @torch.inference_mode()
 def empty_forward(model: nn.Module) -> None:
-    """A forward over zero tokens: runs no attention, but joins every collective of the shared layers."""
+    """A dummy one-token forward (as vLLM's idle data-parallel ranks run): it touches no KV cache, but joins every
+    collective of the shared layers. Its token is counted in the MoE load statistics like any other."""
     p = next(model.parameters())
-    ids = torch.zeros(0, dtype=torch.long, device=p.device)
+    ids = torch.zeros(1, dtype=torch.long, device=p.device)
     model(ids, ids.clone(), _NoAttention())
 
 

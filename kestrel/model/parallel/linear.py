@@ -22,6 +22,14 @@ def _is_quant(m: nn.Module) -> bool:
     return hasattr(m, "qweight_struct")
 
 
+def _check_float_linear(m: nn.Module) -> None:
+    """nn.Linear or any linear-like module exposing its float `.weight` [N, K] and `.bias` (e.g. a CPU-prepacked
+    linear); the shard is always a plain nn.Linear."""
+    w = getattr(m, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError(f"cannot shard {type(m).__name__}: expected nn.Linear, QuantLinear or a linear with .weight")
+
+
 def _k_block(spec) -> int:
     """K granularity of the packed layout (kestrel.quant.packing), one int32 word if it defines none."""
     from kestrel.quant import packing
@@ -47,15 +55,15 @@ def column_shard(m: nn.Module, segments: list[tuple[int, int]]) -> nn.Module:
         sub = replace(qw, shape=(n, qw.shape[1]), qweight=_cat_rows(qw.qweight, segments, 1),
                       scales=_cat_rows(qw.scales, segments, 1), zeros=_cat_rows(qw.zeros, segments, 1))
         return QuantLinear(sub, _cat_rows(m.bias, segments, 0), use_kernel=m.use_kernel)
-    if not isinstance(m, nn.Linear):
-        raise ValueError(f"cannot shard {type(m).__name__}: expected nn.Linear or QuantLinear")
+    _check_float_linear(m)
     w = m.weight.detach()
-    out = nn.Linear(m.in_features, sum(b - a for a, b in segments), bias=m.bias is not None,
+    bias = getattr(m, "bias", None)
+    out = nn.Linear(w.shape[1], sum(b - a for a, b in segments), bias=bias is not None,
                     device=w.device, dtype=w.dtype)
     with torch.no_grad():
         out.weight.copy_(_cat_rows(w, segments, 0))
-        if m.bias is not None:
-            out.bias.copy_(_cat_rows(m.bias.detach(), segments, 0))
+        if bias is not None:
+            out.bias.copy_(_cat_rows(bias.detach(), segments, 0))
     return out.requires_grad_(False)
 
 
@@ -78,10 +86,9 @@ def row_shard(m: nn.Module, k0: int, k1: int) -> nn.Module:
         sub = replace(qw, shape=(qw.shape[0], k1 - k0), qweight=qw.qweight[k0 // epw:k1 // epw].clone(),
                       scales=sl(qw.scales), zeros=sl(qw.zeros))
         return QuantLinear(sub, None, use_kernel=m.use_kernel)
-    if not isinstance(m, nn.Linear):
-        raise ValueError(f"cannot shard {type(m).__name__}: expected nn.Linear or QuantLinear")
+    _check_float_linear(m)
     w = m.weight.detach()
-    out = nn.Linear(k1 - k0, m.out_features, bias=False, device=w.device, dtype=w.dtype)
+    out = nn.Linear(k1 - k0, w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         out.weight.copy_(w[:, k0:k1])
     return out.requires_grad_(False)

@@ -27,6 +27,10 @@ def _shard_rows(w: torch.Tensor, start: int, end: int, per: int) -> torch.Tensor
     return out
 
 
+def _is_quant_or_biased(m: nn.Module) -> bool:
+    return hasattr(m, "qweight_struct") or getattr(m, "bias", None) is not None
+
+
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight_shard: torch.Tensor, vocab_size: int, group: ParallelGroup):
         super().__init__()
@@ -62,8 +66,9 @@ class ParallelLMHead(nn.Module):
                   tied: VocabParallelEmbedding | None = None) -> "ParallelLMHead":
         if tied is not None:
             return cls(tied.weight, vocab_size, group)
-        if not isinstance(head, nn.Linear) or head.bias is not None:
-            raise ValueError("the vocab-parallel LM head supports a float nn.Linear without bias")
+        w = getattr(head, "weight", None)
+        if _is_quant_or_biased(head) or not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ValueError("the vocab-parallel LM head supports a float linear layer without bias")
         s, e, per = vocab_range(vocab_size, group)
         return cls(_shard_rows(head.weight.detach(), s, e, per), vocab_size, group)
 
