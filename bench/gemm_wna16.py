@@ -95,7 +95,7 @@ def build_humming(fmt, w):
 
 
 def build_gemlite(fmt, qw):
-    import gemlite
+    from gemlite.helper import A16Wn
     if fmt != "int4":
         raise ValueError("gemlite peer only wired for int4")
     n, k = qw.shape
@@ -103,7 +103,7 @@ def build_gemlite(fmt, qw):
     codes = unpack_codes(qw.qweight, 4, k).to(torch.uint8)  # gemlite takes unsigned codes + zeros
     scales = qw.scales.t().contiguous().to(torch.bfloat16)
     zeros = torch.full_like(scales, float(qw.spec.code_offset))
-    return gemlite.A16Wn(device="cuda", dtype=torch.bfloat16).from_weights(codes, scales, zeros, 4, qw.group_size)
+    return A16Wn(device="cuda", dtype=torch.bfloat16).from_weights(codes, scales, zeros, 4, qw.group_size)
 
 
 def main():

@@ -123,8 +123,8 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
         bn = 64
         split = split_for(-(-layer.n // bn), layer.k // layer.spec.k_multiple, 2)
         return ComputeConfig("dot", bm, bn, 0, split, num_warps=4, num_stages=3)
-    if m < 512:
-        return ComputeConfig("dot", 128, 128, 0, 1, num_warps=8, num_stages=3)
+    # M > 64: measured on H200 (bench/results/gemm_wna16.md) the dequant pass costs about one read of W plus a
+    # bf16 write, cheaper than the Triton tensor-core path's in-loop dequant from M ~ 128 on
     return ComputeConfig("dequant_mm", 1, 64, fit_bk(128), 1, num_warps=4, num_stages=1)
 
 
