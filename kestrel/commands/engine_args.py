@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 import types
 import typing
 from dataclasses import MISSING, fields
@@ -91,14 +93,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def build_engine(args: argparse.Namespace):
     """The LLMEngine the flags describe (loading shows a progress bar unless --no-progress)."""
     config = engine_config_from_args(args)
+    start = time.perf_counter()
+    if config.progress:
+        print(f"kestrel: loading {config.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp != 1:
         from kestrel.engine.tp_worker import launch_tp_engine
 
-        return launch_tp_engine(config, tp)
-    from kestrel.engine.llm_engine import LLMEngine
+        engine = launch_tp_engine(config, tp)
+    else:
+        from kestrel.engine.llm_engine import LLMEngine
 
-    return LLMEngine(config)
+        engine = LLMEngine(config)
+    if config.progress:
+        print(f"kestrel: loaded {engine.model_name} in {time.perf_counter() - start:.1f} s "
+              f"(context {engine.max_model_len} tokens)", file=sys.stderr)
+    return engine
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

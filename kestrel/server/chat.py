@@ -63,7 +63,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
     gen = outputs(state, rid, ids, params)
     if req.stream:
-        first = await first_output(gen)
+        ok, first = await until_disconnect(request, first_output(gen))
+        if not ok:  # gave up while queued: until_disconnect already aborted it
+            return Response(status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(first, gen, body, tok, len(ids), include_usage),
                                  media_type="text/event-stream")
