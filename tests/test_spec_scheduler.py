@@ -34,10 +34,13 @@ def test_budget_monotone_in_batch_size():
 def test_allocation_follows_survival():
     s = ConfidenceScheduler(k_max=4, token_budget=7, min_survival=0.0)
     conf = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5]])
-    # B=2 -> 5 spare tokens; threshold 2/7; survivals row0 .9 .81 .73 .66, row1 .5 .25 -> row0 gets 4, row1 gets 1
+    # B=2 -> 5 spare tokens; survivals row0 .9 .81 .73 .66, row1 .5 .25 .125 -> row0 gets 4, row1 gets 1
     assert s.allocate(conf, torch.tensor([4, 4])).tolist() == [4, 1]
     # a short draft limits its row; the freed budget goes to the next-best tokens
-    assert s.allocate(conf, torch.tensor([2, 4])).tolist() == [2, 1]
+    assert s.allocate(conf, torch.tensor([2, 4])).tolist() == [2, 3]
+    # the survival bar: tokens below it are never verified even with budget to spare
+    s2 = ConfidenceScheduler(k_max=4, token_budget=64, min_survival=0.3)
+    assert s2.allocate(conf, torch.tensor([4, 4])).tolist() == [4, 1]
 
 
 def test_fixed_k():

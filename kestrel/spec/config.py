@@ -12,7 +12,9 @@ class SpeculativeConfig:
     drafter: str = "ngram"  # ngram | draft_model | head
     k: int = 4  # most draft tokens verified per request per step
     schedule: str = "confidence"  # confidence: per-request k from drafter confidence + load; fixed: always k
-    token_budget: int = 64  # verify tokens per step (1 per request + drafts) the forward absorbs ~for free
+    # verify tokens per step (1 per request + drafts) that the forward absorbs at ~no extra cost; None = by
+    # device: the CPU turns compute-bound after a handful of tokens, a GPU only after hundreds
+    token_budget: int | None = None
     min_survival: float = 0.3  # at no load, verify draft token i only if P(prefix up to i survives) >= this
     ngram_max: int = 3  # n-gram lookup: longest suffix to match
     ngram_min: int = 1
@@ -29,7 +31,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not (1 <= self.k <= 16):
             raise ValueError(f"speculative k must be in [1, 16], got {self.k}")
-        if self.token_budget < 1:
+        if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"speculative token_budget must be >= 1, got {self.token_budget}")
         if not (0.0 <= self.min_survival <= 1.0):
             raise ValueError(f"speculative min_survival must be in [0, 1], got {self.min_survival}")
@@ -56,7 +58,7 @@ def parse_speculative(text: str | None) -> SpeculativeConfig | None:
         key, val = (s.strip() for s in part.split("=", 1))
         if key not in types:
             raise ValueError(f"unknown --speculative key {key!r}; known: {', '.join(types)}")
-        t = str(types[key])
+        t = str(types[key]).replace(" | None", "")
         try:
             kwargs[key] = int(val) if t == "int" else float(val) if t == "float" else val
         except ValueError:

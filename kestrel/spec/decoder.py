@@ -39,10 +39,10 @@ def _target_probs(logits: torch.Tensor, params) -> torch.Tensor:
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, drafter: Drafter):
+    def __init__(self, cfg: SpeculativeConfig, drafter: Drafter, device: str = "cpu"):
         self.cfg = cfg
         self.drafter = drafter
-        self.scheduler = make_scheduler(cfg)
+        self.scheduler = make_scheduler(cfg, device)
         self.hidden: dict[str, torch.Tensor] = {}  # request id -> target hidden state that produced its last token
         self.num_verifies = 0  # (request, step) pairs that verified >= 1 draft token
         self.num_draft_tokens = 0  # draft tokens verified

@@ -58,4 +58,4 @@ def build_spec_decoder(engine, cfg: SpeculativeConfig | str | dict) -> SpecDecod
         cfg = SpeculativeConfig(**cfg)
     elif not isinstance(cfg, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig, a 'drafter=...,k=...' string or a dict, got {cfg!r}")
-    return SpecDecoder(cfg, build_drafter(cfg, engine))
+    return SpecDecoder(cfg, build_drafter(cfg, engine), engine.config.device)

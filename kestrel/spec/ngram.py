@@ -42,7 +42,10 @@ class NgramDrafter(Drafter):
             cont = ngram_lookup(np.asarray(inp.token_ids, dtype=np.int64), k, self.n_max, self.n_min) if k else []
             lens[b] = len(cont)
             toks[b, : len(cont)] = torch.tensor(cont, dtype=torch.long)
-            conf[b, : len(cont)] = self.rate.get(inp.request_id, self.prior)
+            r = self.rate.get(inp.request_id, self.prior)  # new requests start at the drafter-wide rate
+            conf[b, : len(cont)] = r
+            # drift back toward the prior, so a request whose drafts were skipped for low confidence gets retried
+            self.rate[inp.request_id] = r + 0.1 * (self.prior - r)
         return Draft(toks, lens, conf, None)
 
     def observe(self, request_ids, num_proposed, num_accepted):
@@ -53,6 +56,8 @@ class NgramDrafter(Drafter):
             obs = a / (a + (1 if a < m else 0)) if a else 0.0
             r = self.rate.get(rid, self.prior)
             self.rate[rid] = (1 - self.ema) * r + self.ema * obs
+            # slow drafter-wide estimate, the start for new requests; kept high enough to keep exploring
+            self.prior = min(0.95, max(0.4, 0.95 * self.prior + 0.05 * obs))
 
     def release(self, request_id):
         self.rate.pop(request_id, None)

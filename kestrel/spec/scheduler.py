@@ -3,8 +3,8 @@
 Verification is cheap while the batch's forward is memory-bound: up to roughly `token_budget` query tokens per step
 cost about the same as one token per request. So the confidence scheduler spends only the spare part of that budget
 (token_budget - batch size) on draft tokens, giving it to the tokens most likely to survive (cumulative product of
-the drafter's per-token confidence), and raises the survival bar as the batch fills. At high load the spare budget
-reaches zero and speculation switches itself off smoothly instead of making every step slower.
+the drafter's per-token confidence) above a minimum survival probability. As the batch fills the spare budget
+shrinks to zero and speculation switches itself off smoothly instead of making every step slower.
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ class ConfidenceScheduler:
         return max(0, self.token_budget - batch_size)
 
     def threshold(self, batch_size: int) -> float:
-        """Survival probability a draft token needs to be verified; rises from min_survival to 1 with load."""
-        load = min(1.0, batch_size / self.token_budget)
-        return self.min_survival + (1.0 - self.min_survival) * load
+        """Survival probability a draft token needs to be verified. Constant: inside the spare budget a verified
+        token costs ~nothing, so any token likely enough to survive is worth it; load is handled by the budget."""
+        return self.min_survival
 
     def max_k(self, batch_size: int) -> int:
         """Upper bound before drafting (0 = don't even draft)."""
@@ -61,7 +61,11 @@ class ConfidenceScheduler:
         return chosen.view(B, K).sum(dim=1)
 
 
-def make_scheduler(cfg):
+DEFAULT_TOKEN_BUDGET = {"cpu": 8, "cuda": 256}
+
+
+def make_scheduler(cfg, device: str = "cpu"):
     if cfg.schedule == "fixed":
         return FixedKScheduler(cfg.k)
-    return ConfidenceScheduler(cfg.k, cfg.token_budget, cfg.min_survival)
+    budget = cfg.token_budget or DEFAULT_TOKEN_BUDGET.get(str(device).split(":")[0], 256)
+    return ConfidenceScheduler(cfg.k, budget, cfg.min_survival)
