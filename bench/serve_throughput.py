@@ -103,7 +103,8 @@ def start_server(args, port, async_sched: bool, log_path: str):
         cmd += ["--quantization", args.quantization]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": ROOT})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])})
     return proc, cmd
 
 

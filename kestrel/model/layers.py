@@ -34,4 +34,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one-pass Triton row kernel: PyTorch's generic kernel is ~3x slower at decode sizes
+            from kestrel.kernels.rmsnorm import rms_norm
+            return rms_norm(x, self.weight, self.eps)
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
