@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 from kestrel.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from kestrel.engine.model_runner import prompt_logits  # noqa: E402
 from kestrel.model import load_model  # noqa: E402
+from kestrel.model.cpu_linear import prepack_linears  # noqa: E402
 from kestrel.model.loader import load_tokenizer, resolve  # noqa: E402
 
 VOCAB = 49152  # the embedded tokenizer's vocabulary, saved next to the tiny weights
@@ -56,9 +57,12 @@ def tiny(request, tmp_path_factory):
 PROMPT = [1, 504, 3108, 314, 2725, 30, 253, 1789, 28, 2887, 314, 260, 1130, 282, 4306, 47, 990, 19, 31]
 
 
-def test_logits_match_transformers(tiny):
+@pytest.mark.parametrize("prepack", [False, True], ids=["nn.Linear", "prepacked"])
+def test_logits_match_transformers(tiny, prepack):
     _, path, hf = tiny
     ours = load_model(path, progress=False).model
+    if prepack:
+        assert prepack_linears(ours) == 4 * 2 + 1  # 4 per layer + lm_head (tied or not)
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
     got = prompt_logits(ours, PROMPT, block_size=4)  # several blocks: exercises the paged path

@@ -23,7 +23,7 @@ class ForwardContext:
 
 class ModelRunner:
     def __init__(self, model, model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
-                 seed: int = 0, backend_cls: type[AttentionBackend] | None = None):
+                 seed: int = 0, backend_cls: type[AttentionBackend] | None = None, prepack: bool = True):
         self.model = model
         self.cfg = model_config
         self.block_size = block_size
@@ -37,6 +37,10 @@ class ModelRunner:
         self.backend = backend_cls(c.num_hidden_layers, num_blocks, block_size, c.num_attention_heads,
                                    c.num_key_value_heads, c.head_dim, dtype, device, c.sliding_window)
         self.sampler = Sampler(seed)
+        if torch.device(device).type == "cpu" and prepack:
+            from kestrel.model.cpu_linear import prepack_linears
+
+            prepack_linears(model)
         self.graphs = None  # DecodeCudaGraphs once enable_cuda_graphs() ran
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, progress: bool = True) -> None:

@@ -25,13 +25,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = make_linear(self.q_size, cfg.hidden_size, cfg.o_bias, f"layers.{layer_idx}.o_proj")
         self.sliding_window = cfg.sliding_window
 
-    def forward(self, positions, x, rope: RotaryEmbedding, ctx):
+    def forward(self, cos_sin, x, ctx):
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        t = qkv.shape[0]
+        # rotate q and k heads in one pass (fewer ops per layer: the CPU decode step is op-overhead bound)
+        qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos_sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         out = ctx.attention(self.layer_idx, q, k, v)  # [T, num_heads * head_dim]
         return self.o_proj(out)
 
@@ -56,8 +56,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, rope, ctx):
-        x = x + self.self_attn(positions, self.input_layernorm(x), rope, ctx)
+    def forward(self, cos_sin, x, ctx):
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -78,8 +78,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """Returns final hidden states [T, hidden] (call compute_logits on the rows you need)."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.lookup(positions)
         for layer in self.layers:
-            x = layer(positions, x, self.rope, ctx)
+            x = layer(cos_sin, x, ctx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

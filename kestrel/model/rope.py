@@ -44,18 +44,16 @@ class RotaryEmbedding(torch.nn.Module):
         head_dim, max_positions, theta, scaling = self.args
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
-        # cos/sin for both halves precomputed once: a single gather per step instead of trig per token.
+        # cos and sign-folded sin for both halves, precomputed: rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]
         self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(device=device, dtype=dtype)
-        self.sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(device=device, dtype=dtype)
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(device=device, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rot(q, cos, sin), _rot(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Once per step (shared by all layers): cos, signed sin as [T, 1, D]."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-
-def _rot(x, cos, sin):
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, heads, D] (q and k heads together) -> rotated copy (HF rotate-half convention)."""
+        cos, sin = cos_sin
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
