@@ -68,6 +68,21 @@ def test_one_bit_weights():
         _check(qw, m)
 
 
+@pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=32), QuantSpec("int4", group_size=128),
+                                  QuantSpec("uint8", has_zero_point=True, group_size=-1),
+                                  QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")], ids=lambda s: s.name)
+def test_k_not_a_multiple_of_the_packed_block(spec):
+    # K = 576 (SmolLM2 hidden size): packed K is zero-padded to 640 (int4/fp4) and x is masked; a partial last
+    # group (g128) is quantized over its real columns
+    W = torch.randn(48, 576, generator=torch.Generator().manual_seed(5))
+    qw = quantize(W, spec)
+    assert qw.shape == (48, 576) and qw.padded_k % spec.k_multiple == 0
+    assert ((dequantize(qw) - W).norm() / W.norm()) < 0.2
+    for cfg, m in ((ComputeConfig("gemv", 1, 32, 0, split_k=3, num_warps=1), 1), (None, 1),
+                   (ComputeConfig("dot", 16, 32, 0, split_k=2), 6), (ComputeConfig("dequant_mm", 1, 32, 128), 3)):
+        _check(qw, m, cfg)
+
+
 def test_fp16_activations_and_batch_dims():
     qw = quantize(torch.randn(N, K), QuantSpec("int4", group_size=64, scale_dtype="fp16"))
     _check(qw, 3, dtype=torch.float16)
@@ -108,4 +123,4 @@ def test_bad_inputs():
     with pytest.raises(ValueError):
         gemm_wna16(torch.randn(2, K).bfloat16(), qw, ComputeConfig("dequant_mm", 1, 64, 96))  # K % BLOCK_K != 0
     with pytest.raises(ValueError):
-        quantize(torch.randn(N, 192), QuantSpec("int4", group_size=64))  # K not a multiple of the packing block
+        quantize(torch.randn(2, N, K), QuantSpec("int4", group_size=64))  # not a 2-D weight

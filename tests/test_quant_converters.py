@@ -180,10 +180,18 @@ def test_gguf(qtype):
     assert _rel(dequantize(qw), expected) < 1e-5
 
 
+def test_gguf_unaligned_k():
+    gguf = pytest.importorskip("gguf")
+    W = np.random.default_rng(7).standard_normal((N, 96)).astype(np.float32)  # K=96: 3 blocks, not a packed block
+    raw = gguf.quants.quantize(W, gguf.GGMLQuantizationType.Q4_0)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0).reshape(N, 96))
+    assert _rel(dequantize(from_gguf(raw, "Q4_0", (N, 96))), expected) < 1e-5
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError):
         QuantSpec("int9")
     with pytest.raises(ValueError):
-        quantize(torch.randn(4, 100), QuantSpec("int4", group_size=32))
+        quantize(torch.randn(4, 100, 2), QuantSpec("int4", group_size=32))
     with pytest.raises(ValueError):
         from_gguf(np.zeros(10, np.uint8), "Q4_0", (N, K))

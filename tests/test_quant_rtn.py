@@ -26,6 +26,12 @@ def test_rtn_error(spec):
     assert ((dequantize(quantize(dequantize(qw), spec)) - dequantize(qw)).norm() / W.norm()).item() < SPECS[spec] / 3
 
 
+def test_unaligned_k_pads():
+    c = torch.randint(0, 16, (5, 200), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    words = pack_codes(c, 4)
+    assert words.shape == (256 // 8, 5) and torch.equal(unpack_codes(words, 4, 200), c)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 def test_pack_roundtrip(bits):
     g = torch.Generator().manual_seed(bits)

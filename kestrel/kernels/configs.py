@@ -50,10 +50,10 @@ class ComputeConfig:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def valid_for(self, layer: LayerConfig) -> bool:
-        k_steps = layer.k // layer.spec.k_multiple
+        k_steps = -(-layer.k // layer.spec.k_multiple)
         if self.kernel not in ("gemv", "dot", "dequant_mm") or self.block_n < 16 or self.split_k < 1:
             return False
-        if self.kernel == "dequant_mm" and (self.block_k < 16 or layer.k % self.block_k):
+        if self.kernel == "dequant_mm" and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
             return False
         if self.kernel == "dot" and self.block_m < 16:
             return False
@@ -116,12 +116,12 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
 
     if m <= 2:  # decode: stream the weight on CUDA cores; 1-warp CTAs, many per SM, split-K for narrow N
         bn = 128 if layer.n >= 128 else 64
-        split = split_for(-(-layer.n // bn), layer.k // layer.spec.k_multiple, 8)
+        split = split_for(-(-layer.n // bn), -(-layer.k // layer.spec.k_multiple), 8)
         return ComputeConfig("gemv", 1, bn, 0, split, num_warps=1, num_stages=3)
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 64
-        split = split_for(-(-layer.n // bn), layer.k // layer.spec.k_multiple, 2)
+        split = split_for(-(-layer.n // bn), -(-layer.k // layer.spec.k_multiple), 2)
         return ComputeConfig("dot", bm, bn, 0, split, num_warps=4, num_stages=3)
     # M > 64: measured on H200 (bench/results/gemm_wna16.md) the dequant pass costs about one read of W plus a
     # bf16 write, cheaper than the Triton tensor-core path's in-loop dequant from M ~ 128 on

@@ -38,7 +38,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, N, K, stride_xm, st
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_r = tl.arange(0, R)
-    n_blocks = K // PB
+    n_blocks = tl.cdiv(K, PB)  # the packed K is padded to whole blocks; x is masked to K
     per_split = tl.cdiv(n_blocks, SPLIT_K)
     b0 = pid_k * per_split
     b1 = tl.minimum(b0 + per_split, n_blocks)
@@ -47,7 +47,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, N, K, stride_xm, st
     for b in tl.range(b0, b1, num_stages=NUM_STAGES):
         q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
         for i in tl.static_range(EPW):
-            xi = tl.load(x_row + b * PB + i * R + offs_r).to(tl.float32)
+            kx = b * PB + i * R + offs_r
+            xi = tl.load(x_row + kx, mask=kx < K, other=0.0).to(tl.float32)
             if IS_INT:
                 v = int_plane(q, i, BITS)
             else:
@@ -86,7 +87,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, N, K, stride_xm, st
         tl.atomic_add(y_ptrs, acc, mask=n_mask)
 
 @triton.jit
-def _gather_tile(qw_ptr, s_ptr, z_ptr, k, offs_n, n_mask, N,
+def _gather_tile(qw_ptr, s_ptr, z_ptr, k, k_mask, offs_n, n_mask, N,
                  BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
                  MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
                  SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
@@ -95,19 +96,20 @@ def _gather_tile(qw_ptr, s_ptr, z_ptr, k, offs_n, n_mask, N,
     PB: tl.constexpr = R * EPW
     wrow = (k // PB) * R + (k % R)
     shift = ((k % PB) // R) * BITS
-    q = tl.load(qw_ptr + wrow[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+    mask = k_mask[:, None] & n_mask[None, :]
+    q = tl.load(qw_ptr + wrow[:, None] * N + offs_n[None, :], mask=mask, other=0)
     c = (q >> shift[:, None]) & ((1 << BITS) - 1)
     if PER_CHANNEL:
         g_off = offs_n[None, :] + 0 * k[:, None]
     else:
         g_off = (k // GROUP_SIZE)[:, None] * N + offs_n[None, :]
     if HAS_ZERO:
-        zero = tl.load(z_ptr + g_off, mask=n_mask[None, :], other=0).to(tl.float32)
+        zero = tl.load(z_ptr + g_off, mask=mask, other=0).to(tl.float32)
     else:
         zero = CODE_OFFSET * 1.0
     v = decode_codes(c, zero, IS_INT, EXP_BITS, MAN_BITS)
     if SCALE_INSIDE:
-        v = v * decode_scale(tl.load(s_ptr + g_off, mask=n_mask[None, :], other=0), SCALE_KIND)
+        v = v * decode_scale(tl.load(s_ptr + g_off, mask=mask, other=0), SCALE_KIND)
     return v
 
 @triton.jit
@@ -130,7 +132,7 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, 
     n_mask = offs_n < N
     m_mask = offs_m < M
     offs_r = tl.arange(0, R)
-    n_blocks = K // PB
+    n_blocks = tl.cdiv(K, PB)  # the packed K is padded to whole blocks; x is masked to K
     per_split = tl.cdiv(n_blocks, SPLIT_K)
     b0 = pid_k * per_split
     b1 = tl.minimum(b0 + per_split, n_blocks)
@@ -139,8 +141,9 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, 
         q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
         for i in tl.static_range(EPW):
             g = (b * PB + (i - i % PPG) * R) // GROUP_SIZE
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (b * PB + i * R + offs_r)[None, :],
-                        mask=m_mask[:, None], other=0.0)
+            kx = b * PB + i * R + offs_r
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :],
+                        mask=m_mask[:, None] & (kx < K)[None, :], other=0.0)
             if IS_INT:
                 if i % PPG == 0:
                     if HAS_ZERO:
@@ -186,11 +189,13 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, gs_ptr, w_ptr, N, K,
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    v = _gather_tile(qw_ptr, s_ptr, z_ptr, k, offs_n, n_mask, N, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS,
+    k_mask = k < K
+    v = _gather_tile(qw_ptr, s_ptr, z_ptr, k, k_mask, offs_n, n_mask, N, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS,
                      CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, True, R)
     if HAS_GSCALE:
         v = v * tl.load(gs_ptr)
-    tl.store(w_ptr + offs_n[None, :] * K + k[:, None], v.to(w_ptr.dtype.element_ty), mask=n_mask[None, :])
+    tl.store(w_ptr + offs_n[None, :] * K + k[:, None], v.to(w_ptr.dtype.element_ty),
+             mask=k_mask[:, None] & n_mask[None, :])
 
 def _gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -201,19 +206,16 @@ def _format_args(qw: QuantizedWeight) -> dict:
     per_channel = spec.group_size == -1
     return dict(BITS=spec.container_bits, EPW=spec.elems_per_word, IS_INT=spec.is_int, EXP_BITS=e,
                 MAN_BITS=mbits, CODE_OFFSET=spec.code_offset, HAS_ZERO=qw.zeros is not None,
-                SCALE_KIND=_SCALE_KIND[spec.scale_dtype], GROUP_SIZE=qw.shape[1] if per_channel else qw.group_size,
+                SCALE_KIND=_SCALE_KIND[spec.scale_dtype], GROUP_SIZE=qw.group_size,
                 PER_CHANNEL=per_channel, HAS_GSCALE=qw.global_scale is not None, R=PLANE_ROWS)
 
 def dequantize_gpu(qw: QuantizedWeight, dtype=torch.bfloat16, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
     """W[N, K] in `dtype`, decoded by the Triton kernel (the same decode the GEMM uses)."""
     n, k = qw.shape
-    block_k = min(block_k, k)
-    while k % block_k:
-        block_k //= 2
     w = torch.empty((n, k), device=qw.qweight.device, dtype=dtype)
     z = qw.zeros if qw.zeros is not None else qw.scales
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
-    _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](qw.qweight, qw.scales, z, gsc, w, n, k,
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](qw.qweight, qw.scales, z, gsc, w, n, k,
                                                               BLOCK_N=block_n, BLOCK_K=block_k, **_format_args(qw))
     return w
 

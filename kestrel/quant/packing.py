@@ -20,13 +20,21 @@ def plane_block(container_bits: int) -> int:
     return PLANE_ROWS * (32 // container_bits)
 
 
+def padded_k(k: int, container_bits: int) -> int:
+    """K rounded up to whole planar blocks: a K that is not a multiple is stored zero-padded (the kernels mask x
+    beyond K, so padded codes never contribute)."""
+    pb = plane_block(container_bits)
+    return -(-k // pb) * pb
+
+
 def pack_codes(codes: torch.Tensor, container_bits: int) -> torch.Tensor:
-    """codes [N, K] (0 <= c < 2^bits) -> int32 [K // epw, N] in the planar layout."""
+    """codes [N, K] (0 <= c < 2^bits) -> int32 [padded_k(K) // epw, N] in the planar layout."""
     n, k = codes.shape
     epw = 32 // container_bits
     pb = plane_block(container_bits)
     if k % pb:
-        raise ValueError(f"K={k} must be a multiple of {pb} to pack {container_bits}-bit codes")
+        codes = torch.nn.functional.pad(codes, (0, padded_k(k, container_bits) - k))
+        k = codes.shape[1]
     c = codes.t().to(torch.int64).reshape(k // pb, epw, PLANE_ROWS, n)
     shifts = (torch.arange(epw, dtype=torch.int64, device=codes.device) * container_bits).view(1, epw, 1, 1)
     words = (c << shifts).sum(dim=1)  # [K/pb, PLANE_ROWS, N]
@@ -34,14 +42,15 @@ def pack_codes(codes: torch.Tensor, container_bits: int) -> torch.Tensor:
 
 
 def unpack_codes(qweight: torch.Tensor, container_bits: int, k: int) -> torch.Tensor:
-    """int32 [K // epw, N] (planar) -> codes int32 [N, K]."""
+    """int32 [padded_k(K) // epw, N] (planar) -> codes int32 [N, K] (padding dropped)."""
     epw = 32 // container_bits
     pb = plane_block(container_bits)
     n = qweight.shape[1]
-    w = (qweight.to(torch.int64) & 0xFFFFFFFF).reshape(k // pb, 1, PLANE_ROWS, n)
+    kp = qweight.shape[0] * epw
+    w = (qweight.to(torch.int64) & 0xFFFFFFFF).reshape(kp // pb, 1, PLANE_ROWS, n)
     shifts = (torch.arange(epw, dtype=torch.int64, device=qweight.device) * container_bits).view(1, epw, 1, 1)
     c = (w >> shifts) & ((1 << container_bits) - 1)  # [K/pb, epw, PLANE_ROWS, N]
-    return c.reshape(k, n).t().to(torch.int32).contiguous()
+    return c.reshape(kp, n)[:k].t().to(torch.int32).contiguous()
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ import torch
 
 from kestrel.quant.formats import (TORCH_SCALE_DTYPES, decode_scales, encode_e8m0_ceil, encode_minifloat,
                                    minifloat_max)
-from kestrel.quant.packing import pack_codes
+from kestrel.quant.packing import pack_codes, padded_k
 from kestrel.quant.spec import QuantSpec
 from kestrel.quant.weight import QuantizedWeight
 
@@ -24,11 +24,15 @@ def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
         raise ValueError(f"quantize expects a 2-D weight [N, K], got shape {tuple(w.shape)}")
     if spec.act_order:
         raise ValueError("RTN quantize() does not produce act-order weights; use from_gptq for those")
-    n, k = w.shape
-    gs = k if spec.group_size == -1 else spec.group_size
-    if k % gs or k % spec.k_multiple:
-        raise ValueError(f"K={k} must be a multiple of the group size {gs} and of {spec.k_multiple} ({spec.weight_dtype})")
-    wf = w.detach().float().reshape(n, k // gs, gs)  # runs on w's device (GPU quantizes big weights fast)
+    n, k0 = w.shape
+    # zero-pad K to whole packed blocks and whole groups (a last partial group is quantized over its real part)
+    kp = padded_k(k0, spec.container_bits)
+    gs = kp if spec.group_size == -1 else spec.group_size
+    k = -(-kp // gs) * gs
+    wf = w.detach().float()  # runs on w's device (GPU quantizes big weights fast)
+    if k != k0:
+        wf = torch.nn.functional.pad(wf, (0, k - k0))
+    wf = wf.reshape(n, k // gs, gs)
     bits = spec.weight_bits
     zeros = gscale = None
     if spec.is_int and spec.has_zero_point:
@@ -59,7 +63,7 @@ def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
         s_st = _store_scale(s, spec.scale_dtype)
         s = decode_scales(s_st, spec.scale_dtype).clamp(min=1e-30) * (gscale if gscale is not None else 1.0)
         codes = encode_minifloat(wf / s[..., None], e, m)
-    codes = codes.reshape(n, k).to(torch.int32)
-    return QuantizedWeight(spec=spec, shape=(n, k), qweight=pack_codes(codes, spec.container_bits),
+    codes = codes.reshape(n, k)[:, :kp].to(torch.int32)
+    return QuantizedWeight(spec=spec, shape=(n, k0), qweight=pack_codes(codes, spec.container_bits),
                            scales=s_st.t().contiguous(), zeros=None if zeros is None else zeros.t().contiguous(),
                            global_scale=None if gscale is None else gscale.float())

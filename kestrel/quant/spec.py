@@ -75,7 +75,7 @@ class QuantSpec:
 
     @property
     def k_multiple(self) -> int:
-        """K must be a multiple of this (the packed layout's block; see packing.py)."""
+        """K granularity of the packed layout (packing.py); other K are stored zero-padded up to a multiple."""
         from kestrel.quant.packing import plane_block
         return plane_block(self.container_bits)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kestrel.quant.formats import decode_minifloat, decode_scales
-from kestrel.quant.packing import unpack_codes
+from kestrel.quant.packing import padded_k, unpack_codes
 from kestrel.quant.spec import QuantSpec
 
 
@@ -14,8 +14,10 @@ from kestrel.quant.spec import QuantSpec
 class QuantizedWeight:
     """W[N, K] ~= dequantize(self).
 
-    qweight: int32 [K // epw, N]   codes packed along K (see packing.py); rows in `perm` order if perm is set
-    scales:  [G, N]                float (fp16/bf16/fp32) or uint8 codes (e8m0 / fp8_e4m3); G = K // group (1 per channel)
+    qweight: int32 [Kp // epw, N]  codes packed along K (see packing.py); rows in `perm` order if perm is set;
+                                   Kp = K rounded up to the layout's block (zero codes beyond K)
+    scales:  [G, N]                float (fp16/bf16/fp32) or uint8 codes (e8m0 / fp8_e4m3); G = ceil(Kp / group),
+                                   1 per channel; rows for groups wholly beyond K are zero-filled here if absent
     zeros:   [G, N] float or None  w = (code - zero) * scale; symmetric types use the constant spec.code_offset
     perm:    int64 [K] or None     act-order: stored row j holds input channel perm[j]; the kernel gathers x[:, perm]
     global_scale: float32 scalar tensor or None (NVFP4 second-level scale, a multiplier)
@@ -32,13 +34,24 @@ class QuantizedWeight:
     def __post_init__(self):
         n, k = self.shape
         epw = self.spec.elems_per_word
-        if tuple(self.qweight.shape) != (k // epw, n) or self.qweight.dtype != torch.int32:
-            raise ValueError(f"qweight must be int32 [{k // epw}, {n}], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
-        g = 1 if self.spec.group_size == -1 else k // self.spec.group_size
+        kp = padded_k(k, self.spec.container_bits)
+        if tuple(self.qweight.shape) != (kp // epw, n) or self.qweight.dtype != torch.int32:
+            raise ValueError(f"qweight must be int32 [{kp // epw}, {n}], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
+        if self.spec.group_size == -1:
+            g = g_real = 1
+        else:
+            g, g_real = -(-kp // self.spec.group_size), -(-k // self.spec.group_size)
+        if self.scales.shape[0] == g_real < g:  # converters give groups of the real K: pad (x is 0 there anyway)
+            self.scales = _pad_rows(self.scales, g)
+            self.zeros = None if self.zeros is None else _pad_rows(self.zeros, g)
         if tuple(self.scales.shape) != (g, n):
             raise ValueError(f"scales must be [{g}, {n}], got {tuple(self.scales.shape)}")
         if self.spec.has_zero_point != (self.zeros is not None):
             raise ValueError("zeros must be given exactly when spec.has_zero_point")
+
+    @property
+    def padded_k(self) -> int:
+        return padded_k(self.shape[1], self.spec.container_bits)
 
     @property
     def num_groups(self) -> int:
@@ -46,7 +59,8 @@ class QuantizedWeight:
 
     @property
     def group_size(self) -> int:
-        return self.shape[1] // self.num_groups
+        """Input channels per scale row (the padded K for per-channel scales)."""
+        return self.padded_k if self.spec.group_size == -1 else self.spec.group_size
 
     def to(self, device) -> "QuantizedWeight":
         mv = lambda t: None if t is None else t.to(device)
@@ -58,16 +72,20 @@ class QuantizedWeight:
         return sum(t.nbytes for t in (self.qweight, self.scales, self.zeros) if t is not None)
 
 
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], dim=0)
+
+
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """Reference: float32 [N, K] in the original input-channel order (computed on the weight's device)."""
     spec, (n, k) = qw.spec, qw.shape
     codes = unpack_codes(qw.qweight, spec.container_bits, k).t()  # [K, N], stored order
     if spec.is_int:
-        zero = qw.zeros.float().repeat_interleave(qw.group_size, 0) if qw.zeros is not None else spec.code_offset
+        zero = qw.zeros.float().repeat_interleave(qw.group_size, 0)[:k] if qw.zeros is not None else spec.code_offset
         vals = codes.to(torch.float32) - zero
     else:
         vals = decode_minifloat(codes, *spec.minifloat)
-    scale = decode_scales(qw.scales, spec.scale_dtype).repeat_interleave(qw.group_size, 0)
+    scale = decode_scales(qw.scales, spec.scale_dtype).repeat_interleave(qw.group_size, 0)[:k]
     w = vals * scale
     if qw.global_scale is not None:
         w = w * qw.global_scale.float()
