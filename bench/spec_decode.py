@@ -15,6 +15,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -74,7 +75,7 @@ def main(argv=None):
     ap.add_argument("--token-budget", type=int, default=None, help="confidence scheduler budget (default: config's)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one table per temperature (0 = greedy)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--repeats", type=int, default=3, help="runs per (mode, concurrency); the median is reported")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
@@ -86,12 +87,17 @@ def main(argv=None):
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                                     max_num_seqs=max(args.concurrency), kv_cache_gb=args.kv_cache_gb,
                                     enable_prefix_caching=False, max_num_batched_tokens=4096, progress=False))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
     extra = f",drafter={args.drafter}" + (f",head={args.head}" if args.head else "")
     if args.token_budget:
         extra += f",token_budget={args.token_budget}"
 
     run_once(engine, chat_prompts(engine.tokenizer, 2), SamplingParams(max_tokens=8, temperature=0))  # warm-up
+    for temp in args.temperature:
+        report(engine, args, extra, temp, argv)
+
+
+def report(engine, args, extra, temp, argv):
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=temp, ignore_eos=True)
     rows = []
     for c in args.concurrency:
         prompts = chat_prompts(engine.tokenizer, c)
@@ -102,11 +108,19 @@ def main(argv=None):
                 spec = MODES[mode]
                 engine.spec = None if spec is None else build_spec_decoder(
                     engine, parse_speculative(spec.format(kmax=args.kmax) + extra))
-                r = run_once(engine, prompts, params)
+                try:
+                    r = run_once(engine, prompts, params)
+                except Exception:  # keep measuring the other modes; the failure is in the log
+                    traceback.print_exc()
+                    for rid in list(engine.seqs):
+                        engine.abort_request(rid)
+                    continue
                 st = engine.spec.stats() if engine.spec is not None else {}
                 r.update(acceptance=st.get("spec_acceptance_rate"), mean_len=st.get("spec_mean_accepted_length"))
                 runs[mode].append(r)
         for mode in args.modes:
+            if not runs[mode]:
+                continue
             rs = sorted(runs[mode], key=lambda x: x["wall_s"])
             r = dict(rs[len(rs) // 2], mode=mode, concurrency=c, all_wall_s=[round(x["wall_s"], 3) for x in runs[mode]])
             rows.append(r)
@@ -133,7 +147,7 @@ def main(argv=None):
         dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
         with open(args.out, "a") as f:
             f.write(f"\n## {dev} — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n\n"
-                    f"Model: {engine.model_name}{' (DUMMY random weights)' if args.load_format == 'dummy' else ''}, dtype {args.dtype}, drafter {args.drafter}, greedy={args.temperature == 0}, "
+                    f"Model: {engine.model_name}{' (DUMMY random weights)' if args.load_format == 'dummy' else ''}, dtype {args.dtype}, drafter {args.drafter}, temperature {temp}, greedy={temp == 0}, "
                     f"max_tokens {args.max_tokens} (ignore_eos), prefix caching off, torch {torch.__version__}.\n\n"
                     f"Command: `python bench/spec_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n"
                     f"{table}\n")

@@ -25,6 +25,8 @@ SPECULATIVE_BUILDER = None
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
+        if config.async_scheduling:
+            raise ValueError("async_scheduling is not implemented yet; run without --async-scheduling")
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, dtype=config.torch_dtype, device=config.device,
                             load_format=config.load_format, model_shape=config.model_shape, progress=config.progress)
@@ -111,6 +113,10 @@ class LLMEngine:
             return []
         if self.spec is not None:
             return self.spec.step(self, batch)
+        return self.run_batch(batch)
+
+    def run_batch(self, batch) -> list[RequestOutput]:
+        """One plain step over a scheduled batch (the speculative step falls back to it when nothing is drafted)."""
         order, logits = self.runner.forward_step(batch)
         tokens, logprobs = self.runner.sample(batch, order, logits) if order else ([], [])
         self.num_steps += 1

@@ -102,6 +102,16 @@ class SpecDecoder:
         decode_idx = [i for i, (s, n) in enumerate(zip(seqs, ns)) if n == 1 and s.num_computed_tokens == s.num_tokens - 1]
         drafts = self._draft(engine, batch, decode_idx)
         self.num_spec_steps += 1
+        no_budget = self.scheduler.max_k(len(seqs)) == 0
+        if not drafts and hasattr(engine, "run_batch") and (no_budget or not self.drafter.needs_hidden):
+            # nothing to verify (e.g. high load: no spare budget): the engine's plain step, CUDA graphs and all.
+            # It yields no hidden states, so a head drafter restarts from the next step that goes through here.
+            outs = engine.run_batch(batch)
+            for s in seqs:
+                self.hidden.pop(s.request_id, None)
+                if s.is_finished:
+                    self.drafter.release(s.request_id)
+            return outs
 
         plain_dec = [i for i in decode_idx if i not in drafts]
         chunks = [i for i in range(len(seqs)) if i not in drafts and i not in set(plain_dec)]

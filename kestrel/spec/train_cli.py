@@ -41,10 +41,15 @@ def add_parser(subparsers):
     p.add_argument("--gen-tokens", type=int, default=128, help="tokens the target generates per prompt (default: %(default)s)")
     p.add_argument("--gen-temperature", type=float, default=0.7,
                    help="sampling temperature of the target's generations (default: %(default)s)")
+    p.add_argument("--data", default=None, help="JSON file of generated token sequences: reused when it exists, "
+                   "written after generating otherwise (skip regeneration when retraining)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not wrap prompts in the chat template")
     p.add_argument("--steps", type=int, default=500, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch-positions", type=int, default=256, help="positions per step (default: %(default)s)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--vocab-subset", choices=["auto", "on", "off"], default="auto",
+                   help="train the readout only over tokens seen in the generated text (~10x cheaper; auto = on for "
+                        "CPU; default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: %(default)s)")
     p.add_argument("--dtype", default="float32", help="target dtype for generation (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
@@ -69,21 +74,10 @@ def _check(args):
         raise ValueError(f"output directory {out_dir!r} does not exist")
 
 
-def run(args) -> int:
-    _check(args)
-    import torch
-
-    from kestrel.engine.config import EngineConfig
-    from kestrel.engine.llm_engine import LLMEngine
+def _generate(engine, args) -> list[list[int]]:
+    """The target's own continuations of the prompts (prompt + output token ids)."""
     from kestrel.engine.sampling_params import SamplingParams
-    from kestrel.spec.draft_head import DraftHead
-    from kestrel.spec.train_draft import collect_hidden, train_head
 
-    torch.manual_seed(args.seed)
-    t0 = time.time()
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
-                                    load_format=args.load_format, model_shape=args.model_shape,
-                                    progress=args.progress, max_num_seqs=64))
     texts = DEFAULT_PROMPTS
     if args.prompts:
         with open(args.prompts) as f:
@@ -104,15 +98,47 @@ def run(args) -> int:
               for i in range(len(prompts))]
     outs = engine.generate(prompts, params, use_tqdm=args.progress)
     seqs = [p + o.output_token_ids for p, o in zip(prompts, outs)]
-    n_gen = sum(len(o.output_token_ids) for o in outs)
-    print(f"generated {n_gen} tokens from {len(seqs)} prompts in {time.time() - t0:.1f}s")
+    return seqs
+
+
+def run(args) -> int:
+    _check(args)
+    import torch
+
+    from kestrel.engine.config import EngineConfig
+    from kestrel.engine.llm_engine import LLMEngine
+    from kestrel.spec.draft_head import DraftHead
+    from kestrel.spec.train_draft import collect_hidden, train_head
+
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+                                    load_format=args.load_format, model_shape=args.model_shape,
+                                    progress=args.progress, max_num_seqs=64))
+    if args.data and os.path.isfile(args.data):
+        with open(args.data) as f:
+            seqs = json.load(f)
+        V = engine.model_config.vocab_size
+        if not (isinstance(seqs, list) and all(isinstance(q, list) and all(isinstance(t, int) and 0 <= t < V for t in q)
+                                               for q in seqs)):
+            raise ValueError(f"--data {args.data!r} is not a JSON list of token-id lists within the vocabulary")
+        n_gen = sum(len(q) for q in seqs)
+        print(f"loaded {len(seqs)} sequences ({n_gen} tokens) from {args.data}")
+    else:
+        seqs = _generate(engine, args)
+        n_gen = sum(len(q) for q in seqs)
+        print(f"generated {len(seqs)} sequences ({n_gen} tokens incl. prompts) in {time.time() - t0:.1f}s")
+        if args.data:
+            with open(args.data, "w") as f:
+                json.dump(seqs, f)
 
     model = engine.model
     hidden = collect_hidden(model, seqs, args.device, progress=args.progress)
     head = DraftHead(model.config.hidden_size, k=args.k, layers=args.layers)
     head = train_head(model.embed_tokens.weight, model.lm_head.weight, hidden, seqs, k=args.k, steps=args.steps,
                       batch_positions=args.batch_positions, lr=args.lr, seed=args.seed, head=head,
-                      progress=args.progress)
+                      progress=args.progress,
+                      vocab_subset=args.vocab_subset == "on" or (args.vocab_subset == "auto" and args.device == "cpu"))
     head.save(args.out, {"target": engine.model_name, "train_stats": json.dumps(head.train_stats),
                          "generated_tokens": n_gen})
     print(f"saved draft head to {args.out} ({sum(p.numel() for p in head.parameters()) / 1e6:.2f}M params, "

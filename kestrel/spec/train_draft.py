@@ -60,10 +60,15 @@ def _sample_batch(hidden, seqs, k, n, gen: random.Random, device):
 
 def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Tensor], seqs: list[list[int]],
                k: int = 4, steps: int = 500, batch_positions: int = 256, lr: float = 1e-3, seed: int = 0,
-               head: DraftHead | None = None, progress: bool = True, conf_weight: float = 0.5) -> DraftHead:
+               head: DraftHead | None = None, progress: bool = True, conf_weight: float = 0.5,
+               vocab_subset: bool = False) -> DraftHead:
     """Distil: cross-entropy to the teacher's distribution at each slot (soft) and to the token the teacher actually
     generated there (hard: a sharp signal even where the teacher is flat), + BCE of the confidence output against
-    'the head's argmax equals the teacher's argmax' (per-slot acceptance under greedy verification)."""
+    'the head's argmax equals the teacher's argmax' (per-slot acceptance under greedy verification).
+
+    vocab_subset: score only the tokens that occur in the training text (teacher and head alike). On a CPU this cuts
+    the dominant [positions, vocab] matmuls by the vocabulary/subset ratio (~10x for SmolLM2); at inference the head
+    still reads out over the full vocabulary."""
     device = embed.device
     torch.manual_seed(seed)
     gen = random.Random(seed)
@@ -74,6 +79,12 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
     head = head or DraftHead(embed.shape[1], k=k)
     head = head.to(device).train()
     embed, lm_head = embed.detach().float(), lm_head.detach().float()
+    remap = None
+    if vocab_subset:
+        sub = torch.tensor(sorted({t for s in seqs for t in s}), device=device)
+        remap = torch.full((lm_head.shape[0],), -1, dtype=torch.long, device=device)
+        remap[sub] = torch.arange(len(sub), device=device)
+        lm_head = lm_head[sub]
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     warm = max(1, steps // 20)
     cosine = lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
@@ -82,6 +93,8 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
     stats = {}
     for step in bar:
         h, nxt, prev, teach, label, mask = _sample_batch(hidden, seqs, head.k, batch_positions, gen, device)
+        if remap is not None:
+            label = remap[label]
         logits, conf = head.forward_teacher(h, embed[nxt], embed[prev], lm_head)
         with torch.no_grad():
             t_logits = teach @ lm_head.t()
