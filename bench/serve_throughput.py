@@ -93,9 +93,32 @@ async def run_level(base, model, reqs, concurrency):
                 itl_p99=pct(itl, 99), requested_tokens=sum(n for _, n in reqs))
 
 
+def make_dummy_dir(shape_name: str, out_dir: str) -> str:
+    """An HF-style model directory for `kestrel serve DIR --load-format dummy`: config.json of the named shape plus
+    the embedded SmolLM2 tokenizer (so the server needs neither real weights nor the embedded GGUF)."""
+    from kestrel.model.loader import load_tokenizer, resolve
+    from kestrel.model.shapes import model_shape
+
+    s = model_shape(shape_name)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": s["architecture"], "vocab_size": s["vocab_size"],
+           "hidden_size": s["hidden_size"], "intermediate_size": s["intermediate_size"],
+           "num_hidden_layers": s["num_hidden_layers"], "num_attention_heads": s["num_attention_heads"],
+           "num_key_value_heads": s["num_key_value_heads"], "head_dim": s["head_dim"],
+           "rms_norm_eps": s["rms_norm_eps"], "rope_theta": s["rope_theta"], "rope_scaling": s.get("rope_scaling"),
+           "max_position_embeddings": s["max_position_embeddings"], "tie_word_embeddings": False,
+           "bos_token_id": s.get("bos_token_id"), "eos_token_id": s.get("eos_token_ids")}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    kind, path, _ = resolve(None)
+    load_tokenizer(kind, path).save_pretrained(out_dir)
+    return out_dir
+
+
 def start_server(args, port, async_sched: bool, log_path: str):
-    cmd = [sys.executable, "-m", "kestrel.cli", "serve", "--port", str(port), "--load-format", "dummy",
-           "--model-shape", args.model_shape, "--dtype", args.dtype, "--device", args.device,
+    model = [args.server_model] if args.server_model else ["--model-shape", args.model_shape]
+    cmd = [sys.executable, "-m", "kestrel.cli", "serve", *model, "--port", str(port), "--load-format", "dummy",
+           "--dtype", args.dtype, "--device", args.device,
            "--max-num-seqs", str(max(args.levels)), "--max-num-batched-tokens", str(args.max_batched_tokens),
            "--kv-cache-gb", str(args.kv_cache_gb), "--log-level", "warning", "--no-progress",
            "--async-scheduling" if async_sched else "--no-async-scheduling"]
@@ -226,6 +249,10 @@ def main(argv=None):
     ap.add_argument("--max-output", type=int, default=256, help="longest output (tokens)")
     ap.add_argument("--max-batched-tokens", type=int, default=2048, help="kestrel chunked-prefill budget per step")
     ap.add_argument("--kv-cache-gb", type=float, default=40.0, help="kestrel KV cache size")
+    ap.add_argument("--server-model", default=None,
+                    help="model directory for the server (dummy weights of its config.json); default: --model-shape")
+    ap.add_argument("--make-dummy-dir", default=None, metavar="DIR",
+                    help="only write an HF-style directory for --model-shape (config + embedded tokenizer) and exit")
     ap.add_argument("--device", default="cuda", help="kestrel server device")
     ap.add_argument("--dtype", default="bfloat16", help="kestrel server dtype")
     ap.add_argument("--port", type=int, default=8123)
@@ -234,6 +261,9 @@ def main(argv=None):
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "."), help="server logs go here")
     ap.add_argument("--json", default=None, help="write all numbers here")
     args = ap.parse_args(argv)
+    if args.make_dummy_dir:
+        print(make_dummy_dir(args.model_shape, args.make_dummy_dir))
+        return
     levels = [int(x) for x in args.concurrency.split(",")]
     counts = [int(x) for x in args.requests.split(",")]
     if len(counts) != len(levels):
