@@ -77,14 +77,17 @@ class TPModelRunner(ModelRunner):
     def __init__(self, *args, group: ParallelGroup, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = group
+        self.lock = threading.Lock()  # held while rank 0 is inside a step's collectives
 
     def forward_step(self, batch: ScheduledBatch):
         """Rank 0: broadcast the step, then run it like every other rank."""
-        lb = self.group.broadcast_object(("step", light_batch(batch)))[1]
-        return super().forward_step(lb)
+        with self.lock:
+            lb = self.group.broadcast_object(("step", light_batch(batch)))[1]
+            return super().forward_step(lb)
 
     def stop_workers(self) -> None:
-        self.group.broadcast_object(("stop", None))
+        with self.lock:
+            self.group.broadcast_object(("stop", None))
 
     def worker_loop(self) -> None:
         """Ranks > 0: run every step rank 0 broadcasts, until it says stop."""
@@ -134,10 +137,13 @@ class TPLLMEngine(LLMEngine):
     def stats(self) -> dict:
         return {**super().stats(), "tensor_parallel_size": self.tp_size}
 
-    def kill_workers(self) -> None:
-        """At interpreter exit: end the workers without a collective (another thread may be inside one)."""
+    def at_exit(self) -> None:
+        """Interpreter exit: stop the workers cleanly unless another thread is stuck inside a step, then kill."""
         if self._stopped:
             return
+        if self.runner.lock.acquire(timeout=2.0):
+            self.runner.lock.release()
+            self.shutdown()
         self._stopped = True
         for p in self._workers:
             if p.is_alive():
@@ -217,5 +223,5 @@ def launch_tp_engine(config: EngineConfig, tensor_parallel_size: int, start_meth
     engine._workers = workers
     if workers:
         threading.Thread(target=_watchdog, args=(engine,), daemon=True, name="tp-watchdog").start()
-        atexit.register(engine.kill_workers)
+        atexit.register(engine.at_exit)
     return engine
