@@ -1,13 +1,13 @@
-"""Expert parallelism on the CPU: EP=2 over gloo (two forked ranks) with data-parallel attention, against a
-single-process run of the same tiny random MoE Llama. Layer level: EP outputs (with and without replicated hot
-experts, before and after a rebalance) against a dense per-token reference written here; model level: greedy
-tokens identical to EP=1 when each rank serves its own share of the prompts (one rank runs out of work early and
-joins the collectives with empty steps)."""
+"""Expert parallelism on the CPU over gloo (two forked ranks). Layer level: EP outputs (contiguous experts,
+replicated hot experts, after a rebalance, a rank with no tokens) against a dense per-token reference written
+here. Model level, a tiny dummy Qwen-MoE against the same model in one process (its own MoE block): EP=2 with
+data-parallel attention (each rank serves its share of the prompts; one runs out of work early and joins the
+collectives with dummy steps), before and after an EPLB rebalance; and TP=2 with the experts split by expert."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel_helpers import make_tiny_llama, run_ranks
+from parallel_helpers import run_ranks
 
 from kestrel.engine import EngineConfig, LLMEngine, SamplingParams
 from kestrel.model.parallel import (ColumnParallelLinear, DPGatheredMLP, ExpertParallelMoE, ParallelGroup,
@@ -35,12 +35,6 @@ def dense_moe_reference(x, router, w13, w2):
             h = w13[e] @ x[t]
             out[t] += wi * (w2[e] @ (F.silu(h[:I]) * h[I:]))
     return out
-
-
-def install_moe(model, group, placement=None):
-    for i, layer in enumerate(model.layers):
-        router, w13, w2 = expert_weights(i)
-        layer.mlp = ExpertParallelMoE(router, w13, w2, TOP_K, group, placement=placement)
 
 
 def _layer_checks(rank, world, init_method):
@@ -87,34 +81,68 @@ def test_eplb_placement_balances_hot_experts():
         plan_placement(load, num_ranks=3, num_redundant=0)  # 8 slots cannot split over 3 ranks
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tiny-moe"))
-    make_tiny_llama(path, seed=3)
-    return path
+# a tiny Qwen-MoE (kestrel.model.moe: routed experts + sigmoid-gated shared expert), dummy weights
+MOE_SHAPE = dict(architecture="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                 qkv_bias=True, rope_theta=10000.0, bos_token_id=1, eos_token_ids=[2],
+                 moe=dict(num_experts=4, top_k=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                          norm_topk_prob=False))
 
 
-def _config(path):
-    return EngineConfig(model=path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, progress=False)
+def moe_config():
+    return EngineConfig(load_format="dummy", model_shape=MOE_SHAPE, dtype="float32", num_kv_blocks=64,
+                        max_num_batched_tokens=16, progress=False)
 
 
-def _ep_rank(rank, world, init_method, path):
+def strong_experts(monkeypatch=None):
+    """Dummy expert weights 15x the default std, so the experts visibly steer the greedy tokens."""
+    from kestrel.model.moe import QwenMoeBlock
+
+    orig = QwenMoeBlock.reset_dummy
+    if getattr(orig, "_strong", False):
+        return
+    new = lambda self, gen, std: orig(self, gen, std * 15)  # noqa: E731
+    new._strong = True
+    if monkeypatch is not None:
+        monkeypatch.setattr(QwenMoeBlock, "reset_dummy", new)
+    else:
+        QwenMoeBlock.reset_dummy = new
+
+
+def _ep_rank(rank, world, init_method):
+    from kestrel.model.parallel import expert_parallelize
+
+    strong_experts()
     group, _ = init_distributed(rank, world, init_method)
-    engine = LLMEngine(_config(path))
-    install_moe(engine.model, group)
+    engine = LLMEngine(moe_config())
+    assert expert_parallelize(engine.model, group, tokens="dispatch") == 2
     mine = PROMPTS[rank::world]  # data-parallel attention: each rank serves its own requests
     first = [o.output_token_ids for o in dp_generate(engine, mine, GREEDY, group)]
     for layer in engine.model.layers:  # EPLB: replicate the hot experts seen so far, then serve again
-        layer.mlp.rebalance(num_redundant=2)
+        layer.mlp.experts.rebalance(num_redundant=2)
     again = [o.output_token_ids for o in dp_generate(engine, mine, GREEDY, group)]
     return first, again
 
 
-def test_ep2_dp_attention_greedy_matches_ep1(tiny_moe_path):
-    ref_engine = LLMEngine(_config(tiny_moe_path))
-    install_moe(ref_engine.model, ParallelGroup())
-    ref = [o.output_token_ids for o in ref_engine.generate(PROMPTS, GREEDY)]
-    res = run_ranks(_ep_rank, 2, tiny_moe_path)
+def test_ep2_dp_attention_qwen_moe_matches_single_process(monkeypatch):
+    strong_experts(monkeypatch)
+    ref = [o.output_token_ids for o in LLMEngine(moe_config()).generate(PROMPTS, GREEDY)]  # the model's own MoE
+    res = run_ranks(_ep_rank, 2)
     for rank, (first, again) in res.items():
         assert first == ref[rank::2]
         assert again == ref[rank::2]
+
+
+def _tp_moe_rank(rank, world, init_method):
+    from kestrel.engine.tp_worker import run_rank
+
+    strong_experts()
+    return run_rank(rank, world, moe_config(), init_method,
+                    driver=lambda eng: [o.output_token_ids for o in eng.generate(PROMPTS, GREEDY)])
+
+
+def test_tp2_qwen_moe_experts_split_matches_tp1(monkeypatch):
+    # under tensor parallelism each rank computes its half of the experts (and of the shared expert) for all tokens
+    strong_experts(monkeypatch)
+    ref = [o.output_token_ids for o in LLMEngine(moe_config()).generate(PROMPTS, GREEDY)]
+    assert run_ranks(_tp_moe_rank, 2)[0] == ref

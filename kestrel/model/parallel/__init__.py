@@ -9,7 +9,7 @@ __all__ = ["NCCL_SAFE_ENV", "ParallelGroup", "apply_nccl_env", "destroy_distribu
            "heads_per_rank", "shard_llama", "ParallelLMHead", "VocabParallelEmbedding"]
 from .dp_attention import DPGatheredMLP, dp_generate, empty_forward  # noqa: E402
 from .eplb import ExpertPlacement, contiguous_placement, plan_placement  # noqa: E402
-from .moe import ExpertParallelMoE  # noqa: E402
+from .moe import ExpertParallelMoE, ParallelQwenMoeBlock, expert_parallelize  # noqa: E402
 
 __all__ += ["DPGatheredMLP", "dp_generate", "empty_forward", "ExpertPlacement", "contiguous_placement",
-            "plan_placement", "ExpertParallelMoE"]
+            "plan_placement", "ExpertParallelMoE", "ParallelQwenMoeBlock", "expert_parallelize"]

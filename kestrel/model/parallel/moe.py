@@ -30,9 +30,18 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool):
 
 
 class ExpertParallelMoE(nn.Module):
+    """tokens="dispatch": each rank brings its own tokens (data-parallel attention), all-to-all moves them.
+    tokens="replicated": every rank holds the same tokens (tensor-parallel attention); each computes only the
+    pairs whose expert copy it holds and returns that partial sum, which the caller all-reduces (once, together
+    with any other partial sums of the block), so no all-to-all is needed."""
+
     def __init__(self, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, group: ParallelGroup,
-                 renormalize: bool = True, placement: ExpertPlacement | None = None, use_kernel: bool = False):
+                 renormalize: bool = True, placement: ExpertPlacement | None = None, use_kernel: bool = False,
+                 tokens: str = "dispatch"):
         super().__init__()
+        if tokens not in ("dispatch", "replicated"):
+            raise ValueError(f"tokens must be 'dispatch' or 'replicated', got {tokens!r}")
+        self.tokens = tokens
         E, I2, H = w13.shape
         if router.shape != (E, H) or w2.shape != (E, H, I2 // 2):
             raise ValueError(f"router must be [E, H] = {(E, H)} and w2 [E, H, I] = {(E, H, I2 // 2)}; got "
@@ -115,6 +124,11 @@ class ExpertParallelMoE(nn.Module):
         phys = self.replica_table[flat, pick]
         S = self.placement.slots_per_rank
         dest = phys // S
+        if self.tokens == "replicated":  # same pairs on every rank: keep the ones whose expert copy is here
+            mine = (dest == g.rank).nonzero(as_tuple=True)[0]
+            y = self._local_experts(x[tok[mine]], (phys % S)[mine])
+            w = topk_w.reshape(-1)[mine].unsqueeze(1).to(y.dtype)
+            return torch.zeros_like(x).index_add_(0, tok[mine], y * w)  # partial: the caller all-reduces
         order = torch.argsort(dest, stable=True)
         send = torch.bincount(dest, minlength=g.size)
         recv = g.exchange_counts(send)
@@ -127,3 +141,53 @@ class ExpertParallelMoE(nn.Module):
         y[order] = y_back
         w = topk_w.reshape(-1, 1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y * w)
+
+
+class ParallelQwenMoeBlock(nn.Module):
+    """kestrel.model.moe.QwenMoeBlock with its routed experts spread over the group.
+
+    tokens="replicated" (inside tensor parallelism): routed experts split by expert, the shared expert split
+    Megatron-style; both partial sums go through one all-reduce. tokens="dispatch" (data-parallel attention):
+    routed experts via all-to-all, the shared expert replicated (no communication)."""
+
+    def __init__(self, block: nn.Module, group: ParallelGroup, tokens: str, placement: ExpertPlacement | None = None):
+        super().__init__()
+        from .linear import ColumnParallelLinear, RowParallelLinear
+
+        self.group, self.tokens = group, tokens
+        self.experts = ExpertParallelMoE(block.router.weight.detach(), block.w13.data, block.w2.data, block.top_k,
+                                         group, renormalize=block.norm_topk_prob, placement=placement, tokens=tokens)
+        self.shared_expert_gate = block.shared_expert_gate
+        se = block.shared_expert
+        if tokens == "replicated":
+            inter = se.inter
+            self.shared_gate_up = ColumnParallelLinear.from_full(se.gate_up_proj, group, segment_sizes=[inter, inter])
+            down = RowParallelLinear.from_full(se.down_proj, group)
+            self.shared_down = down.local  # reduced together with the routed partial sum
+            self.shared_inter = inter // group.size
+        else:
+            self.shared_expert = se
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.shared_expert_gate(x))
+        if self.tokens == "dispatch":
+            return self.experts(x) + gate * self.shared_expert(x)
+        g, u = self.shared_gate_up(x).split(self.shared_inter, dim=-1)
+        partial = self.experts(x) + gate * self.shared_down(F.silu(g) * u)
+        return self.group.all_reduce(partial)
+
+
+def is_moe_block(m: nn.Module) -> bool:
+    return all(hasattr(m, a) for a in ("router", "w13", "w2", "top_k", "shared_expert"))
+
+
+@torch.no_grad()
+def expert_parallelize(model: nn.Module, group: ParallelGroup, tokens: str = "dispatch",
+                       placement: ExpertPlacement | None = None) -> int:
+    """Replace every Qwen-MoE block of `model` by its expert-parallel form, in place; returns how many."""
+    n = 0
+    for layer in model.layers:
+        if is_moe_block(layer.mlp):
+            layer.mlp = ParallelQwenMoeBlock(layer.mlp, group, tokens, placement)
+            n += 1
+    return n

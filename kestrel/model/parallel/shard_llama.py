@@ -17,6 +17,7 @@ from kestrel.model.config import ModelConfig
 
 from .distributed import ParallelGroup
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .moe import ParallelQwenMoeBlock, is_moe_block
 from .vocab import ParallelLMHead, VocabParallelEmbedding
 
 
@@ -57,10 +58,14 @@ def shard_llama(model: nn.Module, group: ParallelGroup) -> ModelConfig:
         attn.num_heads, attn.num_kv_heads = hq, hkv
         attn.q_size, attn.kv_size = hq * d, hkv * d
         mlp = layer.mlp
-        if hasattr(mlp, "gate_up_proj"):  # dense MLP; an MoE block is sharded by expert parallelism instead
+        if is_moe_block(mlp):  # MoE: experts split by expert (each rank computes its experts for all tokens)
+            layer.mlp = ParallelQwenMoeBlock(mlp, group, tokens="replicated")
+        elif hasattr(mlp, "gate_up_proj"):
             mlp.gate_up_proj = ColumnParallelLinear.from_full(mlp.gate_up_proj, group, segment_sizes=[inter, inter])
             mlp.down_proj = RowParallelLinear.from_full(mlp.down_proj, group)
             mlp.inter = inter // tp
+        else:
+            raise ValueError(f"tensor parallelism does not know how to split {type(mlp).__name__}")
     emb = VocabParallelEmbedding.from_full(model.embed_tokens, group)
     head = ParallelLMHead.from_full(model.lm_head, cfg.vocab_size, group,
                                     tied=emb if cfg.tie_word_embeddings else None)
