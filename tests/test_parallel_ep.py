@@ -3,6 +3,8 @@ replicated hot experts, after a rebalance, a rank with no tokens) against a dens
 here. Model level, a tiny dummy Qwen-MoE against the same model in one process (its own MoE block): EP=2 with
 data-parallel attention (each rank serves its share of the prompts; one runs out of work early and joins the
 collectives with dummy steps), before and after an EPLB rebalance; and TP=2 with the experts split by expert."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,17 @@ def test_ep2_moe_layer_matches_dense_reference():
             want = ref[:0] if (name == "empty" and rank == 1) else ref
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
         torch.testing.assert_close(mlp_out, mlp_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the fused MoE kernel needs TRITON_INTERPRET=1 on CPU")
+def test_local_experts_through_fused_moe_kernel():
+    # the GPU path of the local experts (kestrel's grouped-GEMM FusedMoE, bf16), here in the Triton interpreter
+    router, w13, w2 = expert_weights(0)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(9))
+    hot = plan_placement([9, 1, 1, 1], 1, num_redundant=0)
+    y = ExpertParallelMoE(router, w13, w2, TOP_K, ParallelGroup(), placement=hot, use_kernel=True)(x)
+    ref = dense_moe_reference(x, router, w13, w2)
+    assert ((y - ref).norm() / ref.norm()).item() < 2e-2  # bf16 weights and activations
 
 
 def test_eplb_placement_balances_hot_experts():

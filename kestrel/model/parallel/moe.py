@@ -8,7 +8,7 @@ attention) and may bring none: it still joins both all-to-alls, so ranks stay in
 
 Weights: SwiGLU experts, w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I], as kestrel.kernels.moe_layer.
 The local experts run as a per-expert loop of matmuls (CPU, any dtype), or through kestrel's fused grouped-GEMM
-MoE kernel (`use_kernel=True`, the GPU path). With a group of size 1 this is a plain single-device MoE block.
+MoE kernel (bf16; the default on GPUs, `use_kernel`). With a group of size 1 this is a plain single-device MoE block.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class ExpertParallelMoE(nn.Module):
     with any other partial sums of the block), so no all-to-all is needed."""
 
     def __init__(self, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, group: ParallelGroup,
-                 renormalize: bool = True, placement: ExpertPlacement | None = None, use_kernel: bool = False,
+                 renormalize: bool = True, placement: ExpertPlacement | None = None, use_kernel: bool | None = None,
                  tokens: str = "dispatch"):
         super().__init__()
         if tokens not in ("dispatch", "replicated"):
@@ -94,7 +94,8 @@ class ExpertParallelMoE(nn.Module):
     # ---- forward ----
     def _local_experts(self, x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """x [R, H] rows for local slots `slot` [R] -> expert outputs [R, H] (unweighted)."""
-        if self.use_kernel and x.shape[0]:
+        use_kernel = x.is_cuda if self.use_kernel is None else self.use_kernel  # GPU: the fused grouped GEMM
+        if use_kernel and x.shape[0]:
             return self._kernel_experts(x, slot)
         y = torch.empty_like(x)
         for s in slot.unique().tolist():
