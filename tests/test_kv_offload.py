@@ -40,6 +40,15 @@ def test_engine_restores_offloaded_prefix_with_identical_tokens():
     from kestrel.engine.llm_engine import LLMEngine
     from kestrel.engine.sampling_params import SamplingParams
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread is several times faster than two on a busy 2-core CI machine
+    try:
+        _offload_roundtrip(LLMEngine, EngineConfig, SamplingParams)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _offload_roundtrip(LLMEngine, EngineConfig, SamplingParams):
     # 24 device blocks of 16 tokens: two other ~200-token prompts are enough to evict the first one's prefix
     eng = LLMEngine(EngineConfig(num_kv_blocks=24, max_model_len=384, kv_offload_gb=0.05, progress=False,
                                  max_num_seqs=2))
