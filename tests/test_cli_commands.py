@@ -84,19 +84,19 @@ def run_cli(monkeypatch, capsys, engine, args: list[str], stdin: str = "") -> st
     return capsys.readouterr().out
 
 
-def greedy(engine, prompt, max_tokens=12) -> str:
+def greedy(engine, prompt, max_tokens=6) -> str:
     return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].text
 
 
 def test_generate_prints_greedy_completion(monkeypatch, capsys, engine):
-    out = run_cli(monkeypatch, capsys, engine, ["generate", "--prompt", PROMPT, "--max-tokens", "12",
+    out = run_cli(monkeypatch, capsys, engine, ["generate", "--prompt", PROMPT, "--max-tokens", "6",
                                                  "--temperature", "0"])
     assert out == greedy(engine, PROMPT) + "\n"
 
 
 def test_chat_streams_replies_and_keeps_history(monkeypatch, capsys, engine):
     stdin = "\n".join(CHAT + ["/exit", "never sent"]) + "\n"
-    out = run_cli(monkeypatch, capsys, engine, ["chat", "--max-tokens", "12", "--temperature", "0"], stdin)
+    out = run_cli(monkeypatch, capsys, engine, ["chat", "--max-tokens", "6", "--temperature", "0"], stdin)
     tok = engine.tokenizer
     history, expected = [], ""
     for msg in CHAT:
