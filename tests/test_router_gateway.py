@@ -193,3 +193,24 @@ def test_hung_replica_times_out_and_client_disconnect_frees_slot(fleet):
     finally:
         os.kill(victim.p.pid, signal.SIGCONT)
     assert got[-1] == "data: [DONE]" and "ReadTimeout" in json.loads(got[-2][6:])["error"]["message"]
+
+
+def test_pd_prefill_leg_failure_falls_back_to_decode_replica(tmp_path):
+    """P/D plumbing with model-free replicas (they have no /kv/prefill): the prefill leg fails, the decode
+    replica serves the request anyway; with the prefill replica dead the same holds."""
+    pre = launch.fake_replica(launch.free_port(), name="pre", log_path=str(tmp_path / "pre.log")).wait_healthy(60)
+    dec = launch.fake_replica(launch.free_port(), name="dec", log_path=str(tmp_path / "dec.log")).wait_healthy(60)
+    rt = launch.router(launch.free_port(), [], "--prefill-replica", pre.url, "--decode-replica", dec.url,
+                       "--health-interval", "0.2", log_path=str(tmp_path / "rt.log")).wait_healthy(60)
+    try:
+        for stream in (False, True):
+            r = httpx.post(rt.url + "/v1/chat/completions", json=_chat("hello", 3, stream=stream), timeout=30)
+            assert r.status_code == 200 and r.headers["x-kestrel-replica"] == dec.url
+            assert r.headers["x-kestrel-prefill-replica"] == pre.url and "404" in r.headers["x-kestrel-prefill-error"]
+        pre.kill()
+        r = httpx.post(rt.url + "/v1/chat/completions", json=_chat("hello", 3), timeout=30)
+        assert r.status_code == 200 and r.headers["x-kestrel-replica"] == dec.url
+        assert "x-kestrel-prefill-error" in r.headers
+    finally:
+        for p in (rt, pre, dec):
+            p.stop()
