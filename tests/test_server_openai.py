@@ -250,3 +250,31 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server, model, endpoint):
     wait_for(lambda: stats()["num_running"] == 0, "the aborted request to leave the batch")
     assert stats()["num_free_kv_blocks"] == free_before
     assert metric(server, "kestrel_request_finished_total", finished_reason="abort") == aborts_before + 1
+
+
+def test_client_disconnect_without_streaming_aborts(server, model):
+    """A non-streaming client that gives up (here: closes the socket once generation has started) frees the
+    request's blocks too, instead of the server generating all max_tokens for nobody."""
+    stats = lambda: httpx.get(server.url + "/stats").json()  # noqa: E731
+    wait_for(lambda: stats()["num_running"] == 0 and stats()["num_waiting"] == 0, "an idle engine")
+    free_before = stats()["num_free_kv_blocks"]
+    aborts_before = metric(server, "kestrel_request_finished_total", finished_reason="abort")
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": MAX_MODEL_LEN - 64, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            task = asyncio.ensure_future(c.post(f"{server.url}/v1/completions", json=body,
+                                                headers={"Authorization": f"Bearer {KEY}"}))
+            while stats()["num_running"] == 0:  # wait until it is generating
+                await asyncio.sleep(0.05)
+            held = stats()
+            task.cancel()  # drops the connection
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return held
+
+    held = asyncio.run(main())
+    assert held["num_free_kv_blocks"] < free_before
+    wait_for(lambda: stats()["num_running"] == 0, "the abandoned request to be aborted")
+    assert stats()["num_free_kv_blocks"] == free_before
+    assert metric(server, "kestrel_request_finished_total", finished_reason="abort") == aborts_before + 1
