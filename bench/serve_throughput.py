@@ -199,6 +199,9 @@ def bench_hf(args, workloads, levels):
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).eval()
     torch.set_default_dtype(torch.float32)
+    with torch.inference_mode():  # warm-up: CUDA context, cuBLAS handles and kernels load outside the timing
+        model.generate(input_ids=torch.ones(2, 16, dtype=torch.long, device="cuda"), max_new_tokens=8,
+                       min_new_tokens=8, do_sample=False, pad_token_id=0)
     rows = []
     for c in levels:
         reqs = workloads[c]
