@@ -247,7 +247,8 @@ class Router:
         return {**extra, "x-kestrel-replica": r.url, "x-kestrel-tenant": t.tenant, "x-kestrel-priority": t.priority,
                 "x-kestrel-queue-ms": f"{t.queue_wait * 1000:.1f}", "x-kestrel-arrival-seq": str(t.arrival_seq),
                 "x-kestrel-dispatch-seq": str(t.dispatch_seq),
-                "x-kestrel-served-while-queued": str(t.dispatch_seq - t.dispatched_before), "x-kestrel-attempts": str(req["attempts"])}
+                "x-kestrel-served-while-queued": str(t.dispatch_seq - t.dispatched_before),
+                "x-kestrel-attempts": str(req["attempts"])}
 
     def _done(self, req: dict, outcome: str) -> None:
         self._m_requests.labels(req["tenant"], req["priority"], outcome).inc()
@@ -287,9 +288,9 @@ class Router:
                 return error_json(f"{e}; last error: {last}" if avoid else str(e), 503)
             req["attempts"] += 1
             avoid.add(r.url)
-            if r.role == "decode":
-                await self._prefill_leg(req, r)
             try:
+                if r.role == "decode":
+                    await self._prefill_leg(req, r)
                 resp = await self.client.post(r.url + req["path"], json=req["body"], headers=req["headers"])
             except httpx.HTTPError as e:
                 last = f"{r.url}: {type(e).__name__}: {e}"
@@ -319,9 +320,9 @@ class Router:
             req["attempts"] += 1
             avoid.add(r.url)
             t.meta["t0"] = time.monotonic()
-            if r.role == "decode":
-                await self._prefill_leg(req, r)
             try:
+                if r.role == "decode":
+                    await self._prefill_leg(req, r)
                 upstream = self.client.build_request("POST", r.url + req["path"], json=req["body"],
                                                      headers=req["headers"])
                 resp = await self.client.send(upstream, stream=True)
@@ -331,6 +332,9 @@ class Router:
                 self.scheduler.release(r)
                 self._m_retries.inc()
                 continue
+            except BaseException:  # cancelled (client gone): hand the slot back
+                self.scheduler.release(r)
+                raise
             if resp.status_code == 503:
                 last = f"{r.url}: HTTP 503"
                 await resp.aclose()
