@@ -159,6 +159,10 @@ def test_train_draft_cli_and_head_drafter(tmp_path, reference):
         assert {r: o.output_token_ids for r, o in final.items()} == ref
         rates[name] = e.stats()["spec_acceptance_rate"]
     assert rates["trained"] > rates["untrained"] + 0.2
+    e = _engine(f"drafter=head,head={out},k=3")  # sampled rows: the head samples from q and verifies against it
+    sp = [SamplingParams(max_tokens=15, temperature=0.9, ignore_eos=True, seed=i) for i in range(len(PROMPTS))]
+    streamed, final, _ = _run(e, PROMPTS, sp)
+    assert all(len(o.output_token_ids) == 15 for o in final.values()) and e.stats()["spec_num_draft_tokens"] > 0
     with pytest.raises(ValueError):
         DraftHead.load(str(prompts))  # not a safetensors head: clear error
     assert main(["train-draft", "--steps", "0", "--out", str(out)]) == 2  # bad flag value -> message, exit 2

@@ -67,27 +67,29 @@ class DraftHead(nn.Module):
     @torch.no_grad()
     def draft(self, h, x_next, embed, lm_head, k, temperature=None, generator=None):
         """Inference: propose k tokens per row. temperature [N] (0 = greedy). Returns tokens [N, k],
-        confidence [N, k], q [N, k, V] (the distributions sampled from; softmax at T=1 for greedy rows)."""
+        confidence [N, k], q [N, k, V] (the distributions sampled from; T=1 softmax for greedy rows) or None when
+        every row is greedy."""
         k = min(k, self.k)
         N = h.shape[0]
         z = self.slots(h, embed[x_next])
         temp = torch.zeros(N, device=h.device) if temperature is None else temperature.to(h.device).float()
         sample = temp > 0
+        any_sample = bool(sample.any())
         toks, confs, qs = [], [], []
         prev = x_next
         for i in range(k):
             zi = z[:, i] if i == 0 else self.refine(z[:, i], embed[prev])
             logits, c = self.readout(zi, lm_head)
             logits = logits.float()
-            q = torch.softmax(logits / torch.where(sample, temp, torch.ones_like(temp))[:, None], -1)
             tok = logits.argmax(-1)
-            if sample.any():
+            if any_sample:  # q only matters for sampled rows (greedy verification needs no draft distribution)
+                q = torch.softmax(logits / torch.where(sample, temp, torch.ones_like(temp))[:, None], -1)
                 tok[sample] = torch.multinomial(q[sample], 1, generator=generator).squeeze(1)
+                qs.append(q)
             toks.append(tok)
             confs.append(torch.sigmoid(c.float()))
-            qs.append(q)
             prev = tok
-        return torch.stack(toks, 1), torch.stack(confs, 1), torch.stack(qs, 1)
+        return torch.stack(toks, 1), torch.stack(confs, 1), torch.stack(qs, 1) if qs else None
 
     # --- persistence: safetensors with the architecture in the metadata ---
     def save(self, path: str, extra: dict | None = None) -> None:

@@ -33,14 +33,14 @@ class HeadDrafter(Drafter):
         toks, conf, q = self.head.draft(h, x, self.embed, self.lm_head, k, temp, self.generator)
         if len(have) == B:  # common case: no scatter
             return Draft(toks, torch.full((B,), k, dtype=torch.long, device=dev), conf.float(),
-                         q if bool((temp > 0).any()) else None)
+                         q)
         idx = torch.tensor(have, device=dev)
         T = torch.zeros(B, k, dtype=torch.long, device=dev)
         C = torch.zeros(B, k, device=dev)
         lens = torch.zeros(B, dtype=torch.long, device=dev)
         T[idx], C[idx], lens[idx] = toks, conf.float(), k
         probs = None
-        if bool((temp > 0).any()):
+        if q is not None:
             probs = torch.zeros(B, k, q.shape[-1], device=dev)
             probs[idx] = q.float()
         return Draft(T, lens, C, probs)
