@@ -34,6 +34,8 @@ def _cached_prefix_block_ids(engine, token_ids: list[int]) -> list[int]:
 
 
 def _comm_device(engine) -> torch.device:
+    if getattr(engine, "tp_size", 1) > 1:  # rank 0's cache holds only its share of the KV heads
+        raise ValueError("KV transfer of a tensor-parallel engine is not supported yet")
     dev = engine.runner.backend.k_cache[0].device
     if dist.get_backend() == "nccl" and dev.type != "cuda":
         raise ValueError("NCCL KV transfer needs the KV cache on a GPU")

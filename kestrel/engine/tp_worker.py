@@ -105,6 +105,8 @@ class TPLLMEngine(LLMEngine):
     def __init__(self, config: EngineConfig, group: ParallelGroup, device: torch.device | str | None = None):
         if getattr(config, "speculative", None) is not None:
             raise ValueError("speculative decoding is not supported with tensor parallelism yet")
+        if getattr(config, "kv_offload_gb", 0) > 0:
+            raise ValueError("KV offload is not supported with tensor parallelism yet")
         device = str(device or config.device)
         # the base class loads the full model (and tokenizer, quantization) with a one-block KV cache; the real
         # cache is sized below from the per-rank KV heads

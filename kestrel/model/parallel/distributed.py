@@ -40,6 +40,9 @@ class ParallelGroup:
     pg: object = None
     # optional context-manager factory wrapped around every all-reduce (bench/tp_decode.py times them with it)
     comm_timer: Callable | None = field(default=None, repr=False)
+    # gloo group over the same ranks for host-side control messages (step broadcasts): with NCCL they would
+    # cost a host->device copy and a stream sync per step
+    cpu_pg: object = field(default=None, repr=False)
 
     def _timed(self):
         return self.comm_timer() if self.comm_timer is not None else contextlib.nullcontext()
@@ -92,7 +95,7 @@ class ParallelGroup:
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.pg)
+        dist.broadcast_object_list(box, src=src, group=self.cpu_pg if self.cpu_pg is not None else self.pg)
         return box[0]
 
     def barrier(self) -> None:
@@ -121,10 +124,11 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: str =
         backend = "gloo"
     if world_size == 1:
         return ParallelGroup(), dev
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return ParallelGroup(rank=rank, size=world_size), dev
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    cpu_pg = dist.new_group(backend="gloo", timeout=timeout)  # (also on the CPU, so CI runs this path)
+    return ParallelGroup(rank=rank, size=world_size, cpu_pg=cpu_pg), dev
 
 
 def destroy_distributed() -> None:
