@@ -216,7 +216,8 @@ def main(argv=None) -> int:
     if args.out:
         gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
         with open(args.out, "w") as f:
-            f.write(f"# Prefill/decode disaggregation over NCCL, {args.model_shape}\n\n- date: {datetime.date.today()}\n"
+            f.write(f"# Prefill/decode disaggregation over NCCL, {args.model_shape}\n\n"
+                    f"- date: {datetime.date.today()}\n"
                     f"- device: {torch.cuda.device_count() if args.device == 'cuda' else 0} x {gpu}\n"
                     f"- command: `python {' '.join(sys.argv)}`\n\n{table}\n\nRaw:\n\n```json\n"
                     f"{json.dumps(rows, indent=1)}\n```\n")

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from kestrel.model.parallel import apply_nccl_env, init_distributed, destroy_distributed, shard_llama  # noqa: E402
+from kestrel.model.parallel import apply_nccl_env, destroy_distributed, init_distributed, shard_llama  # noqa: E402
 
 
 def _shape_config(shape: str):
@@ -68,8 +68,8 @@ class _CommTimer:
 
 
 def _rank_main(rank: int, tp: int, args, init_method: str, queue) -> None:
-    from kestrel.engine.tp_worker import TPModelRunner, _SeqView, _TokenWindow
     from kestrel.engine.scheduler import ScheduledBatch
+    from kestrel.engine.tp_worker import TPModelRunner, _SeqView, _TokenWindow
     from kestrel.model.dummy import build_dummy_model
 
     try:
@@ -93,7 +93,7 @@ def _rank_main(rank: int, tp: int, args, init_method: str, queue) -> None:
             runner = TPModelRunner(model, rank_cfg, B * nb, bs, dtype, str(dev), 0, group=group)
             if rank != 0:
                 runner.worker_loop()  # runs rank 0's steps until it moves to the next batch size
-                del runner
+                runner = None
                 continue
             g = torch.Generator().manual_seed(B)
             toks = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(B)]
@@ -126,7 +126,7 @@ def _rank_main(rank: int, tp: int, args, init_method: str, queue) -> None:
             results.append(dict(tp=tp, batch=B, tok_s=B * args.steps / dt, step_ms=1e3 * dt / args.steps,
                                 comm_ms=comm, collectives_per_step=len(timer.pairs) / args.steps if cuda else None))
             runner.stop_workers()
-            del runner
+            runner = None  # frees the KV cache before the next batch size
         if rank == 0:
             queue.put(("ok", results))
         destroy_distributed()

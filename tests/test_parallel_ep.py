@@ -8,23 +8,30 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from parallel_helpers import run_ranks
 
 from kestrel.engine import EngineConfig, LLMEngine, SamplingParams
-from kestrel.model.parallel import (ColumnParallelLinear, DPGatheredMLP, ExpertParallelMoE, ParallelGroup,
-                                    RowParallelLinear, contiguous_placement, dp_generate, init_distributed,
-                                    plan_placement)
+from kestrel.model.parallel import (
+    ColumnParallelLinear,
+    DPGatheredMLP,
+    ExpertParallelMoE,
+    ParallelGroup,
+    RowParallelLinear,
+    contiguous_placement,
+    dp_generate,
+    init_distributed,
+    plan_placement,
+)
 
-E, I, TOP_K, H = 4, 32, 2, 64
+E, INTER, TOP_K, H = 4, 32, 2, 64
 PROMPTS = [[1, 504, 308, 314, 725, 30, 253, 789], [1, 47, 990, 19, 31], [1, 887, 314, 260, 130, 282, 406] * 2]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def expert_weights(layer: int, seed: int = 7):
     g = torch.Generator().manual_seed(seed + layer)
-    return (torch.randn(E, H, generator=g) * 0.5, torch.randn(E, 2 * I, H, generator=g) * 0.2,
-            torch.randn(E, H, I, generator=g) * 0.2)
+    return (torch.randn(E, H, generator=g) * 0.5, torch.randn(E, 2 * INTER, H, generator=g) * 0.2,
+            torch.randn(E, H, INTER, generator=g) * 0.2)
 
 
 def dense_moe_reference(x, router, w13, w2):
@@ -35,7 +42,7 @@ def dense_moe_reference(x, router, w13, w2):
         w, ids = p.topk(TOP_K)
         for wi, e in zip((w / w.sum()).tolist(), ids.tolist()):
             h = w13[e] @ x[t]
-            out[t] += wi * (w2[e] @ (F.silu(h[:I]) * h[I:]))
+            out[t] += wi * (w2[e] @ (F.silu(h[:INTER]) * h[INTER:]))
     return out
 
 
@@ -70,7 +77,7 @@ def test_ep2_moe_layer_matches_dense_reference():
         torch.testing.assert_close(mlp_out, mlp_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the fused MoE kernel needs TRITON_INTERPRET=1 on CPU")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the fused MoE kernel needs TRITON_INTERPRET=1")
 def test_local_experts_through_fused_moe_kernel():
     # the GPU path of the local experts (kestrel's grouped-GEMM FusedMoE, bf16), here in the Triton interpreter
     router, w13, w2 = expert_weights(0)

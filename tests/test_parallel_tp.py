@@ -3,9 +3,8 @@ random Llama checkpoints. Greedy output must be token-identical and every step's
 themselves are checked against the unsharded layers (column slices, row partial sums, packed QuantLinear)."""
 import pytest
 import torch
-from torch import nn
-
 from parallel_helpers import make_tiny_llama, run_ranks
+from torch import nn
 
 from kestrel.engine import EngineConfig, LLMEngine, SamplingParams
 from kestrel.model.config import ModelConfig
