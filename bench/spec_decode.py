@@ -43,6 +43,7 @@ def chat_prompts(tok, n: int, offset: int = 0) -> list[list[int]]:
 
 def run_once(engine, prompts, params) -> dict:
     t0 = time.perf_counter()
+    steps0 = engine.num_steps
     rids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     start = {}
     for r, p in zip(rids, prompts):
@@ -58,7 +59,7 @@ def run_once(engine, prompts, params) -> dict:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     per_user = [ntok[r] / (finish[r] - start[r]) for r in rids]
-    return {"wall_s": wall, "tokens": sum(ntok.values()), "per_user_tok_s": sum(per_user) / len(per_user),
+    return {"wall_s": wall, "tokens": sum(ntok.values()), "steps": engine.num_steps - steps0, "per_user_tok_s": sum(per_user) / len(per_user),
             "aggregate_tok_s": sum(ntok.values()) / wall}
 
 
@@ -126,12 +127,13 @@ def report(engine, args, extra, temp, argv):
             rows.append(r)
             print(f"c={c:3d} {mode:7s} per-user {r['per_user_tok_s']:8.1f} tok/s  aggregate {r['aggregate_tok_s']:8.1f} "
                   f"tok/s  wall {r['wall_s']:6.2f}s  accept {r['acceptance'] if r['acceptance'] is not None else '-'}"
-                  f"  mean_len {r['mean_len'] if r['mean_len'] is not None else '-'}", flush=True)
+                  f"  mean_len {r['mean_len'] if r['mean_len'] is not None else '-'}  steps {r['steps']}", flush=True)
     engine.spec = None
 
     lines = ["| conc | mode | per-user tok/s | aggregate tok/s | per-user vs no-spec | aggregate vs no-spec | "
-             "per-user vs k=1 | acceptance rate | mean accepted length (tokens/verify) | wall s (median) | all walls s | tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "per-user vs k=1 | acceptance rate | mean accepted length (tokens/verify) | wall s (median) | all walls s | tokens | "
+             "engine steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == "nospec"), None)
         k1 = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == "k1"), None)
@@ -140,7 +142,7 @@ def report(engine, args, extra, temp, argv):
                      f"{f(base and r['per_user_tok_s'] / base['per_user_tok_s'])} | "
                      f"{f(base and r['aggregate_tok_s'] / base['aggregate_tok_s'])} | "
                      f"{f(k1 and r['per_user_tok_s'] / k1['per_user_tok_s'])} | {f(r['acceptance'])} | "
-                     f"{f(r['mean_len'])} | {r['wall_s']:.2f} | {r['all_wall_s']} | {r['tokens']} |")
+                     f"{f(r['mean_len'])} | {r['wall_s']:.2f} | {r['all_wall_s']} | {r['tokens']} | {r['steps']} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
