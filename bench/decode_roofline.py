@@ -24,29 +24,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from gpu_timing import copy_bandwidth  # noqa: E402
 from kestrel.engine.cuda_graphs import DecodeCudaGraphs, _GraphDecodeCtx
 from kestrel.kernels.attention.backend import PagedAttention, PagedAttentionMetadata
 from kestrel.model.dummy import build_dummy_model, dummy_config
 from kestrel.model.quantize import quant_spec, quantize_model
-
-
-def copy_bandwidth(nbytes: int = 4 << 30) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read + written (median of 10)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    ts = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / sorted(ts)[len(ts) // 2]
 
 
 def step_weight_bytes(model) -> int:
@@ -207,7 +189,7 @@ def main(argv=None):
     import triton
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), args=vars(args))
-    bw = copy_bandwidth()
+    bw = copy_bandwidth()["rw_TBps"] * 1e12  # bytes/s, read + write
     info["copy_bw_Bps"] = bw
     print(f"{info['gpu']}: device-to-device copy {bw / 1e12:.2f} TB/s (read+write)", flush=True)
     cfg, moe = dummy_config(args.model_shape)

@@ -25,6 +25,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gpu_timing import graph_us  # noqa: E402
 from kestrel.kernels import act_quant as aq  # noqa: E402
 from kestrel.kernels.gemm_w4a4 import w4a4_linear  # noqa: E402
 from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear  # noqa: E402
@@ -43,30 +44,6 @@ def past_deadline() -> bool:
 
 def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-def graph_us(fns, reps=20) -> float:
-    """median µs per call: `reps` calls rotating over fns, captured in one CUDA graph, 20 replays."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(20):
-        s.record(); g.replay(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e))
-    del g
-    return sorted(ts)[len(ts) // 2] * 1e3 / reps
 
 
 def safe_us(fns) -> float | None:

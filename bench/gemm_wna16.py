@@ -20,6 +20,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gpu_timing import copy_bandwidth, graph_us  # noqa: E402
 from kestrel.kernels.gemm_wna16 import gemm_wna16  # noqa: E402
 from kestrel.kernels.configs import LayerConfig, TuningConfig  # noqa: E402
 from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES  # noqa: E402
@@ -29,45 +30,6 @@ HUMMING_CFG = {"int4": [{"dtype": "int4", "group_size": 128}],
                "mxfp4": [{"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8e8m0"},
                          {"dtype": "float4e2m1", "group_size": 32}]}
 LAYER_NAMES = ["qkv", "o", "gate_up", "down"]
-
-
-def copy_bandwidth() -> dict:
-    nbytes = 4 << 30
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    ts = []
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(10):
-        s.record(); dst.copy_(src); e.record(); e.synchronize(); ts.append(s.elapsed_time(e) / 1e3)
-    t = sorted(ts)[len(ts) // 2]
-    del src, dst
-    torch.cuda.empty_cache()
-    return {"bytes": nbytes, "median_s": t, "rw_TBps": 2 * nbytes / t / 1e12}
-
-
-def graph_us(fns, reps=20) -> float:
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(20):
-        s.record(); g.replay(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e))
-    del g
-    return sorted(ts)[len(ts) // 2] * 1e3 / reps
 
 
 def bench_us(fn) -> float:
