@@ -75,6 +75,20 @@ class BlockManager:
         seq.num_computed_tokens = n
         return n
 
+    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+        """Ids of the leading full blocks of `token_ids` resident in the prefix cache, without taking references
+        (for KV export; the last token is left out as in match_prefix)."""
+        bs, prev, ids = self.block_size, None, []
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self._chain(prev, tokens)
+            bid = self.hash_to_block.get(h)
+            if bid is None or self.blocks[bid].token_ids != tokens:
+                break
+            ids.append(bid)
+            prev = h
+        return ids
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publish blocks that became full and computed in the last step so later requests can share them."""
         if not self.enable_prefix_caching:

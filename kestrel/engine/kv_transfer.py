@@ -12,6 +12,8 @@ import torch
 
 
 def _kv_tensors(engine):
+    if getattr(engine, "tp_size", 1) > 1:  # rank 0's cache holds only its share of the KV heads
+        raise ValueError("KV transfer of a tensor-parallel engine is not supported yet")
     bm = getattr(engine, "block_manager", None)
     backend = getattr(getattr(engine, "runner", None), "backend", None)
     if bm is None or backend is None:
@@ -23,15 +25,7 @@ def export_prefix_blocks(engine, token_ids: list[int]) -> dict[str, torch.Tensor
     """The leading full blocks of `token_ids` that this engine holds in its prefix cache, as
     {"k", "v": [n, layers, block_size, kv_heads, head_dim], "token_ids": [n * block_size]} (CPU tensors)."""
     bm, kc, vc = _kv_tensors(engine)
-    bs, prev, ids = bm.block_size, None, []
-    for i in range((len(token_ids) - 1) // bs):  # as match_prefix: the last token is always recomputed
-        tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-        h = bm._chain(prev, tokens)
-        bid = bm.hash_to_block.get(h)
-        if bid is None or bm.blocks[bid].token_ids != tokens:
-            break
-        ids.append(bid)
-        prev = h
+    bs, ids = bm.block_size, bm.cached_prefix_blocks(token_ids)
     n = len(ids)
     index = torch.tensor(ids, dtype=torch.long, device=kc[0].device)
     k = torch.stack([c.index_select(0, index) for c in kc], 1).cpu() if n else torch.empty(0)

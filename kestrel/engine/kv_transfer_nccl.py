@@ -17,22 +17,6 @@ import torch.distributed as dist
 from .kv_transfer import import_prefix_blocks
 
 
-def _cached_prefix_block_ids(engine, token_ids: list[int]) -> list[int]:
-    """Block ids of the leading full blocks of `token_ids` held in the prefix cache (the last token is always
-    recomputed, as in BlockManager.match_prefix)."""
-    bm = engine.block_manager
-    bs, prev, ids = bm.block_size, None, []
-    for i in range((len(token_ids) - 1) // bs):
-        tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-        h = bm._chain(prev, tokens)
-        bid = bm.hash_to_block.get(h)
-        if bid is None or bm.blocks[bid].token_ids != tokens:
-            break
-        ids.append(bid)
-        prev = h
-    return ids
-
-
 def _comm_device(engine) -> torch.device:
     if getattr(engine, "tp_size", 1) > 1:  # rank 0's cache holds only its share of the KV heads
         raise ValueError("KV transfer of a tensor-parallel engine is not supported yet")
@@ -47,7 +31,7 @@ def send_prefix_blocks(engine, token_ids: list[int], dst: int, group=None) -> in
     backend = engine.runner.backend
     kc, vc = backend.k_cache, backend.v_cache
     dev = _comm_device(engine)
-    ids = _cached_prefix_block_ids(engine, token_ids)
+    ids = engine.block_manager.cached_prefix_blocks(token_ids)
     n, bs = len(ids), engine.block_manager.block_size
     dist.send(torch.tensor([n, n * bs, len(kc)], dtype=torch.long, device=dev), dst, group=group)
     if n == 0:
