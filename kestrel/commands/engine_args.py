@@ -32,7 +32,9 @@ ENGINE_HELP = {
     "quantization": "quantize the linear layers at load time (RTN): none, int4-g128, int4-g128-zp, int8, fp8 "
                     "(FP8 weights, bf16 activations), mxfp4, nvfp4",
     "seed": "global random seed (sampling of requests without their own seed)",
-    "async_scheduling": "overlap CPU scheduling of the next step with the current device step",
+    "async_scheduling": "overlap CPU scheduling of the next step with the current device step (tokens are "
+                        "committed one step late); default (None): on for CUDA devices, off on the CPU, where "
+                        "the 2 threads compete for the same cores; not with --speculative or KV offload",
     "progress": "show a progress bar while loading the model",
     "cuda_graphs": "on a GPU, capture decode steps of each batch-size bucket in CUDA graphs and replay them "
                    "(--no-cuda-graphs runs every step eagerly)",

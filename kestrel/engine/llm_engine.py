@@ -7,6 +7,7 @@ import torch
 
 from kestrel.model import load_model
 
+from .async_step import AsyncStepper, wants_async
 from .attention import AttentionBackend
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -25,8 +26,7 @@ SPECULATIVE_BUILDER = None
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
-        if config.async_scheduling:
-            raise ValueError("async_scheduling is not implemented yet; run without --async-scheduling")
+        use_async = wants_async(config, type(self) is LLMEngine)  # validates before the (slow) model load
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, dtype=config.torch_dtype, device=config.device,
                             load_format=config.load_format, model_shape=config.model_shape, progress=config.progress)
@@ -52,7 +52,8 @@ class LLMEngine:
                              f"{mc.max_position_embeddings}, KV cache {num_blocks * bs} tokens)")
         self.max_model_len: int = config.max_model_len or limit
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
         self.runner = ModelRunner(self.model, mc, num_blocks, bs, config.torch_dtype, config.device, config.seed)
         # subclasses (tensor parallel) replace the runner after this: they capture nothing here
         if config.cuda_graphs and torch.device(config.device).type == "cuda" and type(self) is LLMEngine:
@@ -73,6 +74,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_steps = 0
+        self.async_stepper = AsyncStepper(self) if use_async else None
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -104,10 +106,13 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (
+            self.async_stepper is not None and self.async_stepper.inflight is not None)
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
+        if self.async_stepper is not None:
+            return self.async_stepper.step()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -132,8 +137,14 @@ class LLMEngine:
             outputs.append(self._append_token(seq, tokens[j], logprobs[j], now))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> RequestOutput:
-        seq.token_ids.append(token)
+    def _append_token(self, seq: Sequence, token: int, logprob: dict | None, now: float,
+                      index: int | None = None) -> RequestOutput:
+        """Append a sampled token (or, with async scheduling, commit it at `index`, where a placeholder was
+        reserved) and run the stop checks."""
+        if index is None:
+            seq.token_ids.append(token)
+            index = seq.num_tokens - 1
+        n_tokens = index + 1  # async: a later placeholder may follow; it does not count
         self.num_generated_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -144,7 +155,7 @@ class LLMEngine:
             reason = "stop"
         elif seq.detok.add([token]):
             reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif n_tokens - seq.prompt_len >= p.max_tokens or n_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -152,7 +163,7 @@ class LLMEngine:
         out = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token],
-            output_token_ids=seq.output_token_ids,
+            output_token_ids=seq.token_ids[seq.prompt_len:n_tokens],
             new_text=seq.detok.take_delta(reason is not None),
             finished=reason is not None,
             finish_reason=reason,

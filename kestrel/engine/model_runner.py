@@ -21,6 +21,18 @@ class ForwardContext:
         return self.backend.forward(layer, q, k, v, self.meta)
 
 
+class StepInputs:
+    """One step's inputs, prepared on the CPU (ModelRunner.prepare) and consumed by ModelRunner.execute."""
+
+    __slots__ = ("ids", "positions", "meta", "order", "rows", "graph_args")
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.positions = self.meta = self.graph_args = None
+        self.order: list[int] = []
+        self.rows: list[int] = []
+
+
 class ModelRunner:
     def __init__(self, model, model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
                  seed: int = 0, backend_cls: type[AttentionBackend] | None = None, prepack: bool = True):
@@ -55,39 +67,52 @@ class ModelRunner:
     def forward_step(self, batch: ScheduledBatch):
         """Returns (order, logits): `order` lists indices into batch.seqs of the sequences that sample this step
         (their prompt/recompute is complete), `logits` [len(order), vocab] float32."""
+        return self.execute(self.prepare(batch))
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The CPU half of a step: flat token ids, positions, attention metadata (async scheduling runs this on
+        the main thread and execute() on the worker)."""
         decode, prefill = [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             (decode if (n == 1 and seq.num_computed_tokens == seq.num_tokens - 1) else prefill).append(i)
+        st = StepInputs()
+        st.ids = [batch.seqs[i].token_ids[-1] for i in decode]
         if self.graphs is not None and decode and not prefill and len(decode) <= self.graphs.batch_sizes[-1]:
             seqs = [batch.seqs[i] for i in decode]
-            logits = self.graphs.run_seqs([s.token_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs],
-                                          [s.block_table for s in seqs])
-            return decode, logits.float()
-        ids: list[int] = []
-        for i in decode:
-            ids.append(batch.seqs[i].token_ids[-1])
+            st.graph_args = ([s.num_tokens - 1 for s in seqs], [list(s.block_table) for s in seqs])
+            st.order = decode
+            return st
         for i in prefill:
             s, n = batch.seqs[i], batch.num_new_tokens[i]
-            ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
-        meta, positions = build_metadata(
+            st.ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
+        st.meta, st.positions = build_metadata(
             [(batch.seqs[i].num_tokens, batch.seqs[i].block_table) for i in decode],
             [(batch.seqs[i].num_computed_tokens, batch.num_new_tokens[i], batch.seqs[i].block_table) for i in prefill],
             self.block_size, self.cfg.sliding_window, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, ForwardContext(self.backend, meta))
         # rows whose logits are needed: every decode, and prefills that reach the end of the known tokens
-        order, rows = list(decode), list(range(len(decode)))
-        for i, p in zip(prefill, meta.prefills):
+        st.order, st.rows = list(decode), list(range(len(decode)))
+        for i, p in zip(prefill, st.meta.prefills):
             s = batch.seqs[i]
             if s.num_computed_tokens + batch.num_new_tokens[i] == s.num_tokens:
-                order.append(i)
-                rows.append(p.end - 1)
-        if not order:
-            return order, None
+                st.order.append(i)
+                st.rows.append(p.end - 1)
+        return st
+
+    @torch.inference_mode()
+    def execute(self, st: StepInputs):
+        """The device half: returns (order, logits) as forward_step does."""
+        if st.graph_args is not None:
+            logits = self.graphs.run_seqs(st.ids, *st.graph_args)
+            return st.order, logits.float()
+        input_ids = torch.tensor(st.ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(st.positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, ForwardContext(self.backend, st.meta))
+        if not st.order:
+            return st.order, None
+        rows = st.rows
         sel = hidden[rows] if rows != list(range(len(rows))) or len(rows) != hidden.shape[0] else hidden
         logits = self.model.compute_logits(sel).float()
-        return order, logits
+        return st.order, logits
 
     @torch.inference_mode()
     def sample(self, batch: ScheduledBatch, order: list[int], logits):

@@ -24,8 +24,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None):
         self.bm = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -61,6 +63,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._done_on_length(seq):
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq, n):
                 preempted = True
@@ -92,6 +97,12 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _done_on_length(self, seq: Sequence) -> bool:
+        """Async scheduling: a sequence whose uncommitted last token reaches max_tokens / the context will stop at
+        commit; scheduling it again would only waste a step (and could ask for a block past the context)."""
+        return seq.num_output_tokens >= seq.params.max_tokens or (
+            self.max_model_len is not None and seq.num_tokens >= self.max_model_len)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
