@@ -3,6 +3,7 @@ outputs of the synchronous engine on a tiny random Llama: token ids, streamed te
 joining mid-run, stop strings / stop token ids / max_tokens / context-length stops, aborts mid-run, chunked prefill,
 preemption under a tiny KV cache, penalties and seeded sampling. Every KV block is free at the end."""
 import argparse
+import asyncio
 
 import pytest
 
@@ -29,7 +30,7 @@ def prompt(i, n):
     return [1, 504, 3108, 314] + [100 + 7 * i + j for j in range(n)]
 
 
-def run(eng, script, n_blocks):
+def run(eng, script, n_blocks, drain_every=0):
     """script: list of (request_id, prompt, params, trigger, abort_after). A request is added when `trigger`
     (request_id, k) is met: that request has streamed k tokens (None = at the start); it is aborted once it has
     streamed abort_after tokens. Triggers count committed tokens, so both modes act at the same logical point."""
@@ -52,7 +53,9 @@ def run(eng, script, n_blocks):
     fire()
     steps = 0
     while eng.has_unfinished() or pending:
-        for out in eng.step():
+        # drain(): what the server does before touching KV blocks from outside the loop
+        outs = eng.step() + (eng.drain() if drain_every and steps % drain_every == 0 else [])
+        for out in outs:
             assert out.request_id not in reason, "output after finish/abort"
             streamed[out.request_id] += out.new_token_ids
             assert out.output_token_ids == streamed[out.request_id]
@@ -79,7 +82,7 @@ def stop_material(ckpt):
 
 
 def workload(stop_str, stop_tok):
-    g = lambda **kw: SamplingParams(**{**GREEDY, **kw})  # noqa: E731
+    g = lambda **kw: SamplingParams(**{**GREEDY, **kw})
     return [
         ("a", prompt(0, 14), g(max_tokens=12), None, None),
         ("b", prompt(1, 3), g(max_tokens=1), None, None),  # finishes at its first token
@@ -99,7 +102,8 @@ def test_async_equals_sync(ckpt, stop_material, kv):
     results = []
     for mode in (False, True):
         eng = engine(ckpt, mode, block_size=4, **kv)
-        results.append(run(eng, workload(*stop_material), kv["num_kv_blocks"]))
+        drain = 5 if mode and kv["num_kv_blocks"] == 18 else 0
+        results.append(run(eng, workload(*stop_material), kv["num_kv_blocks"], drain_every=drain))
     (s_tok, s_txt, s_why, s_st), (a_tok, a_txt, a_why, a_st) = results
     assert a_tok == s_tok and a_txt == s_txt and a_why == s_why
     assert s_why["c"] == "stop" and s_why["d"] == "stop" and s_why["e"] == "abort" and s_why["a"] == "length"
@@ -134,3 +138,35 @@ def test_async_flag_and_errors(ckpt):
     assert LLMEngine(EngineConfig(model=ckpt, progress=False)).async_stepper is None  # CPU default: off
     with pytest.raises(ValueError, match="async-scheduling"):
         LLMEngine(EngineConfig(model=ckpt, progress=False, async_scheduling=True, speculative="drafter=ngram,k=2"))
+
+
+def test_async_server_loop_streams_and_drains_for_calls(ckpt):
+    """AsyncLLMEngine over an async-scheduled engine: concurrent streams equal offline sync generation, and a
+    call() between steps (as KV export/import does) finds nothing in flight."""
+    from kestrel.engine.async_engine import AsyncLLMEngine
+
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    ps = [prompt(i, 4 + 3 * i) for i in range(3)]
+    ref = [o.output_token_ids for o in engine(ckpt, False, block_size=4, num_kv_blocks=64).generate(ps, params)]
+    aeng = AsyncLLMEngine(engine(ckpt, True, block_size=4, num_kv_blocks=64))
+
+    idle = []
+
+    async def one(i):
+        outs = []
+        async for o in aeng.generate(f"r{i}", ps[i], params):
+            outs.append(o)
+            if i == 0 and len(outs) == 2:  # mid-run, while the others are still decoding
+                idle.append(await aeng.call(lambda eng: eng.async_stepper.inflight is None))
+        return outs
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(3)))
+
+    try:
+        streams = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    assert idle == [True]
+    assert [s[-1].output_token_ids for s in streams] == ref
+    assert [sum((o.new_token_ids for o in s), []) for s in streams] == ref

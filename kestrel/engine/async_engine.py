@@ -146,6 +146,8 @@ class AsyncLLMEngine:
                 aborts, self._aborts = set(self._aborts), []
                 calls, self._calls = self._calls, []
             self._apply(inbox, aborts)
+            if calls:  # they may read or write KV blocks: nothing may still be running on the device
+                self._step(self.engine.drain)
             for fn, fut in calls:
                 try:
                     fut.set_result(fn(self.engine))
@@ -176,9 +178,9 @@ class AsyncLLMEngine:
                 self.engine.abort_request(rid)
             self._pop(rid)
 
-    def _step(self) -> None:
+    def _step(self, step=None) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = (step or self.engine.step)()
         except Exception as e:
             # Fail every request in flight instead of hanging them, then drop them from the engine so the
             # next requests start from a clean state.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 
 import torch
 
@@ -39,6 +40,10 @@ class AsyncStepper:
         self.engine = engine
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kestrel-step")
         self.inflight: _InFlight | None = None
+        # CUDA: the worker queues kernels on its own stream, so the main thread's small host-to-device copies
+        # (attention metadata of the next step) do not wait behind the step in flight on the default stream
+        dev = torch.device(engine.config.device)
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
 
     def step(self):
         eng = self.engine
@@ -70,9 +75,9 @@ class AsyncStepper:
         fix = []
         for r, tok in enumerate(st.ids):
             if tok == PLACEHOLDER:
-                seq = batch.seqs[st.order[min(r, len(st.order) - 1)]]
-                if r >= len(st.order) or prev is None or id(seq) not in prev.index or seq.num_computed_tokens != seq.num_tokens - 1:
-                    raise RuntimeError(f"async scheduling: unresolved placeholder token in {seq.request_id}")
+                seq = batch.seqs[st.order[r]] if r < len(st.order) else None
+                if seq is None or prev is None or id(seq) not in prev.index:
+                    raise RuntimeError("async scheduling: a placeholder token outside a decode input")
                 fix.append((r, prev.index[id(seq)]))
         seqs = [batch.seqs[i] for i in st.order]
         params = [s.params for s in seqs]
@@ -84,9 +89,23 @@ class AsyncStepper:
                 out_fix.append((j, prev.index[id(s)]))
             outs.append(o)
         prev_future = prev.future if prev is not None else None
-        runner = eng.runner
+        runner, stream = eng.runner, self.stream
+        ready = None
+        if stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()  # the inputs prepare() copied to the device
 
         def work():
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                if ready is not None:
+                    stream.wait_event(ready)
+                try:
+                    return run()
+                finally:
+                    if stream is not None:  # the step's tensors (freed after this) are no longer in use
+                        stream.synchronize()
+
+        def run():
             if fix or out_fix:
                 prev_tokens = prev_future.result()[0]  # already done: the worker runs steps in order
                 for r, j in fix:

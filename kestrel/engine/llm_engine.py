@@ -120,6 +120,11 @@ class LLMEngine:
             return self.spec.step(self, batch)
         return self.run_batch(batch)
 
+    def drain(self) -> list[RequestOutput]:
+        """Async scheduling: wait for the step in flight and commit it (call before touching KV blocks from
+        outside the loop). A no-op for the synchronous engine."""
+        return self.async_stepper.drain() if self.async_stepper is not None else []
+
     def run_batch(self, batch) -> list[RequestOutput]:
         """One plain step over a scheduled batch (the speculative step falls back to it when nothing is drafted)."""
         order, logits = self.runner.forward_step(batch)
