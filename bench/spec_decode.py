@@ -79,6 +79,8 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one table per temperature (0 = greedy)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--repeats", type=int, default=3, help="runs per (mode, concurrency); the median is reported")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="engine's async scheduling for the no-spec runs (default: the engine's auto, on for CUDA)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="append a markdown section with the results to this file")
     args = ap.parse_args(argv)
@@ -87,7 +89,8 @@ def main(argv=None):
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                                     max_num_seqs=max(args.concurrency), kv_cache_gb=args.kv_cache_gb,
-                                    enable_prefix_caching=False, max_num_batched_tokens=4096, progress=False))
+                                    enable_prefix_caching=False, max_num_batched_tokens=4096, progress=False,
+                                    async_scheduling=args.async_scheduling))
     extra = f",drafter={args.drafter}" + (f",head={args.head}" if args.head else "")
     if args.token_budget:
         extra += f",token_budget={args.token_budget}"
@@ -99,6 +102,7 @@ def main(argv=None):
 
 def report(engine, args, extra, temp, argv):
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temp, ignore_eos=True)
+    stepper = getattr(engine, "async_stepper", None)
     rows = []
     for c in args.concurrency:
         prompts = chat_prompts(engine.tokenizer, c)
@@ -109,6 +113,11 @@ def report(engine, args, extra, temp, argv):
                 spec = MODES[mode]
                 engine.spec = None if spec is None else build_spec_decoder(
                     engine, parse_speculative(spec.format(kmax=args.kmax) + extra))
+                # no-spec runs with the engine's asynchronous scheduling (its best, on by default on CUDA); the
+                # speculative step is synchronous, and an engine with an async stepper would bypass it
+                if hasattr(engine, "async_stepper"):
+                    engine.drain()
+                    engine.async_stepper = stepper if spec is None else None
                 try:
                     r = run_once(engine, prompts, params)
                 except Exception:  # keep measuring the other modes; the failure is in the log
@@ -129,6 +138,8 @@ def report(engine, args, extra, temp, argv):
                   f"tok/s  wall {r['wall_s']:6.2f}s  accept {r['acceptance'] if r['acceptance'] is not None else '-'}"
                   f"  mean_len {r['mean_len'] if r['mean_len'] is not None else '-'}  steps {r['steps']}", flush=True)
     engine.spec = None
+    if hasattr(engine, "async_stepper"):
+        engine.async_stepper = stepper
 
     lines = ["| conc | mode | per-user tok/s | aggregate tok/s | per-user vs no-spec | aggregate vs no-spec | "
              "per-user vs k=1 | acceptance rate | mean accepted length (tokens/verify) | wall s (median) | all walls s | tokens | "
