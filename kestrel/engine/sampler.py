@@ -57,17 +57,19 @@ class Sampler:
             tokens = logits.argmax(-1)
             rows = [i for i, g in enumerate(greedy) if not g]
             sub = logits[rows]
-            temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype)
+            dev = sub.device
+            temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype, device=dev)
             sub = sub / temps[:, None]
-            tk = torch.tensor([max(params[i].top_k, 0) for i in rows])
-            tp = torch.tensor([params[i].top_p for i in rows], dtype=sub.dtype)
-            mp = torch.tensor([params[i].min_p for i in rows], dtype=sub.dtype)
+            tk = torch.tensor([max(params[i].top_k, 0) for i in rows], device=dev)
+            tp = torch.tensor([params[i].top_p for i in rows], dtype=sub.dtype, device=dev)
+            mp = torch.tensor([params[i].min_p for i in rows], dtype=sub.dtype, device=dev)
             if bool((tk > 0).any() or (tp < 1).any() or (mp > 0).any()):
                 sub = top_k_top_p_min_p_mask(sub, tk, tp, mp)
-            probs = sub.softmax(-1)
+            # draw on the CPU: the per-request generators live there, so a seed gives the same tokens on any device
+            probs = sub.softmax(-1).float().cpu()
             for j, i in enumerate(rows):
                 g = generators[i] or self.generator
-                tokens[i] = torch.multinomial(probs[j], 1, generator=g)[0]
+                tokens[i] = int(torch.multinomial(probs[j], 1, generator=g)[0])
         token_list = tokens.tolist()
         logprobs: list[dict | None] = [None] * len(params)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
