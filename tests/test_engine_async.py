@@ -134,8 +134,12 @@ def test_async_flag_and_errors(ckpt):
     add_engine_args(p)
     assert p.parse_args(["--async-scheduling"]).async_scheduling is True
     assert p.parse_args(["--no-async-scheduling"]).async_scheduling is False
-    assert p.parse_args([]).async_scheduling is None  # auto: on for CUDA
-    assert LLMEngine(EngineConfig(model=ckpt, progress=False)).async_stepper is None  # CPU default: off
+    assert p.parse_args([]).async_scheduling is None  # auto: on unless unsupported features are on
+    assert LLMEngine(EngineConfig(model=ckpt, progress=False)).async_stepper is not None
+    import kestrel.spec  # noqa: F401  (registers the speculative step)
+
+    spec = LLMEngine(EngineConfig(model=ckpt, progress=False, speculative="drafter=ngram,k=2"))
+    assert spec.async_stepper is None
     with pytest.raises(ValueError, match="async-scheduling"):
         LLMEngine(EngineConfig(model=ckpt, progress=False, async_scheduling=True, speculative="drafter=ngram,k=2"))
 

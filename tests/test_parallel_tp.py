@@ -22,8 +22,9 @@ VARIANTS = {
 
 
 def _config(path, **kw):
+    # synchronous: the single-rank reference records logits by wrapping runner.forward_step (async skips it)
     return EngineConfig(model=path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, progress=False,
-                        **kw)
+                        async_scheduling=False, **kw)
 
 
 def _record_logits(engine):

@@ -159,7 +159,8 @@ class AsyncStepper:
 
 
 def wants_async(config, engine_is_plain: bool) -> bool:
-    """Resolve EngineConfig.async_scheduling (None = auto: on for CUDA) and reject combinations not supported."""
+    """Resolve EngineConfig.async_scheduling (None = auto: on unless a feature it does not support is on) and
+    reject an explicit request for it together with one of those."""
     unsupported = []
     if config.speculative is not None:
         unsupported.append("speculative decoding")
@@ -168,7 +169,7 @@ def wants_async(config, engine_is_plain: bool) -> bool:
     if not engine_is_plain:
         unsupported.append("tensor parallelism")
     if config.async_scheduling is None:
-        return torch.device(config.device).type == "cuda" and not unsupported
+        return not unsupported
     if config.async_scheduling and unsupported:
         raise ValueError(f"--async-scheduling does not support {', '.join(unsupported)} yet; "
                          f"run with --no-async-scheduling")

@@ -26,7 +26,7 @@ class EngineConfig:
     model_shape: dict | str | None = None  # load_format="dummy": a known shape name or ModelConfig fields
     quantization: str | None = None  # quantize-on-load scheme (kestrel.model.quantize), None = keep float weights
     seed: int = 0
-    async_scheduling: bool | None = None  # overlap CPU scheduling of step n+1 with device step n; None = on for CUDA
+    async_scheduling: bool | None = None  # overlap scheduling of step n+1 with step n; None = auto (on)
     progress: bool = True  # progress bar while loading
     cuda_graphs: bool = True  # GPU: replay decode steps from captured CUDA graphs (--no-cuda-graphs: eager)
     # KV offload (kv_offload.py): evicted prefix-cache blocks are kept in host memory (and optionally on disk)

@@ -106,19 +106,22 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or (
-            self.async_stepper is not None and self.async_stepper.inflight is not None)
+        # async: a sequence in the step in flight is still in the scheduler until that step commits
+        return self.scheduler.has_unfinished()
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
+        done = []
         if self.async_stepper is not None:
-            return self.async_stepper.step()
+            if self.spec is None:
+                return self.async_stepper.step()
+            done = self.drain()  # a speculative decoder was set on a built engine: it steps synchronously
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return done
         if self.spec is not None:
-            return self.spec.step(self, batch)
-        return self.run_batch(batch)
+            return done + self.spec.step(self, batch)
+        return done + self.run_batch(batch)
 
     def drain(self) -> list[RequestOutput]:
         """Async scheduling: wait for the step in flight and commit it (call before touching KV blocks from
@@ -200,6 +203,7 @@ class LLMEngine:
             for out in self.step():
                 if out.finished and out.request_id in ids:
                     final[out.request_id] = out
+        self.drain()  # async: nothing left running (a discarded extra step) once the caller gets the results
         return [final[r] for r in ids]
 
     def stats(self) -> dict:

@@ -33,8 +33,9 @@ def empty_forward(model: nn.Module) -> None:
 def dp_generate(engine, prompts, params, group: ParallelGroup):
     """Run this rank's prompts to completion in lockstep with the other data-parallel ranks (every rank calls it
     with its own prompts, possibly none). Returns this rank's final RequestOutputs, in order."""
-    if getattr(engine, "async_stepper", None) is not None:  # forwards would run off this loop's lockstep
-        raise ValueError("dp_generate needs an engine built with async_scheduling=False")
+    # lockstep needs each step's forward to run inside step(): run the engine synchronously meanwhile
+    engine.drain()
+    stepper, engine.async_stepper = engine.async_stepper, None
     ids = [f"dp{group.rank}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
@@ -61,6 +62,7 @@ def dp_generate(engine, prompts, params, group: ParallelGroup):
                 empty_forward(engine.runner.model)
     finally:
         engine.runner.forward_step = inner
+        engine.async_stepper = stepper
     return [final[r] for r in ids]
 
 
