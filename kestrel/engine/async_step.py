@@ -28,7 +28,7 @@ PLACEHOLDER = -1
 
 
 class _InFlight:
-    __slots__ = ("batch", "order", "slots", "future", "index")
+    __slots__ = ("batch", "future", "index", "order", "slots")
 
     def __init__(self, batch, order, slots, future):
         self.batch, self.order, self.slots, self.future = batch, order, slots, future
@@ -153,9 +153,6 @@ class AsyncStepper:
             if seq.is_finished:
                 del seq.token_ids[pos + 1:]  # the speculative placeholder of the step in flight
         return outputs
-
-    def shutdown(self):
-        self.pool.shutdown(wait=True)
 
 
 def wants_async(config, engine_is_plain: bool) -> bool:
