@@ -32,6 +32,18 @@ class _EngineCollector:
                                 value=hits / queries if queries else 0.0)
         yield CounterMetricFamily("kestrel_num_preemptions", "Requests preempted for lack of KV blocks",
                                   value=s.get("num_preemptions", 0))
+        if "spec_num_verifies" in s:  # speculative decoding is on
+            yield CounterMetricFamily("kestrel_spec_decode_num_drafts", "Draft verifications (one per request-step)",
+                                      value=s["spec_num_verifies"])
+            yield CounterMetricFamily("kestrel_spec_decode_num_draft_tokens", "Draft tokens verified",
+                                      value=s["spec_num_draft_tokens"])
+            yield CounterMetricFamily("kestrel_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                      value=s["spec_num_accepted_tokens"])
+            yield GaugeMetricFamily("kestrel_spec_decode_acceptance_rate", "Accepted / verified draft tokens",
+                                    value=s["spec_acceptance_rate"])
+            yield GaugeMetricFamily("kestrel_spec_decode_mean_accepted_length",
+                                    "Tokens emitted per verification (accepted drafts + the target's own token)",
+                                    value=s["spec_mean_accepted_length"])
 
 
 class Metrics:
