@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_tile import load_kv_tile
+
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -45,12 +47,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        blk = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = (slot * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt, pos, n_mask, kvh, offs_d,
+                            d_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

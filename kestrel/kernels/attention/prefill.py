@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_tile import load_kv_tile
+
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
@@ -47,12 +49,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr,
         for n0 in range(lo, hi, BLOCK_N):
             k_pos = n0 + offs_n
             n_mask = k_pos < hi
-            blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            slot = blk * BLOCK_SIZE + k_pos % BLOCK_SIZE
-            kv_off = (slot * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + offs_d[None, :]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt, k_pos, n_mask, kvh,
+                                offs_d, d_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k)) * scale
             visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
             visible = visible & ((window <= 0) | (q_pos[:, None] - k_pos[None, :] < window))
