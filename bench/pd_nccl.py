@@ -83,7 +83,7 @@ def run_single(args) -> dict:
     return _summary("single", arrival, t_tok, time.time() - t0)
 
 
-def _pd_rank(rank: int, args, init_method: str, queue, notify) -> None:
+def _pd_rank(rank: int, init_method: str, queue, args, notify) -> None:
     import torch.distributed as dist
 
     from kestrel.engine import SamplingParams
@@ -148,24 +148,10 @@ def _pd_rank(rank: int, args, init_method: str, queue, notify) -> None:
 def run_pd(args) -> dict:
     import torch.multiprocessing as mp
 
-    from kestrel.model.parallel.distributed import free_port
+    from kestrel.model.parallel.distributed import spawn_ranks
 
-    ctx = mp.get_context("spawn")
-    q, notify = ctx.Queue(), ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_pd_rank, args=(r, args, init, q, notify)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        status, val = q.get(timeout=args.timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    if status != "ok":
-        raise RuntimeError(val)
-    return val
+    notify = mp.get_context("spawn").Queue()  # prefill rank -> decode rank: request i's blocks have been sent
+    return spawn_ranks(_pd_rank, 2, (args, notify), timeout=args.timeout)
 
 
 def _pct(xs, q):

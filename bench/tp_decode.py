@@ -67,7 +67,7 @@ class _CommTimer:
         return sum(s.elapsed_time(e) for s, e in self.pairs)
 
 
-def _rank_main(rank: int, tp: int, args, init_method: str, queue) -> None:
+def _rank_main(rank: int, init_method: str, queue, tp: int, args) -> None:
     from kestrel.engine.scheduler import ScheduledBatch
     from kestrel.engine.tp_worker import TPModelRunner, _SeqView, _TokenWindow
     from kestrel.model.dummy import build_dummy_model
@@ -137,26 +137,9 @@ def _rank_main(rank: int, tp: int, args, init_method: str, queue) -> None:
 
 
 def run_tp(tp: int, args) -> list[dict]:
-    import torch.multiprocessing as mp
+    from kestrel.model.parallel.distributed import spawn_ranks
 
-    from kestrel.model.parallel.distributed import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, args, init_method, q)) for r in range(tp)]
-    for p in procs:
-        p.start()
-    try:
-        status, val = q.get(timeout=args.timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    if status != "ok":
-        raise RuntimeError(val)
-    return val
+    return spawn_ranks(_rank_main, tp, (tp, args), timeout=args.timeout)
 
 
 def main(argv=None) -> int:

@@ -134,3 +134,27 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: str =
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def spawn_ranks(target: Callable, world_size: int, args: tuple = (), timeout: float = 600.0):
+    """Run target(rank, init_method, queue, *args) in `world_size` spawned processes. One rank reports by putting
+    ("ok", value) or ("error", message) on the queue; returns that value (raises on an error or a silent timeout),
+    then joins the ranks and kills any that hang."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=target, args=(r, init_method, queue, *args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        status, value = queue.get(timeout=timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
