@@ -23,6 +23,23 @@ from .sequence import Sequence, SeqStatus
 SPECULATIVE_BUILDER = None
 
 
+def size_kv_cache(config: EngineConfig, mc, kv_heads: int | None = None) -> tuple[int, int]:
+    """-> (KV blocks, max_model_len): blocks from --num-kv-blocks or --kv-cache-gb (`kv_heads` = this rank's
+    share under tensor parallelism), context = what both the model and the cache allow, or the asked-for length."""
+    bs = config.block_size
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        per_block = AttentionBackend.bytes_per_block(mc.num_hidden_layers, bs, kv_heads or mc.num_key_value_heads,
+                                                     mc.head_dim, config.torch_dtype)
+        num_blocks = max(1, int(config.kv_cache_gb * (1 << 30)) // per_block)
+    limit = min(mc.max_position_embeddings, num_blocks * bs)
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds what fits (model context "
+                         f"{mc.max_position_embeddings}, KV cache {num_blocks * bs} tokens)")
+    return num_blocks, config.max_model_len or limit
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
@@ -40,17 +57,7 @@ class LLMEngine:
         self.model_name: str = loaded.name
         self.eos_token_ids = set(mc.eos_token_ids)
         bs = config.block_size
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            per_block = AttentionBackend.bytes_per_block(mc.num_hidden_layers, bs, mc.num_key_value_heads,
-                                                         mc.head_dim, config.torch_dtype)
-            num_blocks = max(1, int(config.kv_cache_gb * (1 << 30)) // per_block)
-        limit = min(mc.max_position_embeddings, num_blocks * bs)
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds what fits (model context "
-                             f"{mc.max_position_embeddings}, KV cache {num_blocks * bs} tokens)")
-        self.max_model_len: int = config.max_model_len or limit
+        num_blocks, self.max_model_len = size_kv_cache(config, mc)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)

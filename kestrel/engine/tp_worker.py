@@ -25,10 +25,9 @@ import torch
 from kestrel.model.parallel import ParallelGroup, destroy_distributed, init_distributed, shard_llama
 from kestrel.model.parallel.distributed import apply_nccl_env, free_port
 
-from .attention import AttentionBackend
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .llm_engine import LLMEngine
+from .llm_engine import LLMEngine, size_kv_cache
 from .model_runner import ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
 
@@ -114,20 +113,10 @@ class TPLLMEngine(LLMEngine):
         self.config, self.group, self.tp_size = config, group, group.size
         self.rank_config = rc = shard_llama(self.model, group)
         bs = config.block_size
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            per_block = AttentionBackend.bytes_per_block(rc.num_hidden_layers, bs, rc.num_key_value_heads,
-                                                         rc.head_dim, config.torch_dtype)
-            num_blocks = max(1, int(config.kv_cache_gb * (1 << 30)) // per_block)
-        mc = self.model_config
-        limit = min(mc.max_position_embeddings, num_blocks * bs)
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds what fits (model context "
-                             f"{mc.max_position_embeddings}, KV cache {num_blocks * bs} tokens)")
-        self.max_model_len = config.max_model_len or limit
+        num_blocks, self.max_model_len = size_kv_cache(config, self.model_config, kv_heads=rc.num_key_value_heads)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
         self.runner = TPModelRunner(self.model, rc, num_blocks, bs, config.torch_dtype, device, config.seed,
                                     group=group)
         self._workers: list = []
