@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
-from kestrel.engine.async_engine import EngineError
 from kestrel.server.errors import APIError
 from kestrel.server.protocol import ChatCompletionRequest
-from kestrel.server.serving import (SSE_DONE, ServerState, check_common, check_model, check_prompt, first_output,
-                                    new_id, now, outputs, sampling_params, sse, sse_error, token_str,
-                                    until_disconnect, usage)
+from kestrel.server.serving import (ServerState, check_common, check_model, check_prompt, new_id, now, outputs,
+                                    respond, sampling_params, token_str, usage)
 
 
 def _entry(tok, tid: int, logprob: float) -> dict:
@@ -62,13 +60,22 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
 
     gen = outputs(state, rid, ids, params)
-    if req.stream:
-        ok, first = await until_disconnect(request, first_output(gen))
-        if not ok:  # gave up while queued: until_disconnect already aborted it
-            return Response(status_code=499)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(first, gen, body, tok, len(ids), include_usage),
-                                 media_type="text/event-stream")
+
+    async def chunks(outs, include_usage: bool):
+        extra = {"usage": None} if include_usage else {}
+        chunk, last = "chat.completion.chunk", None
+        yield body(chunk, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}], **extra)
+        async for out in outs:
+            last = out
+            if out.new_text or out.logprobs:
+                yield body(chunk, [{"index": 0, "delta": {"content": out.new_text},
+                                    "logprobs": _logprobs(tok, out.logprobs), "finish_reason": None}], **extra)
+            if out.finished:
+                yield body(chunk, [{"index": 0, "delta": {}, "logprobs": None,
+                                    "finish_reason": out.finish_reason}], **extra)
+        if include_usage:
+            yield body(chunk, [], usage=usage(len(ids), last))
 
     async def collect():
         text, content, last = "", None, None
@@ -78,42 +85,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             if lp is not None:
                 content = (content or []) + lp["content"]
             last = out
-        return text, content, last
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None if content is None else {"content": content}, "finish_reason": last.finish_reason}
+        return body("chat.completion", [choice], usage=usage(len(ids), last))
 
-    finished, result = await until_disconnect(request, collect())
-    if not finished:
-        return Response(status_code=499)
-    text, content, last = result
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": None if content is None else {"content": content}, "finish_reason": last.finish_reason}
-    return JSONResponse(body("chat.completion", [choice], usage=usage(len(ids), last)))
-
-
-async def _stream(first, gen, body, tok, prompt_len: int, include_usage: bool):
-    extra = {"usage": None} if include_usage else {}
-    chunk = "chat.completion.chunk"
-    last = None
-    try:
-        yield sse(body(chunk, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}], **extra))
-
-        async def all_outputs():
-            yield first
-            async for o in gen:
-                yield o
-
-        async for out in all_outputs():
-            last = out
-            if out.new_text or out.logprobs:
-                yield sse(body(chunk, [{"index": 0, "delta": {"content": out.new_text},
-                                        "logprobs": _logprobs(tok, out.logprobs), "finish_reason": None}], **extra))
-            if out.finished:
-                yield sse(body(chunk, [{"index": 0, "delta": {}, "logprobs": None,
-                                        "finish_reason": out.finish_reason}], **extra))
-        if include_usage:
-            yield sse(body(chunk, [], usage=usage(prompt_len, last)))
-    except (ValueError, EngineError) as e:
-        yield sse_error(e)
-    finally:
-        await gen.aclose()
-    yield SSE_DONE
+    return await respond(request, req, gen, chunks, collect)

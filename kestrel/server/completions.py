@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
-from kestrel.engine.async_engine import EngineError
 from kestrel.server.errors import APIError
 from kestrel.server.protocol import CompletionRequest
-from kestrel.server.serving import (SSE_DONE, ServerState, check_common, check_model, check_prompt, first_output,
-                                    new_id, now, outputs, sampling_params, sse, sse_error, token_str,
-                                    until_disconnect, usage)
+from kestrel.server.serving import (ServerState, check_common, check_model, check_prompt, new_id, now, outputs,
+                                    respond, sampling_params, token_str, usage)
 
 
 def _logprobs(tok, entries: list[dict] | None, offset: int) -> dict | None:
@@ -59,13 +57,23 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                 **extra}
 
     gen = outputs(state, rid, ids, params)
-    if req.stream:
-        ok, first = await until_disconnect(request, first_output(gen))
-        if not ok:  # gave up while queued: until_disconnect already aborted it
-            return Response(status_code=499)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(first, gen, body, tok, echo, len(ids), include_usage),
-                                 media_type="text/event-stream")
+
+    async def chunks(outs, include_usage: bool):
+        extra = {"usage": None} if include_usage else {}
+        offset, last = 0, None
+        if echo:
+            yield body([{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}], **extra)
+            offset = len(echo)
+        async for out in outs:
+            last = out
+            if not (out.new_text or out.logprobs or out.finished):
+                continue
+            lp = _logprobs(tok, out.logprobs, offset)
+            offset += len(out.new_text)
+            yield body([{"index": 0, "text": out.new_text, "logprobs": lp,
+                         "finish_reason": out.finish_reason if out.finished else None}], **extra)
+        if include_usage:
+            yield body([], usage=usage(len(ids), last))
 
     async def collect():
         text, lps, last = echo, None, None
@@ -73,42 +81,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             lps = _merge(lps, _logprobs(tok, out.logprobs, len(text)))
             text += out.new_text
             last = out
-        return text, lps, last
+        choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": last.finish_reason}
+        return body([choice], usage=usage(len(ids), last))
 
-    finished, result = await until_disconnect(request, collect())
-    if not finished:
-        return Response(status_code=499)
-    text, lps, last = result
-    choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": last.finish_reason}
-    return JSONResponse(body([choice], usage=usage(len(ids), last)))
-
-
-async def _stream(first, gen, body, tok, echo: str, prompt_len: int, include_usage: bool):
-    extra = {"usage": None} if include_usage else {}
-    offset, last = 0, None
-    try:
-        if echo:
-            yield sse(body([{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}], **extra))
-            offset = len(echo)
-
-        async def all_outputs():
-            yield first
-            async for o in gen:
-                yield o
-
-        async for out in all_outputs():
-            last = out
-            if not (out.new_text or out.logprobs or out.finished):
-                continue
-            lp = _logprobs(tok, out.logprobs, offset)
-            offset += len(out.new_text)
-            choice = {"index": 0, "text": out.new_text, "logprobs": lp,
-                      "finish_reason": out.finish_reason if out.finished else None}
-            yield sse(body([choice], **extra))
-        if include_usage:
-            yield sse(body([], usage=usage(prompt_len, last)))
-    except (ValueError, EngineError) as e:
-        yield sse_error(e)
-    finally:
-        await gen.aclose()
-    yield SSE_DONE
+    return await respond(request, req, gen, chunks, collect)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import AsyncIterator
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kestrel.engine.async_engine import AsyncLLMEngine, EngineError
 from kestrel.engine.outputs import RequestOutput
@@ -150,6 +151,39 @@ async def until_disconnect(request: Request, coro):
             await task
         return False, None
     return True, task.result()
+
+
+async def respond(request: Request, req: _Sampling, gen: AsyncIterator[RequestOutput], chunks, collect) -> Response:
+    """Answer one request either way. Streaming: wait for the first output (so a refused request still gets a
+    proper status code), then SSE objects from `chunks(outputs, include_usage)`. Otherwise: JSON from `collect()`.
+    A client that goes away while waiting gets its request aborted (499)."""
+    if req.stream:
+        ok, first = await until_disconnect(request, first_output(gen))
+        if not ok:  # gave up while queued: until_disconnect already aborted it
+            return Response(status_code=499)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_sse_stream(first, gen, chunks, include_usage), media_type="text/event-stream")
+    finished, result = await until_disconnect(request, collect())
+    if not finished:
+        return Response(status_code=499)
+    return JSONResponse(result)
+
+
+async def _sse_stream(first: RequestOutput, gen: AsyncIterator[RequestOutput], chunks, include_usage: bool):
+    """SSE framing: an engine error ends the stream with an error event; [DONE] always closes it."""
+    async def all_outputs():
+        yield first
+        async for o in gen:
+            yield o
+
+    try:
+        async for obj in chunks(all_outputs(), include_usage):
+            yield sse(obj)
+    except (ValueError, EngineError) as e:
+        yield sse_error(e)
+    finally:
+        await gen.aclose()
+    yield SSE_DONE
 
 
 def sse(obj) -> str:
