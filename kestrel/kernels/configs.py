@@ -51,8 +51,13 @@ class ComputeConfig:
 
     def valid_for(self, layer: LayerConfig) -> bool:
         k_steps = -(-layer.k // layer.spec.k_multiple)
-        if self.kernel not in ("gemv", "dot", "dequant_mm") or self.block_n < 16 or self.split_k < 1:
+        if self.kernel not in ("gemv", "dot", "dequant_mm", "tc") or self.block_n < 16 or self.split_k < 1:
             return False
+        if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
+            kb = max(1, self.block_k // layer.spec.k_multiple)
+            if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):
+                return False
+            return -(-k_steps // kb) >= self.split_k
         if self.kernel == "dequant_mm" and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
             return False
         if self.kernel == "dot" and self.block_m < 16:

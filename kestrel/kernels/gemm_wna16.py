@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig
 from kestrel.kernels.dequant import decode_codes, decode_scale, fp_plane, int_plane, int_to_f32
+from kestrel.kernels.gemm_wna16_tc import gemm_wna16_tc
 from kestrel.quant.packing import PLANE_ROWS
 from kestrel.quant.weight import QuantizedWeight
 
@@ -241,6 +242,8 @@ def gemm_wna16(x: torch.Tensor, qw: QuantizedWeight, config: ComputeConfig | Non
     if cfg.kernel == "dequant_mm":
         w = dequantize_gpu(qw, x.dtype, cfg.block_n, cfg.block_k)
         return (x2 @ w.t()).reshape(*lead, n)
+    if cfg.kernel == "tc":
+        return gemm_wna16_tc(x2, qw, cfg, _format_args(qw)).reshape(*lead, n)
     split = cfg.split_k
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
                                                        dtype=torch.float32 if split > 1 else x.dtype)
