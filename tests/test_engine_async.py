@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from kestrel.engine import EngineConfig, LLMEngine, SamplingParams
+from kestrel.engine.async_step import AsyncStepper
 from test_model_hf_tiny import make_tiny_checkpoint
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -20,9 +21,11 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def engine(path, async_scheduling, **kw):
+def engine(path, async_scheduling, mode=None, **kw):
     eng = LLMEngine(EngineConfig(model=path, progress=False, async_scheduling=async_scheduling, **kw))
     assert (eng.async_stepper is not None) == async_scheduling
+    if mode is not None:  # "stream" is the CUDA default; on the CPU it runs the same device-gather logic inline
+        eng.async_stepper = AsyncStepper(eng, mode)
     return eng
 
 
@@ -98,11 +101,12 @@ def workload(stop_str, stop_tok):
 @pytest.mark.parametrize("kv", [dict(num_kv_blocks=128, max_num_batched_tokens=512),
                                 dict(num_kv_blocks=18, max_num_batched_tokens=10, max_num_seqs=5)],
                          ids=["roomy", "tiny-kv-chunked"])
-def test_async_equals_sync(ckpt, stop_material, kv):
+@pytest.mark.parametrize("mode", ["thread", "stream"])
+def test_async_equals_sync(ckpt, stop_material, kv, mode):
     results = []
-    for mode in (False, True):
-        eng = engine(ckpt, mode, block_size=4, **kv)
-        drain = 5 if mode and kv["num_kv_blocks"] == 18 else 0
+    for on in (False, True):
+        eng = engine(ckpt, on, mode=mode if on else None, block_size=4, **kv)
+        drain = 5 if on and kv["num_kv_blocks"] == 18 else 0
         results.append(run(eng, workload(*stop_material), kv["num_kv_blocks"], drain_every=drain))
     (s_tok, s_txt, s_why, s_st), (a_tok, a_txt, a_why, a_st) = results
     assert a_tok == s_tok and a_txt == s_txt and a_why == s_why
@@ -174,3 +178,24 @@ def test_async_server_loop_streams_and_drains_for_calls(ckpt):
     assert idle == [True]
     assert [s[-1].output_token_ids for s in streams] == ref
     assert [sum((o.new_token_ids for o in s), []) for s in streams] == ref
+
+
+def test_stream_mode_launches_before_reading_previous_tokens(ckpt, monkeypatch):
+    """"stream" mode (CUDA's default): step n+1 is launched while step n's sampled ids are still unread on the
+    host (its decode inputs are gathered from step n's id tensor), and tokens equal the synchronous engine's."""
+    import kestrel.engine.async_step as a
+
+    log = []
+    real_result = a._DeviceTokens.result
+    monkeypatch.setattr(a._DeviceTokens, "result", lambda self: (log.append("read"), real_result(self))[1])
+    ps = [prompt(i, 3 + 2 * i) for i in range(3)]
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    ref = [o.output_token_ids for o in engine(ckpt, False, block_size=4, num_kv_blocks=64).generate(ps, params)]
+    eng = engine(ckpt, True, mode="stream", block_size=4, num_kv_blocks=64)
+    real_execute = eng.runner.execute
+    eng.runner.execute = lambda st: (log.append("launch"), real_execute(st))[1]
+    assert [o.output_token_ids for o in eng.generate(ps, params)] == ref
+    launches = [i for i, x in enumerate(log) if x == "launch"]
+    assert len(launches) >= 6
+    for k, i in enumerate(launches[1:], start=1):  # before launch k: only the steps before k-1 were read
+        assert log[:i].count("read") == k - 1

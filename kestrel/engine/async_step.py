@@ -1,14 +1,22 @@
 """Asynchronous scheduling: the CPU schedules and prepares step n+1 while step n runs; tokens commit one step late.
 
 Why: in a synchronous loop the device idles while Python schedules, builds inputs, appends tokens, detokenizes and
-checks stop conditions. Here one worker thread runs each step's forward + sample (torch releases the GIL inside
-its kernels, and on CUDA the worker blocks in the device sync, not the main thread), while the main thread
-schedules the next step and commits the previous one.
+checks stop conditions. Two ways to run a step off the main thread's critical path:
+
+- "stream" (CUDA): the engine thread queues step n+1 on the device stream right behind step n, before step n is
+  done. A decode input whose token step n is still sampling is gathered on the device from step n's sampled-id
+  tensor, so launching needs nothing from the host; step n's ids go to pinned host memory (non_blocking) with a
+  CUDA event, and only the commit of step n waits on that event, while the device already runs step n+1. Host
+  copies into the device use pinned memory (attention.to_device): a plain `.to("cuda")` waits for the queued steps.
+  Rows whose sampling needs the host (temperature > 0, penalties, logprobs) are sampled at launch, which waits for
+  that step (correct, just no overlap for such steps).
+- "thread" (CPU): there is no device queue, so one worker thread runs each step's forward + sample (torch
+  releases the GIL inside its kernels) while the main thread schedules the next step and commits the previous one.
+  The worker patches placeholder inputs from the previous step's host token ids (it runs steps in order).
 
 Bookkeeping at launch (main thread), so the scheduler sees the step as done: num_computed_tokens advances and
-each sampling sequence gets a PLACEHOLDER token. The next step's input for such a sequence is patched inside the
-worker from the previous step's sampled ids (the worker runs steps in order, so they exist by then). At most one
-step is in flight, so a placeholder is always a sequence's last token when the next step is prepared.
+each sampling sequence gets a PLACEHOLDER token. At most one step is in flight, so a placeholder is always a
+sequence's last token when the next step is prepared.
 
 Commit (one step late) fills the placeholder, registers full blocks for the prefix cache (their token ids are
 known only now), then runs the usual stop checks. A sequence that finished at step n may already be in step n+1
@@ -18,32 +26,77 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 
 import torch
 
+from .attention import to_device
 from .sequence import Sequence
 
 PLACEHOLDER = -1
 
 
-class _InFlight:
-    __slots__ = ("batch", "future", "index", "order", "slots")
+class _Done:
+    """A step result already on the host."""
 
-    def __init__(self, batch, order, slots, future):
+    def __init__(self, tokens, logprobs):
+        self.value = (tokens, logprobs)
+
+    def result(self):
+        return self.value
+
+    def exception(self):
+        return None
+
+
+class _DeviceTokens:
+    """Greedy ids still on the device: copied to pinned host memory behind the step; result() waits only for it."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.event = None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tokens
+
+    def result(self):
+        if self.event is not None:
+            self.event.synchronize()
+        ids = self.host.tolist()
+        return ids, [None] * len(ids)
+
+    def exception(self):
+        return None
+
+
+class _InFlight:
+    __slots__ = ("batch", "future", "index", "order", "slots", "tokens")
+
+    def __init__(self, batch, order, slots, future, tokens=None):
         self.batch, self.order, self.slots, self.future = batch, order, slots, future
+        self.tokens = tokens  # "stream": the step's sampled ids as a device tensor (next step's inputs gather it)
         self.index = {id(batch.seqs[i]): j for j, i in enumerate(order)}  # seq -> row of its sampled token
 
 
+def _device_greedy(params) -> bool:
+    """Rows the sampler would answer with a plain argmax of the logits (no host work)."""
+    return all(p.temperature == 0.0 and not (p.presence_penalty or p.frequency_penalty) and p.logprobs is None
+               for p in params)
+
+
 class AsyncStepper:
-    def __init__(self, engine):
+    def __init__(self, engine, mode: str | None = None):
         self.engine = engine
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kestrel-step")
-        self.inflight: _InFlight | None = None
-        # CUDA: the worker queues kernels on its own stream, so the main thread's small host-to-device copies
-        # (attention metadata of the next step) do not wait behind the step in flight on the default stream
         dev = torch.device(engine.config.device)
-        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.mode = mode or ("stream" if dev.type == "cuda" else "thread")
+        if self.mode not in ("stream", "thread"):
+            raise ValueError(f"unknown async scheduling mode {self.mode!r}")
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kestrel-step") \
+            if self.mode == "thread" else None
+        self.inflight: _InFlight | None = None
+        self.wait_s = 0.0  # time the engine thread spent waiting for a step's tokens (overlap diagnostics)
 
     def step(self):
         eng = self.engine
@@ -66,7 +119,7 @@ class AsyncStepper:
         prev, self.inflight = self.inflight, None
         return self._commit(prev) if prev is not None else []
 
-    # ---- launch: CPU prep on this thread, forward + sample on the worker ----
+    # ---- launch: CPU prep on this thread, forward + sample queued (stream) or on the worker (thread) ----
     def _launch(self, batch) -> _InFlight:
         eng, prev = self.engine, self.inflight
         st = eng.runner.prepare(batch)
@@ -88,22 +141,48 @@ class AsyncStepper:
             if o and o[-1] == PLACEHOLDER:
                 out_fix.append((j, prev.index[id(s)]))
             outs.append(o)
-        prev_future = prev.future if prev is not None else None
-        runner, stream = eng.runner, self.stream
-        ready = None
-        if stream is not None:
-            ready = torch.cuda.Event()
-            ready.record()  # the inputs prepare() copied to the device
+        if self.mode == "stream":
+            future, tokens = self._run_queued(st, fix, out_fix, prev, params, outs, gens)
+        else:
+            future, tokens = self._submit(st, fix, out_fix, prev, params, outs, gens), None
+        # the scheduler must see this step as done: advance progress, reserve a slot for each sampled token
+        slots = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_output_tokens == 0:
+                eng.num_prompt_tokens += n
+        for i in st.order:
+            seq = batch.seqs[i]
+            slots.append(seq.num_tokens)
+            seq.token_ids.append(PLACEHOLDER)
+        eng.num_steps += 1
+        return _InFlight(batch, st.order, slots, future, tokens)
 
-        def work():
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                if ready is not None:
-                    stream.wait_event(ready)
-                try:
-                    return run()
-                finally:
-                    if stream is not None:  # the step's tensors (freed after this) are no longer in use
-                        stream.synchronize()
+    def _run_queued(self, st, fix, out_fix, prev, params, outs, gens):
+        runner = self.engine.runner
+        if out_fix and any(p.presence_penalty or p.frequency_penalty for p in params):  # read the previous token
+            prev_tokens = self._wait(prev)[0]
+            for j, k in out_fix:
+                outs[j][-1] = prev_tokens[k]
+        if fix:  # gather step n's ids into step n+1's inputs on the device (queued behind step n)
+            dev = prev.tokens.device
+            ids = to_device([0 if t == PLACEHOLDER else t for t in st.ids], torch.long, dev)
+            rows = to_device([r for r, _ in fix], torch.long, dev)
+            src = to_device([k for _, k in fix], torch.long, dev)
+            st.ids = ids.index_copy_(0, rows, prev.tokens.index_select(0, src))
+        with torch.inference_mode():
+            order, logits = runner.execute(st)
+            if not order:
+                return _Done([], []), None
+            if _device_greedy(params):
+                tokens = logits.argmax(-1)
+                return _DeviceTokens(tokens), tokens
+            ids, logprobs = runner.sampler(logits, params, outs, gens)  # waits for this step
+            return _Done(ids, logprobs), to_device(ids, torch.long, logits.device)
+
+    def _submit(self, st, fix, out_fix, prev, params, outs, gens) -> Future:
+        prev_future = prev.future if prev is not None else None
+        runner = self.engine.runner
 
         def run():
             if fix or out_fix:
@@ -117,24 +196,18 @@ class AsyncStepper:
                 return [], []
             return runner.sampler(logits, params, outs, gens)
 
-        future: Future = self.pool.submit(work)
-        # the scheduler must see this step as done: advance progress, reserve a slot for each sampled token
-        slots = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            if seq.num_output_tokens == 0:
-                eng.num_prompt_tokens += n
-        for i in st.order:
-            seq = batch.seqs[i]
-            slots.append(seq.num_tokens)
-            seq.token_ids.append(PLACEHOLDER)
-        eng.num_steps += 1
-        return _InFlight(batch, st.order, slots, future)
+        return self.pool.submit(run)
+
+    def _wait(self, fl: _InFlight):
+        t = time.perf_counter()
+        res = fl.future.result()
+        self.wait_s += time.perf_counter() - t
+        return res
 
     # ---- commit: one step late ----
     def _commit(self, fl: _InFlight):
         eng = self.engine
-        tokens, logprobs = fl.future.result()
+        tokens, logprobs = self._wait(fl)
         now = time.monotonic()
         live = [not fl.batch.seqs[i].is_finished for i in fl.order]  # finished/aborted: discard the token
         for j, i in enumerate(fl.order):

@@ -39,6 +39,7 @@ class AttentionBackend:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.sliding_window = sliding_window
+        self.device = torch.device(device)
         self.scale = head_dim ** -0.5
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -86,6 +87,16 @@ class TorchAttentionBackend(AttentionBackend):
         return out.view(q.shape[0], -1)
 
 
+def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list/tensor on `device`. CUDA: through pinned memory with non_blocking, because a plain `.to("cuda")`
+    of pageable memory waits for every queued kernel (it would stall async scheduling, which queues the next step
+    while the current one runs)."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.to(dtype).pin_memory().to(device, non_blocking=True)
+
+
 def build_metadata(decode_seqs, prefill_seqs, block_size: int, sliding_window: int | None,
                    device="cpu") -> tuple[AttentionMetadata, list[int]]:
     """decode_seqs: [(context_len, block_table)], prefill_seqs: [(num_computed, num_new, block_table)].
@@ -107,8 +118,8 @@ def build_metadata(decode_seqs, prefill_seqs, block_size: int, sliding_window: i
         mask = key_pos[None, :] < ctx_lens[:, None]
         if sliding_window is not None:
             mask &= key_pos[None, :] > (ctx_lens[:, None] - 1 - sliding_window)
-        meta.decode_block_tables = tables.to(device)
-        meta.decode_mask = mask[:, None, None, :].to(device)
+        meta.decode_block_tables = to_device(tables, torch.long, device)
+        meta.decode_mask = to_device(mask[:, None, None, :], torch.bool, device)
     start = len(decode_seqs)
     for computed, n, bt in prefill_seqs:
         pos = list(range(computed, computed + n))
@@ -122,8 +133,8 @@ def build_metadata(decode_seqs, prefill_seqs, block_size: int, sliding_window: i
             mask = kpos <= qpos
             if sliding_window is not None:
                 mask &= kpos > qpos - sliding_window
-            mask = mask.to(device)
-        meta.prefills.append(PrefillChunk(start, start + n, ctx, torch.tensor(bt, dtype=torch.long, device=device), mask))
+            mask = to_device(mask, torch.bool, device)
+        meta.prefills.append(PrefillChunk(start, start + n, ctx, to_device(bt, torch.long, device), mask))
         start += n
-    meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    meta.slot_mapping = to_device(slots, torch.long, device)
     return meta, positions

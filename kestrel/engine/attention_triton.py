@@ -10,13 +10,13 @@ import torch
 
 from kestrel.kernels.attention import default_num_splits, paged_decode_attention, paged_prefill_attention, store_kvcache
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend, AttentionMetadata, to_device
 
 
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        dev = self.k_cache[0].device
+        dev = self.device  # (a group may have no layers: a model without full-attention layers)
         self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         self.window = int(self.sliding_window or 0)
         self._meta = None  # the step whose translation is cached (a strong ref: ids get reused)
@@ -40,8 +40,8 @@ class TritonAttentionBackend(AttentionBackend):
             for i, p in enumerate(meta.prefills):
                 tables[i, :p.block_table.numel()] = p.block_table
             lens = [p.end - p.start for p in meta.prefills]
-            cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
-            seq_lens = torch.tensor([p.context_len for p in meta.prefills], dtype=torch.int32).to(device)
+            cu = to_device(torch.tensor([0] + lens, dtype=torch.int32).cumsum(0), torch.int32, device)
+            seq_lens = to_device([p.context_len for p in meta.prefills], torch.int32, device)
             self._pre = (meta.prefills[0].start, tables, cu, seq_lens, max(lens))
         self._meta = meta
 

@@ -125,7 +125,7 @@ class DecodeCudaGraphs:
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 
-    def run_seqs(self, last_tokens: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run_seqs(self, last_tokens: list[int] | torch.Tensor, positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """`run` from host lists (the engine's per-sequence state): one host-to-device copy per tensor."""
         n = len(last_tokens)
         width = max(len(t) for t in block_tables)
@@ -135,6 +135,8 @@ class DecodeCudaGraphs:
         pos = torch.tensor(positions, dtype=torch.long)
         slots = bt[torch.arange(n), pos // self.block_size].long() * self.block_size + pos % self.block_size
         dev = self.input_ids.device
-        return self.run(torch.tensor(last_tokens, dtype=torch.long).to(dev, non_blocking=True),
-                        pos.to(dev, non_blocking=True), slots.to(dev, non_blocking=True),
-                        bt.to(dev, non_blocking=True), (pos + 1).to(torch.int32).to(dev, non_blocking=True))
+        # pinned copies: a pageable one would wait for the step in flight (async scheduling queues behind it);
+        # last_tokens may already be a device tensor (async scheduling gathers the previous step's ids there)
+        h2d = lambda t: t.pin_memory().to(dev, non_blocking=True)
+        ids = last_tokens.to(dev) if isinstance(last_tokens, torch.Tensor) else h2d(torch.tensor(last_tokens))
+        return self.run(ids, h2d(pos), h2d(slots), h2d(bt), h2d((pos + 1).to(torch.int32)))

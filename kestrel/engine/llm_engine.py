@@ -227,6 +227,7 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
+            **({"async_wait_s": self.async_stepper.wait_s} if self.async_stepper is not None else {}),
             **(self.spec.stats() if self.spec is not None else {}),
             **(self.block_manager.offload.stats() if self.block_manager.offload is not None else {}),
         }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionBackend, TorchAttentionBackend, build_metadata
+from .attention import AttentionBackend, TorchAttentionBackend, build_metadata, to_device
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
 
@@ -104,13 +104,15 @@ class ModelRunner:
         if st.graph_args is not None:
             logits = self.graphs.run_seqs(st.ids, *st.graph_args)
             return st.order, logits.float()
-        input_ids = torch.tensor(st.ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(st.positions, dtype=torch.long, device=self.device)
+        # st.ids may already be a device tensor (async scheduling gathers tokens still being sampled there)
+        input_ids = to_device(st.ids, torch.long, self.device)
+        pos = to_device(st.positions, torch.long, self.device)
         hidden = self.model(input_ids, pos, ForwardContext(self.backend, st.meta))
         if not st.order:
             return st.order, None
         rows = st.rows
-        sel = hidden[rows] if rows != list(range(len(rows))) or len(rows) != hidden.shape[0] else hidden
+        sel = hidden.index_select(0, to_device(rows, torch.long, hidden.device)) \
+            if rows != list(range(len(rows))) or len(rows) != hidden.shape[0] else hidden
         logits = self.model.compute_logits(sel).float()
         return st.order, logits
 
