@@ -2,12 +2,14 @@
 vs dequantize-then-matmul on the CPU."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kestrel.kernels import act_quant as aq
 from kestrel.kernels.gemm_w4a4 import gemm_w4a4, ref_dequant_act, w4a4_linear
 from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear
 from kestrel.kernels.lowbit import unpack_nibbles
-from kestrel.kernels.lowbit_gemm import GemmConfig
+from kestrel.kernels.lowbit_gemm import GemmConfig, int4_to_e4m3
 
 pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (or a GPU)")
 
@@ -34,13 +36,14 @@ def test_int4_weight_quantizer_definition():
     torch.testing.assert_close(qw.scale, w.view(16, 2, 128).abs().amax(-1) / 7)
 
 
+@pytest.mark.parametrize("swap", [0, 1])  # 1: C^T = W @ A^T, the int4 -> fp8 weight tile as the MMA's A operand
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", -1), ("int4", 32), ("mxfp4", 32), ("nvfp4", 16)])
-def test_w4a8_vs_dequant_matmul(fmt, group):
+def test_w4a8_vs_dequant_matmul(fmt, group, swap):
     M, N, K = 5, 48, 256
     x, w = _data(M, N, K, 1)
     qw = quantize_weight_w4(w, fmt, group)
     a, s = aq.ref_quant_fp8(x)
-    y = gemm_w4a8(a, s, qw, torch.float32, GemmConfig(BM=16, BN=32, BK=64))
+    y = gemm_w4a8(a, s, qw, torch.float32, GemmConfig(BM=16, BN=32, BK=64, SWAP_AB=swap))
     ref = aq.dequant_8bit(a, s) @ qw.dequantize().t()
     assert _rel(y, ref) < 1e-5
     assert _rel(y, x @ w.t()) < 0.25  # 4-bit weights: sanity bound only
@@ -84,3 +87,17 @@ def test_w4_bad_inputs():
     nv = quantize_weight_w4(w, "nvfp4")
     with pytest.raises(ValueError):
         gemm_w4a4(torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.float8_e4m3fn), nv)
+
+
+@triton.jit
+def _int4_to_e4m3_kernel(src, dst):
+    i = tl.arange(0, 16)
+    tl.store(dst + i, int4_to_e4m3(tl.load(src + i)).to(tl.uint8, bitcast=True))
+
+
+def test_int4_to_e4m3_all_nibbles():
+    codes = torch.arange(16, dtype=torch.uint8)
+    out = torch.empty(16, dtype=torch.uint8)
+    _int4_to_e4m3_kernel[(1,)](codes, out)
+    want = (((codes.int() ^ 8) - 8).float().to(torch.float8_e4m3fn)).view(torch.uint8)  # two's complement values
+    assert torch.equal(out, want)

@@ -17,6 +17,10 @@ def _rel(a, b):
 @pytest.mark.parametrize("M,N,K,cfg", [
     (5, 48, 256, None),  # decode-sized: heuristic config, N not a multiple of the tile
     (33, 64, 256, GemmConfig(BM=32, BN=32, BK=64, SPLIT_K=2)),  # ragged M, split-K (atomic fp32 reduction)
+    (5, 48, 256, GemmConfig(BM=16, BN=32, BK=64, SWAP_AB=1)),  # swapped: C^T = W @ A^T
+    (33, 64, 256, GemmConfig(BM=16, BN=64, BK=64, SPLIT_K=2, SWAP_AB=1)),
+    (130, 96, 320, GemmConfig(BM=64, BN=32, BK=64, TMA=1)),  # TMA kernel, ragged M / N tiles
+    (130, 96, 320, GemmConfig(BM=64, BN=32, BK=64, TMA=2)),  # persistent: 4 "SMs" on the CPU walk 15 tiles
 ])
 def test_w8a8_vs_dequant_matmul(dtype, M, N, K, cfg):
     g = torch.Generator().manual_seed(M + N)
@@ -54,6 +58,8 @@ def test_fp8_block_scales_with_group_activations():
     y = gemm_w8a8(a, s, wq, ws, torch.float32)
     assert _rel(y, ref_gemm_w8a8(a, s, wq, ws)) < 1e-5
     assert _rel(y, x @ w.t()) < 0.08
+    ys = gemm_w8a8(a, s, wq, ws, torch.float32, GemmConfig(BM=16, BN=64, BK=128, SWAP_AB=1, TMA=1))  # TMA: n/a here
+    assert _rel(ys, ref_gemm_w8a8(a, s, wq, ws)) < 1e-5
 
 
 def test_w8a8_bad_inputs():

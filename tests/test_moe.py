@@ -1,5 +1,7 @@
 """MoE: routing + sort/align vs brute force, the grouped GEMM for every format vs a per-expert loop, and the fused
 MoE layer vs a plain per-expert loop on dequantized weights."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -70,8 +72,9 @@ PAIRS = [("bf16", "bf16"), ("int4", "bf16"), ("fp8", "fp8"), ("int8", "int8"), (
          ("nvfp4", "fp8"), ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4")]
 
 
-@pytest.mark.parametrize("wfmt,act", PAIRS)
-def test_grouped_gemm_vs_per_expert_loop(wfmt, act):
+@pytest.mark.parametrize("wfmt,act,swap", [p + (0,) for p in PAIRS] + [
+    ("fp8", "fp8", 1), ("int8", "int8", 1), ("int4", "fp8", 1), ("mxfp4", "fp8", 1)])
+def test_grouped_gemm_vs_per_expert_loop(wfmt, act, swap):
     g = torch.Generator().manual_seed(11)
     M, k, E, N, K = 6, 2, 4, 48, 128
     x = torch.randn(M, K, generator=g)
@@ -80,7 +83,7 @@ def test_grouped_gemm_vs_per_expert_loop(wfmt, act):
     topk_w = torch.rand(M, k, generator=g)
     a, a_deq = _act(x, act)
     T = M * k
-    cfg = moe_config(T, E, act)
+    cfg = dataclasses.replace(moe_config(T, E, act), SWAP_AB=swap)  # swap: C^T = W @ A^T (8-bit MMA)
     out = torch.full((T, N), float("nan"))  # poisoned: every slot must be written
     grouped_gemm(a, W, moe_align(ids, E, cfg.BM), T, k, out, cfg, topk_weights=topk_w.reshape(-1))
     Wd = W.dequantize()

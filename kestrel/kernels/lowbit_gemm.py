@@ -13,7 +13,7 @@ value (2 significant bits) times an e8m0 / e4m3 scale (1 / 4 significant bits) f
 on the bf16 MMA. FP8 MMA would be 2x the peak rate but the 32/16-wide scale blocks would force a scaled partial every
 16-32 K (an fp8 wgmma step is 32 deep), and scale x value products overflow e4m3's range; bf16 keeps one MMA per tile.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -39,6 +39,88 @@ def _w_scale(ws_ptr, offs_n, kk, WGN: tl.constexpr, stride_wsn, W_SCALE: tl.cons
 
 
 @triton.jit
+def int4_to_e4m3(nibble):
+    """two's complement int4 nibble -> the same value as float8e4nv. Through fp16, whose 0x6400 | m is exactly
+    1024 + m: integer ops and one subtract, no int->float convert (I2F is quarter rate; it bounded W4A8)."""
+    h = ((nibble.to(tl.int16) ^ 8) | 0x6400).to(tl.float16, bitcast=True)
+    return (h - 1032.0).to(tl.float16).to(tl.float8e4nv)
+
+
+@triton.jit
+def _qgemm_step(acc, a_ptr, as_ptr, w_base, ws_base, a_rows, offs_nc, k0, kk, kh, stride_am, stride_asm, stride_wn,
+                stride_wsn, A_FMT: tl.constexpr, A_G: tl.constexpr, W_FMT: tl.constexpr, W_SCALE: tl.constexpr,
+                WG: tl.constexpr, WGN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                DOT_F32: tl.constexpr, MMA8: tl.constexpr):
+    """one K tile of the [BM, BN] orientation (activation rows = MMA rows) -> updated acc."""
+    # ---- activation tile [BM, BK]
+    if A_FMT == 3 or A_FMT == 4:
+        ap = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 // 2 + kh[None, :]))
+        av = fp4_decode(unpack_k_rows(ap, BM, BK))
+        if A_FMT == 3:
+            asc = e8m0_to_f32(tl.load(as_ptr + a_rows[:, None] * stride_asm + (k0 + kk[None, :]) // 32))
+        else:
+            asc = tl.load(as_ptr + a_rows[:, None] * stride_asm + (k0 + kk[None, :]) // 16).to(tl.float32)
+        a = (av * asc).to(tl.bfloat16)
+    else:
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + kk[None, :]))
+
+    # ---- weight tile [BK, BN] (K-major in memory: w[n, k])
+    if W_FMT == 3 or W_FMT == 4:
+        wp = tl.load(w_base + offs_nc[None, :] * stride_wn + (k0 // 2 + kh[:, None]))
+        wn = unpack_k(wp, BK, BN)
+    else:
+        wr = tl.load(w_base + offs_nc[None, :] * stride_wn + (k0 + kk[:, None]))
+
+    if MMA8:
+        # 8-bit MMA; K-varying scales applied to the partial product
+        if A_FMT == 1:
+            if W_FMT == 3:
+                wq = int4_to_e4m3(wn)
+            elif W_FMT == 4:
+                wq = fp4_to_e4m3(wn)
+            else:
+                wq = wr
+            part = tl.dot(a, wq)
+        else:
+            if W_FMT == 3:
+                wq = int4_value(wn).to(tl.int8)
+            else:
+                wq = wr
+            part = tl.dot(a, wq, out_dtype=tl.int32).to(tl.float32)
+        if A_G > 0:
+            part = part * tl.load(as_ptr + a_rows * stride_asm + k0 // A_G)[:, None]
+        if WG > 0:
+            part = part * _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[None, :]
+        acc += part
+    else:
+        # 16-bit MMA: dequantize the weight tile in registers (group scales folded in)
+        if A_FMT == 1 or A_FMT == 2:
+            a = a.to(tl.float32).to(tl.bfloat16)  # 8-bit values are exact in bf16; scale stays in the epilogue
+        if W_FMT == 0:
+            wb = wr
+        else:
+            if W_FMT == 3:
+                wv = int4_value(wn).to(tl.float32)
+            elif W_FMT == 4:
+                wv = fp4_decode(wn)
+            else:
+                wv = wr.to(tl.float32)
+            if WG > 0:
+                if WG >= BK:
+                    wv = wv * _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[None, :]
+                else:
+                    wv = wv * _w_scale(ws_base, offs_nc[None, :], k0 + kk[:, None], WGN, stride_wsn, W_SCALE, WG)
+            if DOT_F32:  # interpreter: emulate the GPU's round-to-nearest bf16 cast (its own truncates)
+                wv = round_bf16(wv)
+            wb = wv.to(a.dtype)
+        if DOT_F32:  # the Triton CPU interpreter's bf16 dot is wrong; values are bf16-exact either way
+            acc = tl.dot(a.to(tl.float32), wb.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, wb, acc)
+    return acc
+
+
+@triton.jit
 def _qgemm_kernel(
     a_ptr, as_ptr, ags_ptr, w_ptr, ws_ptr, wgs_ptr, c_ptr,
     topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr,
@@ -48,7 +130,7 @@ def _qgemm_kernel(
     WG: tl.constexpr, WGN: tl.constexpr, HAS_WGS: tl.constexpr,
     IS_MOE: tl.constexpr, MUL_ROUTED: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
-    MMA8: tl.constexpr, OUT_BF16: tl.constexpr,
+    MMA8: tl.constexpr, OUT_BF16: tl.constexpr, SWAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BN)
@@ -86,75 +168,43 @@ def _qgemm_kernel(
 
     k_per_split = K // SPLIT_K
     k_start = tl.program_id(1) * k_per_split
-    acc = tl.zeros((BM, BN), tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BM), tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), tl.float32)
 
     for k0 in range(k_start, k_start + k_per_split, BK):
-        # ---- activation tile [BM, BK]
-        if A_FMT == 3 or A_FMT == 4:
-            ap = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 // 2 + kh[None, :]))
-            av = fp4_decode(unpack_k_rows(ap, BM, BK))
-            if A_FMT == 3:
-                asc = e8m0_to_f32(tl.load(as_ptr + a_rows[:, None] * stride_asm + (k0 + kk[None, :]) // 32))
-            else:
-                asc = tl.load(as_ptr + a_rows[:, None] * stride_asm + (k0 + kk[None, :]) // 16).to(tl.float32)
-            a = (av * asc).to(tl.bfloat16)
-        else:
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + kk[None, :]))
-
-        # ---- weight tile [BK, BN] (K-major in memory: w[n, k])
-        if W_FMT == 3 or W_FMT == 4:
-            wp = tl.load(w_base + offs_nc[None, :] * stride_wn + (k0 // 2 + kh[:, None]))
-            wn = unpack_k(wp, BK, BN)
-        else:
-            wr = tl.load(w_base + offs_nc[None, :] * stride_wn + (k0 + kk[:, None]))
-
-        if MMA8:
-            # 8-bit MMA; K-varying scales applied to the partial product
-            if A_FMT == 1:
-                if W_FMT == 3:
-                    wq = int4_value(wn).to(tl.float32).to(tl.float8e4nv)
-                elif W_FMT == 4:
+        if SWAP:
+            # C^T = W @ A^T (8-bit MMA only): the weight tile, converted in registers, is the wgmma A operand (which
+            # may live in registers), the few activation rows are its N side (8..256 wide) -> small-M GEMMs fill
+            # the 64-row MMA with weight rows instead of padding tokens, and no converted tile goes through smem
+            at = tl.load(a_ptr + a_rows[None, :] * stride_am + (k0 + kk[:, None]))  # [BK, BM], K-major
+            if W_FMT == 3 or W_FMT == 4:
+                wn = unpack_k_rows(tl.load(w_base + offs_nc[:, None] * stride_wn + (k0 // 2 + kh[None, :])), BN, BK)
+                if W_FMT == 4:
                     wq = fp4_to_e4m3(wn)
+                elif A_FMT == 1:
+                    wq = int4_to_e4m3(wn)
                 else:
-                    wq = wr
-                part = tl.dot(a, wq)
-            else:
-                if W_FMT == 3:
                     wq = int4_value(wn).to(tl.int8)
-                else:
-                    wq = wr
-                part = tl.dot(a, wq, out_dtype=tl.int32).to(tl.float32)
+            else:
+                wq = tl.load(w_base + offs_nc[:, None] * stride_wn + (k0 + kk[None, :]))  # [BN, BK]
+            if A_FMT == 1:
+                part = tl.dot(wq, at)
+            else:
+                part = tl.dot(wq, at, out_dtype=tl.int32).to(tl.float32)
             if A_G > 0:
-                part = part * tl.load(as_ptr + a_rows * stride_asm + k0 // A_G)[:, None]
+                part = part * tl.load(as_ptr + a_rows * stride_asm + k0 // A_G)[None, :]
             if WG > 0:
-                part = part * _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[None, :]
+                part = part * _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[:, None]
             acc += part
         else:
-            # 16-bit MMA: dequantize the weight tile in registers (group scales folded in)
-            if A_FMT == 1 or A_FMT == 2:
-                a = a.to(tl.float32).to(tl.bfloat16)  # 8-bit values are exact in bf16; scale stays in the epilogue
-            if W_FMT == 0:
-                wb = wr
-            else:
-                if W_FMT == 3:
-                    wv = int4_value(wn).to(tl.float32)
-                elif W_FMT == 4:
-                    wv = fp4_decode(wn)
-                else:
-                    wv = wr.to(tl.float32)
-                if WG > 0:
-                    if WG >= BK:
-                        wv = wv * _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[None, :]
-                    else:
-                        wv = wv * _w_scale(ws_base, offs_nc[None, :], k0 + kk[:, None], WGN, stride_wsn, W_SCALE, WG)
-                if DOT_F32:  # interpreter: emulate the GPU's round-to-nearest bf16 cast (its own truncates)
-                    wv = round_bf16(wv)
-                wb = wv.to(a.dtype)
-            if DOT_F32:  # the Triton CPU interpreter's bf16 dot is wrong; values are bf16-exact either way
-                acc = tl.dot(a.to(tl.float32), wb.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, wb, acc)
+            acc = _qgemm_step(acc, a_ptr, as_ptr, w_base, ws_base, a_rows, offs_nc, k0, kk, kh, stride_am, stride_asm,
+                              stride_wn, stride_wsn, A_FMT, A_G, W_FMT, W_SCALE, WG, WGN, BM, BN, BK, DOT_F32, MMA8)
+    if SWAP:
+        acc = tl.trans(acc)  # once per tile, back to [BM, BN] for the shared epilogue
 
+    # ---- epilogue: scales constant over K
     # ---- epilogue: scales constant over K
     if (A_FMT == 1 or A_FMT == 2) and A_G == 0:
         acc = acc * tl.load(as_ptr + a_rows * stride_asm)[:, None]
@@ -189,9 +239,16 @@ class GemmConfig:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    SWAP_AB: int = 0  # 1: compute C^T = W @ A^T (8-bit MMA paths; small M: weight rows fill the 64-row wgmma)
+    TMA: int = 0  # dense W8A8 with per-token x per-channel scales: 1 = TMA kernel, 2 = TMA + persistent CTAs
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GemmConfig":
+        """tolerates entries written by older / newer versions (unknown keys dropped, missing ones defaulted)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 @dataclass(frozen=True)
@@ -261,7 +318,8 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
         WG=w.group, WGN=w.group_n, HAS_WGS=w.global_scale is not None,
         IS_MOE=moe is not None, MUL_ROUTED=mul_routed, SPLIT_K=cfg.SPLIT_K,
         BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M, DOT_F32=not out.is_cuda, MMA8=uses_mma8(a, w),
-        OUT_BF16=out.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        OUT_BF16=out.dtype == torch.bfloat16, SWAP=bool(cfg.SWAP_AB) and uses_mma8(a, w),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -301,6 +359,12 @@ def candidate_configs(M: int, a_fmt: int) -> list[GemmConfig]:
     return out
 
 
+def _tma_shape(a: Operand, w: Operand) -> bool:
+    """the TMA kernel covers 8-bit x 8-bit with per-token x per-channel scales (scales constant over K)."""
+    return ((a.fmt, w.fmt) in ((A_FP8, W_FP8), (A_INT8, W_INT8)) and a.group == 0 and w.group == 0
+            and a.scale is not None and w.scale is not None and w.data.dim() == 2)
+
+
 def run_dense(a: Operand, w: Operand, M: int, N: int, K: int, out_dtype: torch.dtype,
               cfg: GemmConfig | None = None) -> torch.Tensor:
     """Dense C[M, N] = A[M, K] @ W[N, K]^T with the scales of both operands."""
@@ -308,6 +372,11 @@ def run_dense(a: Operand, w: Operand, M: int, N: int, K: int, out_dtype: torch.d
         return torch.empty((0, N), dtype=out_dtype, device=a.data.device)
     if cfg is None:
         cfg = heuristic_config(M, N, K, a.fmt, w.fmt)
+    if cfg.TMA and cfg.SPLIT_K == 1 and _tma_shape(a, w):
+        from kestrel.kernels.lowbit_tma import launch_tma, tma_ok
+        out = torch.empty((M, N), dtype=out_dtype, device=a.data.device)
+        if tma_ok(a.data, w.data, out):
+            return launch_tma(a.data, a.scale.reshape(-1), w.data, w.scale.reshape(-1), out, cfg)
     if cfg.SPLIT_K > 1:
         acc = torch.zeros((M, N), dtype=torch.float32, device=a.data.device)
         launch(a, w, acc, M, N, K, cfg)
