@@ -123,6 +123,8 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
         bn = 128 if layer.n >= 128 else 64
         split = split_for(-(-layer.n // bn), -(-layer.k // layer.spec.k_multiple), 8)
         return ComputeConfig("gemv", 1, bn, 0, split, num_warps=1, num_stages=3)
+    if m > 16:
+        return heuristic_tc(layer, m, num_sms)
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn = 64
@@ -131,6 +133,23 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
     # M > 64: measured on H200 (bench/results/gemm_wna16.md) the dequant pass costs about one read of W plus a
     # bf16 write, cheaper than the Triton tensor-core path's in-loop dequant from M ~ 128 on
     return ComputeConfig("dequant_mm", 1, 64, fit_bk(128), 1, num_warps=4, num_stages=1)
+
+
+def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
+    """M > 16: the tensor-core "tc" kernel (gemm_wna16_tc.py). Tiles by M class; split-K only while the output
+    tiles leave most SMs idle and each split keeps >= 8 K steps."""
+    if m <= 64:
+        bm, bn, warps, stages = (32 if m <= 32 else 64), 128, 4, 4
+    elif m <= 256:
+        bm, bn, warps, stages = (64 if m <= 128 else 128), 128, (4 if m <= 128 else 8), 3
+    else:
+        bm, bn, warps, stages = 128, 256, 8, 3
+    tiles = -(-m // bm) * -(-layer.n // bn)
+    k_steps = -(-layer.k // layer.spec.k_multiple)
+    split = 1
+    while tiles * split * 2 <= num_sms * 1.3 and split < 8 and k_steps // (split * 2) >= 8:
+        split *= 2
+    return ComputeConfig("tc", bm, bn, 0, split, num_warps=warps, num_stages=stages)
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,9 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
         tl.atomic_add(y_ptrs, acc, mask=mask)
 
 
+LAST_LAUNCH: dict = {}  # the last compiled kernel, for benches that inspect PTX / registers
+
+
 def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt: dict,
                   swap: bool | None = None, layout: int = 0, group_m: int = 8) -> torch.Tensor:
     """x2 [M, K] contiguous (already permuted for act-order) -> y [M, N] in x2's dtype. `fmt` is the format
@@ -198,8 +201,10 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
     tile_exp = 64 if (x2.dtype == torch.bfloat16 and not fmt["IS_INT"]) else 0
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
-    _tc_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, m, n, k, x2.stride(0), y.stride(0),
-                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=kb, SPLIT_K=split, NUM_STAGES=cfg.num_stages,
-                     GROUP_M=group_m, SWAP=swap, LAYOUT=layout, TILE_EXP=tile_exp,
-                     DOT_F32=x2.device.type != "cuda", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fmt)
+    LAST_LAUNCH["kernel"] = _tc_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, m, n, k, x2.stride(0),
+                                             y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=kb,
+                                             SPLIT_K=split, NUM_STAGES=cfg.num_stages,
+                                             GROUP_M=group_m, SWAP=swap, LAYOUT=layout, TILE_EXP=tile_exp,
+                                             DOT_F32=x2.device.type != "cuda", num_warps=cfg.num_warps,
+                                             num_stages=cfg.num_stages, **fmt)
     return y.to(x2.dtype) if split > 1 else y

@@ -38,10 +38,14 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
         for bm, bn, sk, w, st in itertools.product((16, 32, 64), (32, 64, 128), (1, 2, 4, 8), (4, 2), (2, 3, 4)):
             if bm <= max(16, 1 << (m - 1).bit_length()):
                 out.append(ComputeConfig("dot", bm, bn, 0, sk, w, st))
-    else:
-        for bm, bn, sk, w, st in itertools.product((64, 128), (64, 128, 256), (1, 2), (4, 8), (2, 3)):
-            if bm * bn <= 128 * 256 and not (bn == 256 and w == 4):
-                out.append(ComputeConfig("dot", bm, bn, 0, sk, w, st))
+    if m > 16:  # tensor-core "tc" kernel: K step of 1 or 2 planar blocks, split-K for few output tiles
+        km = layer.spec.k_multiple
+        bms = (32, 64) if m <= 32 else ((64,) if m <= 64 else (64, 128))
+        for bm, bn, bk, sk, w, st in itertools.product(bms, (64, 128, 256), (0, 2 * km), (1, 2, 4, 8), (4, 8),
+                                                       (3, 4)):
+            if (bn == 256) == (w == 8) and (sk == 1 or m <= 256) and not (bk and st == 4):
+                out.append(ComputeConfig("tc", bm, bn, bk, sk, w, st))
+    if m > 256:
         for bn, bk in itertools.product((32, 64, 128), (64, 128, 256)):
             out.append(ComputeConfig("dequant_mm", 1, bn, bk, 1, 4, 1))
     h = heuristic(layer, m)

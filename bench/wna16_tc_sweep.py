@@ -1,0 +1,226 @@
+"""Tensor-core WNA16 ("tc" kernel) on one GPU: config/variant sweep and side-by-side numbers vs Humming and cuBLAS.
+
+For each (N, K) shape and M: every candidate tc config (--sweep) and kestrel's default choice (tune cache /
+heuristic), Humming (same INT4 g128 weights, --humming) and cuBLAS bf16, timed as CUDA graphs of 20 calls rotating
+over weight copies (bench/gpu_timing.py). Prints TFLOP/s and ratios; writes JSON lines and a markdown table to --out.
+
+  python bench/wna16_tc_sweep.py --sweep --shapes 8b:o,70b:o --ms 64,4096
+  python bench/wna16_tc_sweep.py --humming --ms 32,64,128,256,1024,4096
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gpu_timing import graph_us  # noqa: E402
+from kestrel.kernels import gemm_wna16_tc as tcmod  # noqa: E402
+from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig  # noqa: E402
+from kestrel.kernels.gemm_wna16 import _format_args, gemm_wna16  # noqa: E402
+from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES  # noqa: E402
+from kestrel.quant import dequantize, quantize  # noqa: E402
+
+NAMES = ["qkv", "o", "gate_up", "down"]
+SHAPES = {f"{m[7:]}:{NAMES[i]}": nk for m in MODEL_SHAPES for i, nk in enumerate(MODEL_SHAPES[m])}
+
+
+def sweep_configs(m: int, n: int, k: int) -> list[tuple[ComputeConfig, dict]]:
+    """(config, extra kwargs of gemm_wna16_tc) candidates for this M; split-K where the tiles can't fill 132 SMs."""
+    C = ComputeConfig
+    if m <= 64:
+        base = [(C("tc", 32, 64, 128, 1, 4, 4), {}), (C("tc", 32, 128, 128, 1, 4, 4), {}),
+                (C("tc", 64, 128, 128, 1, 4, 4), {"swap": True}), (C("tc", 64, 128, 128, 1, 4, 4), {}),
+                (C("tc", 64, 128, 256, 1, 4, 3), {}), (C("tc", 64, 256, 128, 1, 8, 3), {})]
+    elif m <= 256:
+        base = [(C("tc", 64, 128, 128, 1, 4, 4), {}), (C("tc", 64, 128, 256, 1, 4, 3), {}),
+                (C("tc", 128, 128, 128, 1, 8, 3), {}), (C("tc", 128, 128, 128, 1, 4, 4), {}),
+                (C("tc", 128, 256, 128, 1, 8, 3), {}), (C("tc", 64, 256, 128, 1, 8, 3), {}),
+                (C("tc", 128, 128, 128, 1, 8, 3), {"layout": 1})]
+    else:
+        base = [(C("tc", 128, 128, 128, 1, 8, 3), {}), (C("tc", 128, 128, 128, 1, 4, 4), {}),
+                (C("tc", 128, 256, 128, 1, 8, 3), {}), (C("tc", 128, 128, 256, 1, 8, 3), {}),
+                (C("tc", 256, 128, 128, 1, 8, 3), {}), (C("tc", 128, 128, 128, 1, 8, 3), {"layout": 1})]
+    out = []
+    for cfg, kw in base:
+        out.append((cfg, kw))
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        steps = k // max(128, cfg.block_k)
+        split = 1
+        while tiles * split * 2 <= 132 * 1.3 and split * 2 <= 8 and steps // (split * 2) >= 8:
+            split *= 2
+        if split > 1:
+            out.append((ComputeConfig(**{**cfg.to_dict(), "split_k": split}), kw))
+    return out
+
+
+def last_humming():
+    """Humming µs per (layer, M) from last session's table (bench/results/gemm_wna16.md), for runs without it."""
+    out = {}
+    try:
+        for line in open(os.path.join(os.path.dirname(__file__), "results", "gemm_wna16.md")):
+            c = [t.strip() for t in line.split("|")]
+            if len(c) > 8 and c[1] == "int4":
+                out[(c[2].replace("llama3-", ""), int(c[3]))] = float(c[8])
+    except OSError:
+        pass
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
+    ap.add_argument("--ms", default="32,64,128,256,1024,4096")
+    ap.add_argument("--format", default="int4", choices=sorted(FORMATS))
+    ap.add_argument("--sweep", action="store_true", help="time every candidate tc config, not only the default")
+    ap.add_argument("--humming", action="store_true", help="run Humming live (else last session's numbers)")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = ap.parse_args()
+    t0 = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    import triton
+    gpu = torch.cuda.get_device_name()
+    meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": "python " + " ".join(sys.argv)}
+    if args.humming:
+        try:
+            import humming
+            from humming.layer import HummingLayer
+            meta["humming"] = humming.__version__
+        except Exception as ex:
+            meta["humming_error"] = repr(ex)
+            args.humming = False
+    print(meta, flush=True)
+    old_hum = last_humming()
+    spec = FORMATS[args.format]
+    ms = [int(v) for v in args.ms.split(",")]
+    jl = open(os.path.join(args.out, "wna16_tc.jsonl"), "a")
+    rows = []
+    torch.manual_seed(0)
+    for name in args.shapes.split(","):
+        if time.time() - t0 > args.budget_s:
+            print(f"budget reached, skipping {name}", flush=True)
+            continue
+        n, k = SHAPES[name]
+        ncop = min(12, max(3, -(-200_000_000 // (n * k // 2))))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ncop)]
+        qws = [quantize(w, spec) for w in ws]
+        deq0 = dequantize(qws[0])
+        fmt = _format_args(qws[0])
+        hum = None
+        if args.humming and args.format == "int4":
+            try:
+                tb = time.time()
+                hum = []
+                for w in ws:
+                    L = HummingLayer(shape_n=n, shape_k=k, weight_config={"dtype": "int4", "group_size": 128},
+                                     torch_dtype=torch.bfloat16).cuda()
+                    L.load_from_unquantized(w)
+                    L.transform()
+                    hum.append(L)
+                print(f"humming {name} built in {time.time() - tb:.1f}s", flush=True)
+            except Exception as ex:
+                print(f"humming failed: {ex!r}"[:300], flush=True)
+                hum = None
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ deq0.t()
+            flop = 2.0 * m * n * k
+            row = {"shape": name, "M": m, "N": n, "K": k}
+            row["cublas_us"] = graph_us([lambda w=w: torch.matmul(x, w.t()) for w in ws])
+            if hum is not None:
+                try:
+                    hum[0](x)
+                    row["humming_us"] = graph_us([lambda L=L: L(x) for L in hum])
+                except Exception as ex:
+                    row["humming_error"] = repr(ex)[:200]
+            elif (name, m) in old_hum:
+                row["humming_us_last_session"] = old_hum[(name, m)]
+            cfg = TuningConfig(gpu).lookup(LayerConfig(spec, n, k), m)
+            row["default_config"] = cfg.to_dict()
+            try:
+                row["default_err"] = ((gemm_wna16(x, qws[0]).float() - ref).norm() / ref.norm()).item()
+                row["default_us"] = graph_us([lambda q=q: gemm_wna16(x, q) for q in qws])
+            except Exception as ex:
+                traceback.print_exc()
+                row["default_error"] = repr(ex)[:300]
+            if args.sweep:
+                row["sweep"] = []
+                for c, kw in sweep_configs(m, n, k):
+                    if not c.valid_for(LayerConfig(spec, n, k)):
+                        continue
+                    e = {"config": c.to_dict(), **kw}
+                    try:
+                        tc = time.time()
+                        y = tcmod.gemm_wna16_tc(x, qws[0], c, fmt, **kw)
+                        torch.cuda.synchronize()
+                        e["first_call_s"] = round(time.time() - tc, 2)
+                        e["err"] = ((y.float() - ref).norm() / ref.norm()).item()
+                        kern = tcmod.LAST_LAUNCH.get("kernel")
+                        if kern is not None:
+                            e["wgmma"] = "wgmma" in kern.asm.get("ptx", "")
+                            e["regs"], e["spills"] = getattr(kern, "n_regs", None), getattr(kern, "n_spills", None)
+                        e["us"] = graph_us([lambda q=q: tcmod.gemm_wna16_tc(x, q, c, fmt, **kw) for q in qws])
+                        e["tflops"] = flop / e["us"] / 1e6
+                    except Exception as ex:
+                        e["error"] = repr(ex)[:300]
+                    row["sweep"].append(e)
+                    print("  ", json.dumps({a: (round(b, 4) if isinstance(b, float) else b) for a, b in e.items()}),
+                          flush=True)
+                ok = [e for e in row["sweep"] if "us" in e and e["err"] < 0.02]
+                if ok:
+                    best = min(ok, key=lambda e: e["us"])
+                    row["best_sweep"] = best
+            hum_us = row.get("humming_us", row.get("humming_us_last_session"))
+            for p in ("default", "cublas", "humming"):
+                us = row.get(f"{p}_us") if p != "humming" else hum_us
+                if us:
+                    row[f"{p}_tflops"] = flop / us / 1e6
+            if "default_us" in row:
+                if hum_us:
+                    row["default_x_humming"] = hum_us / row["default_us"]
+                row["default_x_cublas"] = row["cublas_us"] / row["default_us"]
+            if "best_sweep" in row and hum_us:
+                row["best_x_humming"] = hum_us / row["best_sweep"]["us"]
+            rows.append(row)
+            jl.write(json.dumps(row) + "\n")
+            jl.flush()
+            b = row.get("best_sweep", {})
+            print(f"ROW {name} M={m}: default {row.get('default_us', float('nan')):.1f}us "
+                  f"({row['default_config']['kernel']}, x hum {row.get('default_x_humming', 0):.2f}, "
+                  f"x cublas {row.get('default_x_cublas', 0):.2f}) | best sweep {b.get('us', float('nan')):.1f}us "
+                  f"x hum {row.get('best_x_humming', 0):.2f} {b.get('config')} {({k2: b[k2] for k2 in ('swap', 'layout') if k2 in b})} "
+                  f"| cublas {row['cublas_us']:.1f} hum {hum_us}", flush=True)
+        del ws, qws, deq0, hum
+        torch.cuda.empty_cache()
+    meta["wall_s"] = round(time.time() - t0, 1)
+    write_markdown(meta, rows, os.path.join(args.out, "wna16_tc.md"))
+    print(open(os.path.join(args.out, "wna16_tc.md")).read())
+
+
+def write_markdown(meta, rows, path):
+    f = lambda v, p=1: "" if v is None else f"{v:.{p}f}"
+    lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, humming {meta.get('humming', '-')}, "
+             f"{meta['date']}, wall {meta['wall_s']} s", "", f"Command: `{meta['command']}`", "",
+             "| shape | M | N | K | kestrel kernel | kestrel µs | Humming µs | cuBLAS µs | kestrel TFLOP/s | "
+             "Humming TFLOP/s | cuBLAS TFLOP/s | x Humming | x cuBLAS | rel err | best sweep µs | best x Humming |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        hum = r.get("humming_us", r.get("humming_us_last_session"))
+        lines.append("| " + " | ".join([
+            r["shape"], str(r["M"]), str(r["N"]), str(r["K"]), r["default_config"]["kernel"], f(r.get("default_us")),
+            f(hum) + ("" if "humming_us" in r or hum is None else " (last)"), f(r["cublas_us"]),
+            f(r.get("default_tflops"), 0), f(r.get("humming_tflops"), 0), f(r.get("cublas_tflops"), 0),
+            f(r.get("default_x_humming"), 2), f(r.get("default_x_cublas"), 2), f(r.get("default_err"), 4),
+            f(r.get("best_sweep", {}).get("us")), f(r.get("best_x_humming"), 2)]) + " |")
+    open(path, "w").write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

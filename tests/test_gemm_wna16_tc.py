@@ -1,0 +1,106 @@
+"""Tensor-core WNA16 kernel ("tc", kestrel/kernels/gemm_wna16_tc.py) vs float64 dequantize-then-matmul.
+
+Reference: x.double() @ dequantize(W).double().T (kestrel.quant's CPU reference decode). Tolerance 1e-2 relative
+Frobenius for every format: the kernel rounds each scaled weight once to bf16/fp16 (2^-9 / 2^-12) and the output once;
+a wrong field, k order, group, zero or scale gives O(1) errors.
+"""
+import os
+
+import pytest
+import torch
+
+from kestrel.kernels.configs import ComputeConfig, LayerConfig, heuristic
+from kestrel.kernels.gemm_wna16 import _format_args, gemm_wna16
+from kestrel.kernels.gemm_wna16_tc import gemm_wna16_tc
+from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES, candidates
+from kestrel.quant import QuantSpec, dequantize, from_gptq, quantize
+from kestrel.quant.packing import pack_bitstream
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a GPU")
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TOL = 1e-2
+ALL_FORMATS = [
+    QuantSpec("int4", group_size=128), QuantSpec("uint4", has_zero_point=True, group_size=32, scale_dtype="fp16"),
+    QuantSpec("int8", group_size=-1), QuantSpec("int3", group_size=64),
+    QuantSpec("uint2", has_zero_point=True, group_size=64), QuantSpec("int5", group_size=128),
+    QuantSpec("uint8", has_zero_point=True, group_size=-1),
+    QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
+    QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True),
+    QuantSpec("fp8_e4m3", group_size=-1, scale_dtype="fp32"), QuantSpec("fp8_e5m2", group_size=128, scale_dtype="fp16"),
+    QuantSpec("fp6_e3m2", group_size=32), QuantSpec("fp6_e2m3", group_size=64),
+]
+
+
+def _check(qw, m, cfg, dtype=torch.bfloat16, **kw):
+    x = torch.randn(m, qw.shape[1], generator=torch.Generator().manual_seed(m)).to(dtype)
+    ref = x.double() @ dequantize(qw).double().t()
+    qd = qw.to(DEV)
+    y = gemm_wna16_tc(x.to(DEV), qd, cfg, _format_args(qd), **kw).cpu()
+    assert y.dtype == dtype and y.shape == (m, qw.shape[0])
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL, f"{qw.spec.name} M={m} cfg={cfg} {kw}: rel err {err:.3g}"
+
+
+def _weight(spec, n=48, k=256, seed=1):
+    return quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), spec)
+
+
+@pytest.mark.parametrize("spec", ALL_FORMATS, ids=lambda s: s.name)
+def test_every_format(spec):
+    # N = 48: the second N tile is partial; odd M; block_m 32 -> swapped (W as the MMA A operand)
+    _check(_weight(spec), 37, ComputeConfig("tc", 32, 32, 0, 1, 4, 2))
+
+
+@pytest.mark.parametrize("cfg,m,kw", [
+    (ComputeConfig("tc", 64, 32, 0, 1, 4, 2), 70, {}),             # not swapped, two M tiles
+    (ComputeConfig("tc", 16, 64, 0, 2, 4, 2), 17, {}),             # split-K (fp32 atomics), swapped
+    (ComputeConfig("tc", 32, 32, 256, 1, 4, 2), 45, {"swap": False}),  # K step of two planar blocks
+    (ComputeConfig("tc", 64, 32, 0, 2, 4, 2), 33, {"swap": True, "layout": 1}),  # gather-rows layout
+], ids=["noswap", "splitk", "bk256", "gather"])
+@pytest.mark.parametrize("spec", [FORMATS["int4"], FORMATS["uint4-zp"], FORMATS["mxfp4"], FORMATS["nvfp4"]],
+                         ids=lambda s: s.name)
+def test_variants(spec, cfg, m, kw):
+    _check(_weight(spec, seed=2), m, cfg, **kw)
+
+
+@pytest.mark.parametrize("spec", [FORMATS["int4"], FORMATS["mxfp4"], FORMATS["fp8"]], ids=lambda s: s.name)
+def test_fp16_activations(spec):
+    _check(_weight(spec, seed=3), 21, ComputeConfig("tc", 32, 32, 0, 1, 4, 2), dtype=torch.float16)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128), QuantSpec("fp4_e2m1", group_size=32,
+                                                                              scale_dtype="e8m0")],
+                         ids=lambda s: s.name)
+def test_k_not_a_multiple_of_the_step(spec):
+    # K = 576: packed K 640 = 5 planar blocks, so a 256-wide K step has a half-empty last step (masked)
+    _check(_weight(spec, n=40, k=576, seed=4), 19, ComputeConfig("tc", 32, 32, 256, 1, 4, 2))
+
+
+def test_through_gemm_wna16_act_order_and_batch_dims():
+    g = torch.Generator().manual_seed(5)
+    n, k, gs = 48, 256, 64
+    q = torch.randint(0, 16, (n, k), generator=g)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[torch.randperm(k, generator=g)] = (torch.arange(k) // gs).to(torch.int32)
+    scales = (torch.rand(k // gs, n, generator=g) * 0.1 + 0.01).half()
+    zeros = torch.randint(0, 16, (k // gs, n), generator=g)
+    qw = from_gptq(pack_bitstream(q, 4, dim=1).t().contiguous(), pack_bitstream((zeros - 1) & 15, 4, dim=1),
+                   scales, bits=4, group_size=gs, g_idx=g_idx, sym=False)
+    x = torch.randn(3, 9, k, generator=g).bfloat16()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV), ComputeConfig("tc", 32, 32, 0, 1, 4, 2)).cpu()
+    ref = (x.double().reshape(27, k) @ dequantize(qw).double().t()).reshape(3, 9, n)
+    assert y.shape == (3, 9, n) and ((y.double() - ref).norm() / ref.norm()) < TOL
+
+
+def test_configs_valid_for_llama_shapes():
+    # the heuristic and the tuner's m > 16 candidates must be runnable configs on every shape and format
+    for spec in (FORMATS["int4"], FORMATS["mxfp4"], FORMATS["nvfp4"], FORMATS["int8"]):
+        for n, k in MODEL_SHAPES["llama3-8b"] + MODEL_SHAPES["llama3-70b"] + [(48, 576)]:
+            lay = LayerConfig(spec, n, k)
+            for m in (17, 32, 64, 128, 256, 512, 1024, 4096):
+                assert heuristic(lay, m).valid_for(lay)
+            assert any(c.kernel == "tc" for c in candidates(lay, 256))
+    lay = LayerConfig(FORMATS["int4"], 4096, 4096)
+    assert not ComputeConfig("tc", 64, 64, 384).valid_for(lay)  # K step not a power-of-two number of blocks
+    assert not ComputeConfig("tc", 8, 64, 0).valid_for(lay)
