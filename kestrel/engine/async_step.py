@@ -158,6 +158,7 @@ class AsyncStepper:
         eng.num_steps += 1
         return _InFlight(batch, st.order, slots, future, tokens)
 
+    @torch.inference_mode()
     def _run_queued(self, st, fix, out_fix, prev, params, outs, gens):
         runner = self.engine.runner
         if out_fix and any(p.presence_penalty or p.frequency_penalty for p in params):  # read the previous token
@@ -170,15 +171,14 @@ class AsyncStepper:
             rows = to_device([r for r, _ in fix], torch.long, dev)
             src = to_device([k for _, k in fix], torch.long, dev)
             st.ids = ids.index_copy_(0, rows, prev.tokens.index_select(0, src))
-        with torch.inference_mode():
-            order, logits = runner.execute(st)
-            if not order:
-                return _Done([], []), None
-            if _device_greedy(params):
-                tokens = logits.argmax(-1)
-                return _DeviceTokens(tokens), tokens
-            ids, logprobs = runner.sampler(logits, params, outs, gens)  # waits for this step
-            return _Done(ids, logprobs), to_device(ids, torch.long, logits.device)
+        order, logits = runner.execute(st)
+        if not order:
+            return _Done([], []), None
+        if _device_greedy(params):
+            tokens = logits.argmax(-1)
+            return _DeviceTokens(tokens), tokens
+        ids, logprobs = runner.sampler(logits, params, outs, gens)  # waits for this step
+        return _Done(ids, logprobs), to_device(ids, torch.long, logits.device)
 
     def _submit(self, st, fix, out_fix, prev, params, outs, gens) -> Future:
         prev_future = prev.future if prev is not None else None

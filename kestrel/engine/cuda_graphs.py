@@ -125,7 +125,8 @@ class DecodeCudaGraphs:
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 
-    def run_seqs(self, last_tokens: list[int] | torch.Tensor, positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run_seqs(self, last_tokens: list[int] | torch.Tensor, positions: list[int],
+                 block_tables: list[list[int]]) -> torch.Tensor:
         """`run` from host lists (the engine's per-sequence state): one host-to-device copy per tensor."""
         n = len(last_tokens)
         width = max(len(t) for t in block_tables)
