@@ -1,5 +1,7 @@
 """Resolve a model name to (model, config, tokenizer): the embedded SmolLM2 GGUF when none is named, a .gguf
-file (or a directory holding one), or an HF directory (config.json + *.safetensors). Slow steps (GGUF dequant,
+file (or a directory holding one), or an HF directory (config.json + *.safetensors). An HF directory whose
+config.json has a quantization_config (GPTQ, AWQ, compressed-tensors, FP8) loads its packed weights directly
+(loader_quantized.py); `quantization` quantizes a float model on load (RTN, quantize.py). Slow steps (GGUF dequant,
 tokenizer conversion from GGUF) are cached under $KESTREL_CACHE_DIR (default ~/.cache/kestrel)."""
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: object
     name: str
+    quantization: str | None = None  # how the linears are stored: a checkpoint's method or the RTN scheme
 
 
 def embedded_gguf_path() -> str:
@@ -123,7 +126,20 @@ def _gguf_tensors_cached(path: str, progress: bool):
 
 
 def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               load_format: str = "auto", model_shape: dict | None = None, progress: bool = True) -> LoadedModel:
+               load_format: str = "auto", model_shape: dict | None = None, progress: bool = True,
+               quantization: str | None = None) -> LoadedModel:
+    """quantization: an RTN scheme (quantize.py) applied to a float model; on a pre-quantized checkpoint it must
+    name the checkpoint's own format (or be None), since stored codes are used as they are."""
+    loaded = _load(model, dtype, device, load_format, model_shape, progress, quantization)
+    if loaded.quantization is None and quantization is not None and quantization.lower() != "none":
+        from .quantize import quantize_model
+
+        quantize_model(loaded.model, quantization, progress=progress)
+        loaded.quantization = quantization
+    return loaded
+
+
+def _load(model, dtype, device, load_format, model_shape, progress, quantization) -> LoadedModel:
     if load_format == "dummy" and (model is None or model_shape is not None):
         # random weights of a known shape (benchmarks, memory planning); SmolLM2's tokenizer for text I/O
         from .dummy import build_dummy_model, dummy_config
@@ -135,6 +151,7 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
         m = build_dummy_model(cfg, dtype=dtype, device=device, moe=moe)
         return LoadedModel(m.requires_grad_(False), cfg, tok, "dummy" if not isinstance(shape, str) else shape)
     kind, path, name = resolve(model)
+    quant = None
     if kind == "hf":
         with open(os.path.join(path, "config.json")) as f:
             cfg = ModelConfig.from_hf_dict(json.load(f))
@@ -145,7 +162,14 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
             for e in [eos] if isinstance(eos, int) else (eos or []):
                 if e not in cfg.eos_token_ids:
                     cfg.eos_token_ids.append(e)
-        tensors = None if load_format == "dummy" else _hf_tensors(path, progress)
+        if load_format != "dummy":  # dummy weights are float (or RTN-quantized) whatever the checkpoint holds
+            from .quant_config import checkpoint_quant, read_quantization_config
+
+            qc = read_quantization_config(path)
+            if qc is not None:
+                quant = checkpoint_quant(qc)  # unsupported method / bits: a clear error before any weight is read
+                quant.check_requested(quantization)
+        tensors = None if load_format == "dummy" or quant is not None else _hf_tensors(path, progress)
     else:
         cfg, tensors = _gguf_tensors_cached(path, progress)
         tensors = tensors.items()
@@ -154,6 +178,11 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
     tokenizer = load_tokenizer(kind, path)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in cfg.eos_token_ids:
         cfg.eos_token_ids.append(tokenizer.eos_token_id)
+    if quant is not None:
+        from .loader_quantized import load_prequantized
+
+        m = load_prequantized(cfg, path, quant, dtype, device, progress, lambda m: _finish(m, dtype, device))
+        return LoadedModel(m, cfg, tokenizer, name, quant.describe())
     if tensors is None:  # dummy weights in the named model's shape
         from .dummy import build_dummy_model
 
