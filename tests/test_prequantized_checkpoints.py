@@ -7,6 +7,7 @@ by each format's formula in float64, written as a plain float checkpoint and run
 weights are exactly representable in float32 (small integer x fp16/bf16 scale, e4m3 x fp32 scale), so kestrel's
 float32 logits must match transformers' to float32 rounding of the model itself (atol 2e-4, rtol 1e-4, as for the
 float checkpoints in test_model_hf_tiny.py), and greedy tokens must be identical."""
+import functools
 import json
 import os
 
@@ -22,7 +23,8 @@ from kestrel.engine.model_runner import prompt_logits  # noqa: E402
 from kestrel.kernels.quant_linear import QuantLinear  # noqa: E402
 from kestrel.model import load_model  # noqa: E402
 from kestrel.model.loader import load_tokenizer, resolve  # noqa: E402
-from kestrel.model.loader_quantized import ConcatLinear  # noqa: E402
+from kestrel.model.loader_quantized import ConcatLinear, concat_quantized  # noqa: E402
+from kestrel.model.quant_config import checkpoint_quant  # noqa: E402
 from kestrel.quant.weight import dequantize  # noqa: E402
 
 VOCAB = 8192  # < the embedded tokenizer's 49152 (only ids below VOCAB are used): a small, fast embedding
@@ -128,6 +130,33 @@ def ct_int_asym(w, prefix, *, gs, g_idx):
     return t, deq
 
 
+FP4_GRID = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)  # e2m1 magnitudes by code
+
+
+def nvfp4(w, prefix, global_scale):
+    """compressed-tensors nvfp4-pack-quantized: e2m1 pairs (even element in the low nibble), e4m3 scale per 16,
+    fp32 global scale stored as a divisor: w = fp4 * scale / global_scale."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 16, 16)
+    s = (blocks.abs().amax(-1) / 6 * global_scale).to(torch.float8_e4m3fn)
+    eff = s.double() / global_scale
+    x = blocks / eff[..., None]
+    idx = (x.abs()[..., None] - FP4_GRID).abs().argmin(-1)
+    neg = (x < 0) & (idx > 0)
+    deq = (torch.where(neg, -1.0, 1.0) * FP4_GRID[idx] * eff[..., None]).reshape(n, k)
+    codes = (idx | neg.long() << 3).reshape(n, k)
+    t = {prefix + ".weight_packed": (codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8),
+         prefix + ".weight_scale": s, prefix + ".weight_global_scale": torch.tensor([global_scale], dtype=torch.float32)}
+    return t, deq
+
+
+def int8_channel(w, prefix):
+    """compressed-tensors int-quantized (W8A8 int8 checkpoints): int8 weight, fp32 scale [N, 1], w = q * s."""
+    s = (w.abs().amax(1, keepdim=True) / 127).float()
+    q = torch.clamp(torch.round(w / s.double()), -128, 127)
+    return {prefix + ".weight": q.to(torch.int8), prefix + ".weight_scale": s}, q * s.double()
+
+
 def _group_idx(k, gs, rng, shuffle):
     g = np.arange(k) // gs
     return g[rng.permutation(k)] if shuffle else g  # act-order: group of channel perm[i] is i // gs
@@ -183,7 +212,7 @@ def quantize_linear(variant, w, prefix, layer, proj, rng, shared):
 
 
 def make_checkpoints(root, variant, seed=0):
-    """-> (quantized dir, float reference dir). Both hold the embedded tokenizer."""
+    """-> (quantized dir with the embedded tokenizer, float reference dir)."""
     tied, qc = VARIANTS[variant]
     cfg = transformers.LlamaConfig(**BASE, tie_word_embeddings=tied)
     torch.manual_seed(seed)
@@ -212,10 +241,13 @@ def make_checkpoints(root, variant, seed=0):
     conf["quantization_config"] = qc
     with open(os.path.join(qdir, "config.json"), "w") as f:
         json.dump(conf, f)
-    tok = load_tokenizer(*resolve(None)[:2])
-    tok.save_pretrained(qdir)
-    tok.save_pretrained(rdir)
+    _tokenizer().save_pretrained(qdir)  # transformers runs on token ids: the reference needs none
     return qdir, rdir
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    return load_tokenizer(*resolve(None)[:2])
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -265,8 +297,8 @@ def test_greedy_tokens_match_transformers(ckpt):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="kernel path needs TRITON_INTERPRET=1 on CPU")
 def test_fused_layer_runs_in_the_triton_kernel(ckpt):
     variant, qdir, _, eng = ckpt
-    if variant not in ("gptq-actorder-sym-g32", "awq-g64", "ct-int4-asym-g32-actorder"):
-        pytest.skip("act-order and zero-point formats cover the kernel path")
+    if variant not in ACT_ORDER:
+        pytest.skip("the act-order variants cover the kernel path (fp16 and bf16 scales, with and without zeros)")
     qw = eng.model.layers[0].self_attn.qkv_proj.qweight_struct
     x = torch.randn(3, qw.shape[1], dtype=torch.bfloat16)
     want = x.double() @ dequantize(qw).double().t()
@@ -303,3 +335,30 @@ def test_quantization_flag_must_match_a_prequantized_checkpoint(tmp_path):
         with pytest.raises(ValueError, match=rf"--quantization {bad} does not match .*gptq 4-bit, group 128.*"
                                              r"pass gptq or int4-g128"):
             load_model(path, progress=False, quantization=bad)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-pack-quantized", "int-quantized"])
+def test_compressed_tensors_nvfp4_and_int8_fused_layer(fmt):
+    """Layer level (the decoder path is covered above): q|k|v packed as llm-compressor writes them, one shared NVFP4
+    global scale, loaded as one fused GEMM; reference: the float64 dequantized weights."""
+    nvfp = fmt.startswith("nvfp4")
+    w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True} if nvfp \
+        else {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
+    quant = checkpoint_quant({**CT_CONFIG, "format": fmt, "config_groups": {"group_0": {"targets": ["Linear"],
+                                                                                         "weights": w}}})
+    torch.manual_seed(0)
+    ws = {p: torch.randn(n, 128, dtype=torch.float64) * 0.05 for p, n in (("q_proj", 128), ("k_proj", 64),
+                                                                        ("v_proj", 64))}
+    gscale = float(torch.tensor(448 * 6 / max(v.abs().max() for v in ws.values()).item(), dtype=torch.float32))
+    tensors, deqs = {}, []
+    for p, wt in ws.items():
+        prefix = f"model.layers.0.self_attn.{p}"
+        t, deq = nvfp4(wt, prefix, gscale) if nvfp else int8_channel(wt, prefix)
+        tensors.update(t)
+        deqs.append(deq)
+    fused = concat_quantized([quant.convert(f"model.layers.0.self_attn.{p}", tensors.get) for p in ws])
+    assert fused is not None and fused.shape == (256, 128)
+    x = torch.randn(5, 128, dtype=torch.float64)
+    got = QuantLinear(fused)(x.float()).double()
+    want = x @ torch.cat(deqs).t()
+    assert ((got - want).norm() / want.norm()).item() < 1e-6  # float32 matmul; 1/global_scale rounded to fp32

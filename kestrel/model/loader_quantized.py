@@ -8,8 +8,8 @@ parts' qweight/scales/zeros columns simply sit side by side and dequantize to ex
 then keeps one GEMM per projection, which is what the fused decoder, CUDA graphs and tensor-parallel sharding
 expect, and a decode step streams the weights in 4 kernels a layer instead of 7. That needs one QuantSpec and, with
 act-order, one input permutation for all parts: GPTQ gives q/k/v (and gate/up) the same g_idx in practice, since
-they see the same inputs (same Hessian). Parts that differ anyway (other g_idx, NVFP4 global scales, some parts in
-float) run as separate GEMMs in a ConcatLinear, still exact.
+they see the same inputs (same Hessian); llm-compressor gives them one NVFP4 global scale. Parts that differ anyway
+(other g_idx or global scales, some parts in float) run as separate GEMMs in a ConcatLinear, still exact.
 """
 from __future__ import annotations
 
@@ -86,17 +86,15 @@ def concat_quantized(qws: list[QuantizedWeight]) -> QuantizedWeight | None:
         qws = [q if q.zeros is not None or not q.spec.is_int else replace(
             q, spec=replace(q.spec, weight_dtype=f"uint{q.spec.weight_bits}", has_zero_point=True),
             zeros=torch.full_like(q.scales, q.spec.code_offset)) for q in qws]
-    s0, p0 = qws[0].spec, qws[0].perm
-    for q in qws[1:]:
-        if q.spec != s0 or q.shape[1] != qws[0].shape[1] or q.global_scale is not None or q.scales.dtype != qws[0].scales.dtype:
+    same = lambda a, b: (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    q0 = qws[0]
+    for q in qws[1:]:  # NVFP4: llm-compressor gives fused parts one global scale for exactly this reason
+        if (q.spec, q.shape[1], q.scales.dtype) != (q0.spec, q0.shape[1], q0.scales.dtype) or not (
+                same(q.perm, q0.perm) and same(q.global_scale, q0.global_scale)):
             return None
-        if (q.perm is None) != (p0 is None) or (p0 is not None and not torch.equal(q.perm, p0)):
-            return None
-    if qws[0].global_scale is not None:
-        return None
-    cat = lambda name: None if getattr(qws[0], name) is None else torch.cat([getattr(q, name) for q in qws], dim=1)
-    return QuantizedWeight(spec=s0, shape=(sum(q.shape[0] for q in qws), qws[0].shape[1]), qweight=cat("qweight"),
-                           scales=cat("scales"), zeros=cat("zeros"), perm=p0)
+    cat = lambda name: None if getattr(q0, name) is None else torch.cat([getattr(q, name) for q in qws], dim=1)
+    return QuantizedWeight(spec=q0.spec, shape=(sum(q.shape[0] for q in qws), q0.shape[1]), qweight=cat("qweight"),
+                           scales=cat("scales"), zeros=cat("zeros"), perm=q0.perm, global_scale=q0.global_scale)
 
 
 def _float_linear(w: torch.Tensor, bias: torch.Tensor | None, dtype, device) -> nn.Linear:
