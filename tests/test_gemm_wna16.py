@@ -61,11 +61,41 @@ def test_compute_configs(cfg, spec):
     _check(quantize(W, spec), 1 if cfg.kernel == "gemv" else 20, cfg)
 
 
+MV = ComputeConfig("mv", 16, 32, 0, split_k=1, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("spec", FORMATS + [QuantSpec("uint8", has_zero_point=True, group_size=64),
+                                            QuantSpec("int2", group_size=16)], ids=lambda s: s.name)
+def test_small_m_kernels_every_format(spec):
+    # the decode path (tensor-core "mv", swapped "mvs", CUDA-core "gemv") for M = 1..16, one launch with split-K
+    W = torch.randn(40, 320, generator=torch.Generator().manual_seed(6))  # N not a tile multiple, K padded
+    qw = quantize(W, spec)
+    _check(qw, 1, ComputeConfig("gemv", 1, 32, 0, split_k=2, num_warps=1, num_stages=1))
+    _check(qw, 3, ComputeConfig("mv", 16, 32, 0, split_k=2, num_warps=4, num_stages=2))
+    _check(qw, 16, ComputeConfig("mvs", 16, 32, 0, split_k=1, num_warps=4, num_stages=2))
+
+
+@pytest.mark.parametrize("m", list(range(1, 17)))
+def test_small_m_every_m(m):
+    qw = quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(7)), QuantSpec("int4", group_size=64))
+    _check(qw, m, ComputeConfig("mv" if m % 2 else "mvs", 16, 32, 0, split_k=1 + m % 2, num_warps=4, num_stages=2))
+
+
+def test_split_k_counters_reset_between_calls():
+    # the last split of a tile resets its counter: repeated calls (as in CUDA-graph replays) stay correct
+    qw = quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(8)), QuantSpec("int4", group_size=128))
+    cfg = ComputeConfig("mv", 16, 16, 0, split_k=2, num_warps=4, num_stages=1)
+    for seed in range(3):
+        _check(qw, 2, cfg, seed=seed)
+    _check(qw, 2, cfg, dtype=torch.float16)
+
+
 def test_one_bit_weights():
     W = torch.randn(N, 512, generator=torch.Generator().manual_seed(4))  # 1-bit packing needs K % 512 == 0
     qw = quantize(W, QuantSpec("uint1", has_zero_point=True, group_size=128))
     for m in (1, 5):
         _check(qw, m)
+    _check(qw, 4, MV)
 
 
 @pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=32), QuantSpec("int4", group_size=128),

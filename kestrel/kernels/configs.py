@@ -51,7 +51,7 @@ class ComputeConfig:
 
     def valid_for(self, layer: LayerConfig) -> bool:
         k_steps = -(-layer.k // layer.spec.k_multiple)
-        if self.kernel not in ("gemv", "dot", "dequant_mm", "tc") or self.block_n < 16 or self.split_k < 1:
+        if self.kernel not in ("gemv", "mv", "mvs", "dot", "dequant_mm", "tc") or self.block_n < 16 or self.split_k < 1:
             return False
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
@@ -60,7 +60,7 @@ class ComputeConfig:
             return -(-k_steps // kb) >= self.split_k
         if self.kernel == "dequant_mm" and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
             return False
-        if self.kernel == "dot" and self.block_m < 16:
+        if self.kernel in ("dot", "mv", "mvs") and self.block_m < 16:
             return False
         return k_steps >= self.split_k
 
@@ -205,3 +205,33 @@ def _config_of(entry, layer: LayerConfig) -> ComputeConfig | None:
     except (TypeError, KeyError):
         return None
     return cfg if cfg.valid_for(layer) else None
+
+
+# ---- generic tune-cache helpers (shared by the low-bit GEMMs' cache in lowbit_tune.py; same key format as above)
+
+def shape_key(gpu: str, name: str, n: int, k: int, bucket: int) -> str:
+    """key of a (GPU, kernel or format name, N, K, M bucket) entry: what cache_key writes for a LayerConfig."""
+    return f"{gpu}|{name}|n{n}|k{k}|m{bucket}"
+
+
+def nearest_shape_entry(caches: list[dict], gpu: str, name: str, n: int, k: int, bucket: int,
+                        max_dist: float = 2.0, accept=lambda entry: True):
+    """The exact entry from the first cache holding one; else the entry of the nearest shape (|log2 dN| + |log2 dK|
+    <= max_dist) with the same GPU, name and M bucket; else None. `accept` filters unusable entries."""
+    key = shape_key(gpu, name, n, k, bucket)
+    for cache in caches:
+        if key in cache and accept(cache[key]):
+            return cache[key]
+    best, best_d = None, float("inf")
+    prefix, suffix = f"{gpu}|{name}|", f"|m{bucket}"
+    for cache in caches:
+        for k2, v in cache.items():
+            if k2.startswith(prefix) and k2.endswith(suffix):
+                try:
+                    n2, kk2 = (int(t[1:]) for t in k2[len(prefix):-len(suffix)].split("|"))
+                except ValueError:
+                    continue
+                d = abs(math.log2(n2 / n)) + abs(math.log2(kk2 / k))
+                if d < best_d and accept(v):
+                    best, best_d = v, d
+    return best if best_d <= max_dist else None

@@ -1,11 +1,10 @@
 """Triton WNA16 GEMM: y[M, N] = x[M, K] (bf16/fp16) @ dequant(W)[N, K]^T for every weight format in QuantSpec.
 
 Kernels (JIT-specialised by constexprs per format and ComputeConfig; ComputeConfig.kernel picks one):
-- "gemv"  (decode, M tiny): streams the planar packed weight (packing.py) one 16-row word tile per step with
-  coalesced loads; each bit field of the tile is a [16, BN] tile of contiguous k in the same registers, decoded
-  with 2-3 integer ops into fp32 and FMA'd with x on CUDA cores; the group scale (and zero) is applied once per
-  field group after an in-thread reduction. Split-K over programs for narrow N.
-- "dot"   (M >= ~4): tensor cores on the same planar tiles: each bit field is an exact unscaled bf16/fp16
+- "mv" / "mvs" / "gemv" (decode, M <= 16): gemm_wna16_small.py (tensor cores with a ~1-op/element decode, or
+  CUDA-core FMAs; split-K reduced inside the same launch).
+- "tc" (M > 16): gemm_wna16_tc.py.
+- "dot"   (older tensor-core path): tensor cores on the same planar tiles: each bit field is an exact unscaled bf16/fp16
   [16, BN] operand for a K=16 MMA against x; group scales multiply the partial products.
 - "dequant_mm" (large M, compute-bound): one bandwidth-bound Triton pass writes W as bf16, then cuBLAS.
 """
@@ -16,76 +15,13 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig
-from kestrel.kernels.dequant import decode_codes, decode_scale, fp_plane, int_plane, int_to_f32
+from kestrel.kernels.dequant import decode_codes, decode_scale, fp_plane, int_to_f32
+from kestrel.kernels.gemm_wna16_small import gemm_small
 from kestrel.kernels.gemm_wna16_tc import gemm_wna16_tc
 from kestrel.quant.packing import PLANE_ROWS
 from kestrel.quant.weight import QuantizedWeight
 
 _SCALE_KIND = {"fp16": 0, "bf16": 0, "fp32": 0, "e8m0": 1, "fp8_e4m3": 2}
-
-@triton.jit
-def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, N, K, stride_xm, stride_ym,
-                 BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
-                 MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
-                 SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 HAS_GSCALE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, R: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    PB: tl.constexpr = R * EPW  # k elements per planar block
-    # consecutive fields that share one quantization group
-    PPG: tl.constexpr = EPW if PER_CHANNEL else (EPW if GROUP_SIZE // R >= EPW else GROUP_SIZE // R)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_r = tl.arange(0, R)
-    n_blocks = tl.cdiv(K, PB)  # the packed K is padded to whole blocks; x is masked to K
-    per_split = tl.cdiv(n_blocks, SPLIT_K)
-    b0 = pid_k * per_split
-    b1 = tl.minimum(b0 + per_split, n_blocks)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    x_row = x_ptr + pid_m * stride_xm
-    for b in tl.range(b0, b1, num_stages=NUM_STAGES):
-        q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        for i in tl.static_range(EPW):
-            kx = b * PB + i * R + offs_r
-            xi = tl.load(x_row + kx, mask=kx < K, other=0.0).to(tl.float32)
-            if IS_INT:
-                v = int_plane(q, i, BITS)
-            else:
-                v = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS)
-            if i % PPG == 0:
-                part = v * xi[:, None]
-                if IS_INT:
-                    xs = tl.sum(xi, axis=0)
-            else:
-                part += v * xi[:, None]
-                if IS_INT:
-                    xs += tl.sum(xi, axis=0)
-            if (i + 1) % PPG == 0:
-                t = tl.sum(part, axis=0)  # in-thread: a thread owns whole columns of the tile
-                if IS_INT:
-                    g = (b * PB + (i + 1 - PPG) * R) // GROUP_SIZE
-                    if HAS_ZERO:
-                        zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
-                    else:
-                        zero = CODE_OFFSET * 1.0
-                    # v = 1 + c/2^B  =>  sum (c - z) x = 2^B sum v x - (2^B + z) sum x
-                    t = t * (1 << BITS) - ((1 << BITS) + zero) * xs
-                if PER_CHANNEL:
-                    acc += t
-                else:
-                    g = (b * PB + (i + 1 - PPG) * R) // GROUP_SIZE
-                    acc += t * decode_scale(tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0), SCALE_KIND)
-    if PER_CHANNEL:
-        acc = acc * decode_scale(tl.load(s_ptr + offs_n, mask=n_mask, other=0), SCALE_KIND)
-    if HAS_GSCALE:
-        acc = acc * tl.load(gs_ptr)
-    y_ptrs = y_ptr + pid_m * stride_ym + offs_n
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=n_mask)
 
 @triton.jit
 def _gather_tile(qw_ptr, s_ptr, z_ptr, k, k_mask, offs_n, n_mask, N,
@@ -244,6 +180,8 @@ def gemm_wna16(x: torch.Tensor, qw: QuantizedWeight, config: ComputeConfig | Non
         return (x2 @ w.t()).reshape(*lead, n)
     if cfg.kernel == "tc":
         return gemm_wna16_tc(x2, qw, cfg, _format_args(qw)).reshape(*lead, n)
+    if cfg.kernel in ("gemv", "mv", "mvs"):
+        return gemm_small(x2, qw, cfg, _format_args(qw)).reshape(*lead, n)
     split = cfg.split_k
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
                                                        dtype=torch.float32 if split > 1 else x.dtype)
@@ -251,13 +189,9 @@ def gemm_wna16(x: torch.Tensor, qw: QuantizedWeight, config: ComputeConfig | Non
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
     common = dict(BLOCK_N=cfg.block_n, SPLIT_K=split, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                   **_format_args(qw))
-    if cfg.kernel == "gemv":
-        grid = (triton.cdiv(n, cfg.block_n), m, split)
-        _gemv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, n, k, x2.stride(0), y.stride(0), **common)
-    else:
-        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
-        _dot_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, m, n, k, x2.stride(0), y.stride(0),
-                          BLOCK_M=cfg.block_m, DOT_F32=x.device.type != "cuda", **common)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    _dot_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, m, n, k, x2.stride(0), y.stride(0),
+                      BLOCK_M=cfg.block_m, DOT_F32=x.device.type != "cuda", **common)
     if split > 1:
         y = y.to(x.dtype)
     return y.reshape(*lead, n)

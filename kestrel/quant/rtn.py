@@ -40,6 +40,7 @@ def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
         s = ((hi - lo) / (2**bits - 1)).clamp(min=1e-8)
         s_st = _store_scale(s, spec.scale_dtype)
         s = decode_scales(s_st, spec.scale_dtype)
+        s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero (padding) group underflows fp16: avoid 0/0 zeros
         z = torch.round(-lo / s).clamp(0, 2**bits - 1)
         codes = (torch.round(wf / s[..., None]) + z[..., None]).clamp(0, 2**bits - 1)
         zeros = z.to(s_st.dtype if s_st.is_floating_point() else torch.float32)

@@ -1,0 +1,312 @@
+"""Small-M (decode, M <= 16) WNA16 kernels: memory-bound, so the aim is to stream the packed weight once at close to
+copy bandwidth with as few instructions per weight element as possible.
+
+- "mv"   tensor cores for every M <= 16 (M padded to BLOCK_M = 16): each bit field i of a planar [R, BN] word tile
+         (packing.py) is a [R, BN] tile of contiguous k, decoded to an *unscaled* exact value and fed to a K=16 MMA
+         chained over the fields of one quantization group; the affine correction
+         sum (c - z) x = sum (OFF + c) x - (OFF + z) sum x  and the group scale are applied once per group to the
+         [BM, BN] dot result, not per weight element. Decode: 4-bit ints on the GPU take two words per PRMT + LOP3
+         (inline PTX, OFF + c straight into bf16/fp16 bits, as Marlin-style kernels do); elsewhere 1 + c/2^B through
+         fp32 mantissa bits (OFF = 2^B after scaling by 2^B), c itself for 8-bit codes, minifloats their value.
+         Triton moves the int32 word tile (not the decoded values) through shared memory into the MMA operand
+         layout and decodes there, so the decode is ~1 integer op per element. "mvs" swaps the operands (W is the
+         MMA A operand, wgmma on Hopper).
+- "gemv" CUDA-core FMA path for M = 1 (one program per row of x); kept for formats/shapes where it wins.
+
+Split-K finishes in the same launch: each K split stores its fp32 partial, the last program of a tile (an acq_rel
+counter per tile, reset by that program) sums the partials in split order (deterministic) and writes y in the
+activation dtype. No zero-fill launch, no atomics on y, no cast launch: one kernel per GEMM inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.dequant import decode_scale, fp_plane, int_plane, int_to_f32
+
+
+@triton.jit
+def _nibble_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr):
+    """GPU only (inline PTX): 4-bit field FIELD of int32 words -> OFF + c in bf16 (OFF = 128) or fp16 (OFF = 1024),
+    exactly; two words per PRMT + LOP3 (+ SHR for odd fields), no float conversion instruction."""
+    if FP16:
+        if FIELD == 0:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x4400; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
+        elif FIELD == 1:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x4400; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
+        elif FIELD == 2:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x5511; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
+        elif FIELD == 3:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x5511; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
+        elif FIELD == 4:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x6622; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
+        elif FIELD == 5:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x6622; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
+        elif FIELD == 6:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7733; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
+        else:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7733; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
+        return tl.inline_asm_elementwise(asm, "=r,r,r", [q], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        if FIELD == 0:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x4400; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
+        elif FIELD == 1:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x4400; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
+        elif FIELD == 2:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x5511; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
+        elif FIELD == 3:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x5511; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
+        elif FIELD == 4:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x6622; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
+        elif FIELD == 5:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x6622; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
+        elif FIELD == 6:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7733; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
+        else:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7733; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
+        return tl.inline_asm_elementwise(asm, "=r,r,r", [q], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, tile, pid_k, split_k,
+            SPLIT: tl.constexpr):
+    """Write acc [BM, BN] (fp32) to y; with SPLIT (split_k > 1) the last split of this tile reduces all partials."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if not SPLIT:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the (release) count below
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == split_k - 1:
+            tot = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, split_k):  # fixed order: the result does not depend on who finished last
+                tot += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (and the next CUDA-graph replay)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, split_k,
+               BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
+               MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
+               SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
+               HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+               NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+               ASM: tl.constexpr, R: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    PB: tl.constexpr = R * EPW
+    # fields per quantization group run: all of a block when one group covers it
+    FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
+    MANT: tl.constexpr = BITS < 8  # 1 + c/2^B is exact in bf16 only up to 7 mantissa bits
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    offs_r = tl.arange(0, R)
+    n_blocks = tl.cdiv(K, PB)
+    per_split = tl.cdiv(n_blocks, split_k)
+    b0 = pid_k * per_split
+    b1 = tl.minimum(b0 + per_split, n_blocks)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, R)
+    for b in tl.range(b0, b1, num_stages=NUM_STAGES):
+        q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        for i in tl.static_range(EPW):
+            # field i of the tile: k = b*PB + i*R + r, decoded where the MMA operand lives (Triton moves the word
+            # tile, not the decoded values, through shared memory)
+            if ASM:
+                w = _nibble_pairs(q, i, x_ptr.dtype.element_ty == tl.float16)  # OFF + c
+            else:
+                if IS_INT:
+                    if MANT:
+                        v = int_plane(q, i, BITS)  # 1 + c/2^B
+                    else:
+                        v = int_to_f32((q >> (i * BITS)) & ((1 << BITS) - 1))
+                else:
+                    v = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS)
+                w = v.to(x_ptr.dtype.element_ty)
+            kx = b * PB + i * R + offs_k
+            if EVEN_K:
+                xmask = m_mask[:, None]
+            else:
+                xmask = m_mask[:, None] & (kx < K)[None, :]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=xmask, other=0.0)
+            if IS_INT:
+                if i % FPG == 0:
+                    xs = tl.sum(x.to(tl.float32), axis=1)
+                else:
+                    xs += tl.sum(x.to(tl.float32), axis=1)
+            if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            if SWAP:
+                if i % FPG == 0:
+                    d = tl.dot(tl.trans(w), tl.trans(x))  # [BN, BM]
+                else:
+                    d = tl.dot(tl.trans(w), tl.trans(x), d)
+            else:
+                if i % FPG == 0:
+                    d = tl.dot(x, w)  # [BM, BN]
+                else:
+                    d = tl.dot(x, w, d)
+            if (i + 1) % FPG == 0:  # end of a quantization group run: correction and scale on [BM, BN]
+                g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
+                if IS_INT:
+                    if HAS_ZERO:
+                        zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+                    else:
+                        zero = tl.zeros((BLOCK_N,), dtype=tl.float32) + CODE_OFFSET
+                    if ASM:
+                        zero = zero + (1024.0 if x_ptr.dtype.element_ty == tl.float16 else 128.0)
+                    elif MANT:
+                        d = d * (1 << BITS)
+                        zero = zero + (1 << BITS)
+                    if SWAP:
+                        d = d - zero[:, None] * xs[None, :]
+                    else:
+                        d = d - xs[:, None] * zero[None, :]
+                if PER_CHANNEL:
+                    acc += d
+                else:
+                    s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0), SCALE_KIND)
+                    if SWAP:
+                        acc += d * s[:, None]
+                    else:
+                        acc += d * s[None, :]
+    if SWAP:
+        acc = tl.trans(acc)
+    if PER_CHANNEL:
+        acc = acc * decode_scale(tl.load(s_ptr + offs_n, mask=n_mask, other=0), SCALE_KIND)[None, :]
+    if HAS_GSCALE:
+        acc = acc * tl.load(gs_ptr)
+    _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym,
+            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, split_k,
+                 BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
+                 MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                 HAS_GSCALE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, R: tl.constexpr):
+    """CUDA cores, one row of x per program: each bit field of the [R, BN] word tile is a [R, BN] tile of
+    contiguous k decoded into fp32 1 + c/2^B (ints) or value * 2^(bias-127) (minifloats) and FMA'd with x; the
+    group scale (and zero, through the x sum) is applied once per field group after an in-thread reduction."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    PB: tl.constexpr = R * EPW
+    PPG: tl.constexpr = EPW if PER_CHANNEL else (EPW if GROUP_SIZE // R >= EPW else GROUP_SIZE // R)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, R)
+    n_blocks = tl.cdiv(K, PB)
+    per_split = tl.cdiv(n_blocks, split_k)
+    b0 = pid_k * per_split
+    b1 = tl.minimum(b0 + per_split, n_blocks)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x_row = x_ptr + pid_m * stride_xm
+    for b in tl.range(b0, b1, num_stages=NUM_STAGES):
+        q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        for i in tl.static_range(EPW):
+            kx = b * PB + i * R + offs_r
+            if EVEN_K:
+                xi = tl.load(x_row + kx).to(tl.float32)
+            else:
+                xi = tl.load(x_row + kx, mask=kx < K, other=0.0).to(tl.float32)
+            if IS_INT:
+                v = int_plane(q, i, BITS)
+            else:
+                v = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS)
+            if i % PPG == 0:
+                part = v * xi[:, None]
+                if IS_INT:
+                    xs = tl.sum(xi, axis=0)
+            else:
+                part += v * xi[:, None]
+                if IS_INT:
+                    xs += tl.sum(xi, axis=0)
+            if (i + 1) % PPG == 0:
+                t = tl.sum(part, axis=0)
+                if IS_INT:
+                    g = (b * PB + (i + 1 - PPG) * R) // GROUP_SIZE
+                    if HAS_ZERO:
+                        zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+                    else:
+                        zero = CODE_OFFSET * 1.0
+                    t = t * (1 << BITS) - ((1 << BITS) + zero) * xs  # v = 1 + c/2^B
+                if PER_CHANNEL:
+                    acc += t
+                else:
+                    g = (b * PB + (i + 1 - PPG) * R) // GROUP_SIZE
+                    acc += t * decode_scale(tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0), SCALE_KIND)
+    if PER_CHANNEL:
+        acc = acc * decode_scale(tl.load(s_ptr + offs_n, mask=n_mask, other=0), SCALE_KIND)
+    if HAS_GSCALE:
+        acc = acc * tl.load(gs_ptr)
+    offs_m = pid_m + tl.arange(0, 1)
+    _finish(acc[None, :], y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym,
+            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
+
+
+_ASM = True  # inline-PTX nibble decode on the GPU (the interpreter takes the plain Triton path)
+_WS: dict = {}
+_CNT_SLOTS = 1 << 16
+
+
+def _workspace(device: torch.device, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials (fp32) and per-tile counters for this device and stream. The counters are zeroed once
+    and every launch leaves them zero; the partials need no zeroing. Per stream, so concurrent streams never
+    share counters."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    ws, cnt = _WS.get(key, (None, None))
+    if cnt is None:
+        cnt = torch.zeros(_CNT_SLOTS, dtype=torch.int32, device=device)
+    if ws is None or ws.numel() < floats:
+        ws = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
+    _WS[key] = (ws, cnt)
+    return ws, cnt
+
+
+def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
+    """x2 [M, K] contiguous (act-order already applied) -> y [M, N] in x2's dtype, kernel cfg.kernel in
+    ("gemv", "mv", "mvs": mv with W as the MMA A operand). `fmt` is gemm_wna16's format constexpr dict."""
+    m, k = x2.shape
+    n = qw.shape[0]
+    split = cfg.split_k
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    z = qw.zeros if qw.zeros is not None else qw.scales
+    gsc = qw.global_scale if qw.global_scale is not None else qw.scales
+    even_k = k % (fmt["R"] * fmt["EPW"]) == 0
+    on_gpu = x2.device.type == "cuda"
+    if cfg.kernel == "gemv":
+        grid = (triton.cdiv(n, cfg.block_n), m, split)
+    else:
+        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    if split > 1:
+        if grid[0] * grid[1] > _CNT_SLOTS:
+            raise ValueError(f"split-K over {grid[0] * grid[1]} tiles exceeds {_CNT_SLOTS} counters")
+        ws, cnt = _workspace(x2.device, split * m * n)
+    else:
+        ws, cnt = y, y  # unused
+    common = dict(SPLIT=split > 1, NUM_STAGES=cfg.num_stages, EVEN_K=even_k, BLOCK_N=cfg.block_n,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fmt)
+    if cfg.kernel == "gemv":
+        _gemv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
+                           split, **common)
+    else:
+        _mv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
+                         split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu,
+                         ASM=on_gpu and fmt["IS_INT"] and fmt["BITS"] == 4 and _ASM, **common)
+    return y
