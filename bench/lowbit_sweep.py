@@ -7,6 +7,7 @@ and torch._int_mm + torch scale epilogue (int8). Every config's output is checke
 the first shape. Writes sweep.json (all times) and best.json (fastest config per kernel / shape / M) to --out.
 
   python bench/lowbit_sweep.py --out $OUT/sweep --jobs 12
+  python bench/lowbit_sweep.py --to-cache sweep/best.json --gpu "NVIDIA H200"   # winners -> packaged tune cache
 """
 from __future__ import annotations
 
@@ -181,6 +182,22 @@ def peers(kernel, M, ws, a, s, fns_out):
                              for i in range(len(ws))]
 
 
+def to_cache(best_path: str, gpu: str, skip: str):
+    from kestrel.kernels.configs import m_bucket, shape_key, store_cache
+    from kestrel.kernels.lowbit_tune import PACKAGED_CACHE
+    skips = dict((k, int(m)) for k, m in (s.split(":") for s in skip.split(",") if s))
+    entries = {}
+    for key, v in json.load(open(best_path)).items():
+        kernel, N, K, M = key.split("|")
+        if kernel in skips and int(M) >= skips[kernel]:
+            continue
+        entries[shape_key(gpu, kernel, int(N), int(K), m_bucket(int(M)))] = {
+            "config": v["config"], "us": round(v["us"], 2),
+            "heuristic_us": v["heuristic_us"] and round(v["heuristic_us"], 2)}
+    store_cache(PACKAGED_CACHE, entries)
+    print(f"{len(entries)} entries -> {PACKAGED_CACHE}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", default="1,16,128,1024,4096")
@@ -190,7 +207,13 @@ def main():
     p.add_argument("--compile-part", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--deadline-s", type=float, default=float("inf"))
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--to-cache", default=None, help="write the winners of this best.json into the packaged cache")
+    p.add_argument("--gpu", default="NVIDIA H200", help="GPU name of the --to-cache entries")
+    p.add_argument("--skip", default="w4a8-int4:257", help="kernel:min_M entries left to the heuristic")
     args = p.parse_args()
+    if args.to_cache:
+        to_cache(args.to_cache, args.gpu, args.skip)
+        return
     ms = [int(v) for v in args.ms.split(",")]
     if args.compile_part >= 0:
         compile_part(args.compile_part, args.jobs, ms,

@@ -101,3 +101,17 @@ def test_int4_to_e4m3_all_nibbles():
     _int4_to_e4m3_kernel[(1,)](codes, out)
     want = (((codes.int() ^ 8) - 8).float().to(torch.float8_e4m3fn)).view(torch.uint8)  # two's complement values
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("group,tma", [(128, 1), (-1, 2), (256, 1)])
+def test_w4a8_large_m_path_expand_then_tma(group, tma):
+    """large-M W4A8: int4 -> fp8 expansion (exact) + the TMA kernel with per-K-tile group scales, ragged M / N."""
+    from kestrel.kernels.lowbit_tma import int4_to_fp8
+    M, N, K = 130, 96, 512
+    x, w = _data(M, N, K, 3)
+    qw = quantize_weight_w4(w, "int4", group)
+    codes = unpack_nibbles(qw.packed).int()
+    assert torch.equal(int4_to_fp8(qw.packed).float(), ((codes ^ 8) - 8).float())
+    a, s = aq.ref_quant_fp8(x)
+    y = gemm_w4a8(a, s, qw, torch.float32, GemmConfig(BM=64, BN=32, BK=128, TMA=tma))
+    assert _rel(y, aq.dequant_8bit(a, s) @ qw.dequantize().t()) < 1e-5

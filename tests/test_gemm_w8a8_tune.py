@@ -6,7 +6,7 @@ import torch
 from kestrel.kernels import act_quant as aq
 from kestrel.kernels import lowbit_tune
 from kestrel.kernels.lowbit_gemm import heuristic_config
-from kestrel.kernels.lowbit_tuning import LOWBIT_KERNELS, candidates, tune_lowbit
+from kestrel.kernels.lowbit_tuning import LOWBIT_KERNELS, W_CODE, candidates, tune_lowbit
 
 pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (or a GPU)")
 
@@ -14,15 +14,13 @@ pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KESTREL_LOWBIT_TUNE_CACHE", str(tmp_path / "lowbit.json"))
-    lowbit_tune._load.cache_clear()
-    yield tmp_path / "lowbit.json"
-    lowbit_tune._load.cache_clear()
+    return tmp_path / "lowbit.json"
 
 
 def test_candidates_start_with_the_heuristic_and_fit_k():
     for kernel in LOWBIT_KERNELS:
         c = candidates(kernel, 16, 4096, 4096)
-        assert c[0] == heuristic_config(16, 4096, 4096, LOWBIT_KERNELS[kernel][0], LOWBIT_KERNELS[kernel][0])
+        assert c[0] == heuristic_config(16, 4096, 4096, LOWBIT_KERNELS[kernel][0], W_CODE[LOWBIT_KERNELS[kernel][1]])
         assert len(set(c)) == len(c) and all(4096 % (x.BK * x.SPLIT_K) == 0 for x in c)
 
 

@@ -104,7 +104,15 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
     a_op = Operand(A_FP8, a_q.contiguous(), a_scale.float().reshape(M, 1).contiguous())
     from kestrel.kernels.lowbit_tune import lookup
     cfg = config or lookup("w4a8-" + w.fmt, M, N, K) or heuristic_config(M, N, K, A_FP8, W_INT4)
-    return run_dense(a_op, w.operand(), M, N, K, out_dtype, cfg)
+    w_op = w.operand()
+    if cfg.TMA and w.fmt == "int4" and (w_op.group == 0 or w_op.group % 128 == 0) and M > 0:
+        # large M: expand to fp8 once per call, then the TMA fp8 kernel (lowbit_tma.py says why)
+        from kestrel.kernels.lowbit_tma import int4_to_fp8, launch_tma, tma_ok
+        w8 = int4_to_fp8(w.packed)
+        out = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
+        if tma_ok(a_op.data, w8, out):
+            return launch_tma(a_op.data, a_op.scale.reshape(-1), w8, w_op.scale, out, cfg, group=w_op.group)
+    return run_dense(a_op, w_op, M, N, K, out_dtype, cfg)
 
 
 def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None) -> torch.Tensor:

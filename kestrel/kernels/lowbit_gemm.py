@@ -325,8 +325,19 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
 
 
 def heuristic_config(M: int, N: int, K: int, a_fmt: int, w_fmt: int, num_sms: int = 132) -> GemmConfig:
-    """Default compute config when the tune cache has no entry (H100/H200-shaped numbers)."""
+    """Default compute config when the tune cache has no entry. The 8-bit-MMA choices are the H200 sweep's best on
+    average over nine Llama-3 shapes (bench/results/gemm_w8a8.md, `bench/lowbit_sweep.py`)."""
     dq16 = a_fmt in (A_BF16, A_MXFP4, A_NVFP4)
+    w4 = w_fmt in (W_INT4, W_FP4)
+    if not dq16 and M > 16:
+        if w4:  # W4A8: swapped (weight rows on the MMA's 64-row side); large M: expand to fp8 + TMA (int4 only)
+            if M <= 256:
+                return GemmConfig(BM=min(128, triton.next_power_of_2(M)), BN=64, BK=128, num_warps=4, num_stages=4,
+                                  SWAP_AB=1)
+            return GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, TMA=1)
+        if M <= 256:  # TMA kernel (per-token x per-channel scales; other scale layouts reuse the tiles unTMA'd)
+            return GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, TMA=1)
+        return GemmConfig(BM=128, BN=256, BK=128, num_warps=8, num_stages=3, TMA=1)
     bk = 64 if dq16 else 128
     if M <= 16:
         bm, bn, warps, stages = 16, 64, 4, 4
@@ -338,12 +349,14 @@ def heuristic_config(M: int, N: int, K: int, a_fmt: int, w_fmt: int, num_sms: in
         bm, bn, warps, stages = 128, 128, 8, 3 if dq16 else 4
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     split = 1
-    while tiles * split < num_sms and K % (bk * split * 2) == 0 and split < 8 and K // (split * 2) >= 512:
+    max_split = 2 if (w4 and not dq16) else 8  # W4A8 decode: split 2 measured best on every shape
+    while tiles * split < num_sms and K % (bk * split * 2) == 0 and split < max_split and K // (split * 2) >= 512:
         split *= 2
-    return GemmConfig(BM=bm, BN=bn, BK=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+    swap = int(w4 and not dq16)  # W4A8 decode: the converted weight tile stays in registers as the MMA A operand
+    return GemmConfig(BM=bm, BN=bn, BK=bk, SPLIT_K=split, num_warps=warps, num_stages=stages, SWAP_AB=swap)
 
 
-def candidate_configs(M: int, a_fmt: int) -> list[GemmConfig]:
+def candidate_configs(M: int, a_fmt: int, w_fmt: int | None = None) -> list[GemmConfig]:
     """Search space for `kestrel tune` (kept small: each candidate is a JIT compile)."""
     dq16 = a_fmt in (A_BF16, A_MXFP4, A_NVFP4)
     bks = (64,) if dq16 else (64, 128)
@@ -356,6 +369,16 @@ def candidate_configs(M: int, a_fmt: int) -> list[GemmConfig]:
                     for stages in (3, 4):
                         warps = 8 if bm * bn >= 128 * 128 else 4
                         out.append(GemmConfig(BM=bm, BN=bn, BK=bk, SPLIT_K=split, num_warps=warps, num_stages=stages))
+    if not dq16:  # swapped operands (8-bit MMA) and, above decode sizes, the TMA kernel
+        for bm in ((16,) if M <= 16 else (64, 128)):
+            for bn, split in ((64, 1), (64, 2), (128, 1), (128, 2), (256, 1)):
+                w = 8 if bm * bn >= 128 * 128 else 4
+                out.append(GemmConfig(BM=bm, BN=bn, BK=128, SPLIT_K=split, num_warps=w, num_stages=4, SWAP_AB=1))
+        if M > 16:
+            for bm, bn, w, st in ((64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3),
+                                  (256, 128, 8, 3)):
+                for tma in (1, 2):
+                    out.append(GemmConfig(BM=bm, BN=bn, BK=128, num_warps=w, num_stages=st, TMA=tma))
     return out
 
 

@@ -4,18 +4,25 @@ Why a second kernel: at M >= 128 the pointer-based kernel in lowbit_gemm spends 
 and cp.async, and lands well short of cuBLASLt's fp8 rate. TMA moves whole [rows, BK] boxes with one instruction
 (out-of-range rows / columns read as zero and are clipped on store, so no masks), which is what Hopper GEMMs need to
 keep the wgmma pipe fed. Both operands are K-major boxes (W is stored [N, K]), as fp8 / int8 wgmma requires.
-Persistent mode: one CTA per SM walks tiles in the grouped (L2-friendly) order.
+Persistent mode: one CTA per SM walks tiles in the grouped (L2-friendly) order. fp8 partial products accumulate in
+the wgmma accumulator over all of K (cuBLASLt's "fast accumulation"; the pointer kernel promotes every K tile).
+
+Large-M W4A8 (int4, per-channel or group scales >= 128) also runs here: the packed weight is first expanded to fp8
+(exact: int4 values are e4m3 values) in one streaming pass, then this kernel scales each K tile's partial product by
+its group scale. The expansion costs ~1.5 bytes of traffic per weight, small against an M >= 512 GEMM, and frees
+the main loop of in-register unpacking, which held the fused kernel to under half the fp8 rate.
 """
 import torch
 import triton
 import triton.language as tl
 
 from kestrel.kernels.lowbit import round_bf16
+from kestrel.kernels.lowbit_gemm import int4_to_e4m3
 
 
 @triton.jit
-def _w8a8_tma_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, M, N, K, num_progs,
-                     INT8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _w8a8_tma_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, M, N, K, num_progs, stride_wsn,
+                     INT8: tl.constexpr, WG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP_M: tl.constexpr, OUT_DT: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -29,6 +36,8 @@ def _w8a8_tma_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, M, N, K, num_progs,
         pid_n = (tile % group) // gsize
         om = pid_m * BM
         on = pid_n * BN
+        rm = om + tl.arange(0, BM)
+        rn = on + tl.arange(0, BN)
         if INT8:
             acc = tl.zeros((BM, BN), tl.int32)
         else:
@@ -36,20 +45,41 @@ def _w8a8_tma_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, M, N, K, num_progs,
         for ki in range(k_tiles):
             a = a_desc.load([om, ki * BK])
             w = w_desc.load([on, ki * BK])
-            if INT8:
+            if WG > 0:  # weight group scales along K (W4A8 int4 g128): scale each K tile's partial product
+                ws = tl.load(ws_ptr + rn * stride_wsn + (ki * BK) // WG, mask=rn < N, other=0.0)
+                acc += tl.dot(a, w.T) * ws[None, :]
+            elif INT8:
                 acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
             else:
                 acc = tl.dot(a, w.T, acc)
-        rm = om + tl.arange(0, BM)
-        rn = on + tl.arange(0, BN)
         out = acc.to(tl.float32) * tl.load(as_ptr + rm, mask=rm < M, other=0.0)[:, None]
-        out = out * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        if WG == 0:
+            out = out * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[None, :]
         if OUT_DT == 0:
             c_desc.store([om, on], round_bf16(out).to(tl.bfloat16))
         elif OUT_DT == 1:
             c_desc.store([om, on], out.to(tl.float16))
         else:
             c_desc.store([om, on], out)
+
+
+@triton.jit
+def _int4_to_fp8_kernel(src, dst, n_bytes, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    p = tl.load(src + offs, mask=offs < n_bytes, other=0)
+    lo = int4_to_e4m3(p & 0xF).to(tl.uint8, bitcast=True)
+    hi = int4_to_e4m3(p >> 4).to(tl.uint8, bitcast=True)
+    o = tl.program_id(0) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
+    tl.store(dst + o, tl.reshape(tl.join(lo, hi), (2 * BLOCK,)), mask=o < 2 * n_bytes)
+
+
+def int4_to_fp8(packed: torch.Tensor) -> torch.Tensor:
+    """packed int4 [N, K // 2] (low nibble = even k) -> float8_e4m3fn [N, K] holding the same integers (exact)."""
+    N, Kh = packed.shape
+    out = torch.empty((N, 2 * Kh), dtype=torch.uint8, device=packed.device)
+    n = packed.numel()
+    _int4_to_fp8_kernel[(triton.cdiv(n, 4096),)](packed.contiguous(), out, n, BLOCK=4096)
+    return out.view(torch.float8_e4m3fn)
 
 
 _OUT_DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -66,18 +96,23 @@ def num_sms(device) -> int:
 
 
 def launch_tma(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
-               cfg) -> torch.Tensor:
-    """out[M, N] = (a * a_scale[M]) @ (w * w_scale[N])^T; a, w both fp8 or both int8 (K contiguous)."""
+               cfg, group: int = 0) -> torch.Tensor:
+    """out[M, N] = (a * a_scale[M]) @ (w * w_scale)^T; a, w both fp8 or both int8 (K contiguous); w_scale [N]
+    per channel, or [N, K // group] group scales (group a multiple of the K tile)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M, K = a.shape
     N = w.shape[0]
-    a_desc = TensorDescriptor.from_tensor(a, [cfg.BM, cfg.BK])
-    w_desc = TensorDescriptor.from_tensor(w, [cfg.BN, cfg.BK])
+    bk = min(cfg.BK, group) if group else cfg.BK
+    if group and group % bk:
+        raise ValueError(f"weight group {group} must be a multiple of the K tile {bk}")
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.BM, bk])
+    w_desc = TensorDescriptor.from_tensor(w, [cfg.BN, bk])
     c_desc = TensorDescriptor.from_tensor(out, [cfg.BM, cfg.BN])
     tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
     progs = min(tiles, num_sms(a.device)) if cfg.TMA == 2 else tiles
     _w8a8_tma_kernel[(progs,)](a_desc, w_desc, c_desc, a_scale, w_scale, M, N, K, progs,
-                               INT8=a.dtype == torch.int8, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+                               w_scale.stride(0) if group else 1, INT8=a.dtype == torch.int8, WG=group,
+                               BM=cfg.BM, BN=cfg.BN, BK=bk, GROUP_M=cfg.GROUP_M,
                                OUT_DT=_OUT_DT[out.dtype], num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages)
     return out

@@ -1,58 +1,54 @@
-"""Tuning layer for the low-bit GEMMs (W8A8, W4A8, W4A4, MoE): per-GPU winners, keyed by GPU + kernel + shape.
+"""Tune cache of the low-bit GEMMs (W8A8, W4A8, W4A4): per-GPU winners keyed by GPU + kernel + N + K + M bucket.
 
-Filled in by the tuner below (used by `kestrel tune`); read by the kernels at launch, falling back to
-lowbit_gemm.heuristic_config when a shape was never tuned.
+Filled by `kestrel tune --lowbit` (lowbit_tuning.py); read by the kernels at launch: user cache, then the packaged
+H200 cache, then the nearest tuned shape, then lowbit_gemm.heuristic_config. File I/O, key format, M buckets and the
+nearest-shape rule are the WNA16 cache's (configs.py); only the file locations and the config type are ours.
 """
-import json
+from __future__ import annotations
+
 import os
 from functools import lru_cache
+from pathlib import Path
 
+from kestrel.kernels.configs import load_cache, m_bucket, nearest_shape_entry, shape_key, store_cache
 from kestrel.kernels.lowbit_gemm import GemmConfig
 
-
-def cache_path() -> str:
-    return os.environ.get("KESTREL_LOWBIT_TUNE_CACHE",
-                          os.path.join(os.path.expanduser("~"), ".cache", "kestrel", "lowbit_tune.json"))
+PACKAGED_CACHE = Path(__file__).with_name("tune_cache_lowbit_h200.json")
 
 
-def m_bucket(M: int) -> int:
-    """configs are shared by M ranges: next power of two (decode sizes stay distinct)."""
-    b = 1
-    while b < M:
-        b *= 2
-    return b
+def cache_path() -> Path:
+    return Path(os.environ.get("KESTREL_LOWBIT_TUNE_CACHE",
+                               Path.home() / ".cache" / "kestrel" / "lowbit_tune.json"))
 
 
+@lru_cache(maxsize=1)
 def gpu_name() -> str:
     import torch
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def key(kernel: str, M: int, N: int, K: int) -> str:
-    return f"{gpu_name()}|{kernel}|M{m_bucket(M)}|N{N}|K{K}"
+    return shape_key(gpu_name(), kernel, N, K, m_bucket(M))
 
 
-@lru_cache(maxsize=1)
-def _load(path: str) -> dict:
+def _config_of(entry) -> GemmConfig | None:
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
+        return GemmConfig.from_dict(entry["config"] if "config" in entry else entry)
+    except (TypeError, KeyError):
+        return None
 
 
 def lookup(kernel: str, M: int, N: int, K: int) -> GemmConfig | None:
-    entry = _load(cache_path()).get(key(kernel, M, N, K))
-    return GemmConfig(**entry) if entry else None
+    """tuned config for this (kernel, shape, M bucket) on this GPU, or None (then the caller's heuristic)."""
+    caches = [load_cache(cache_path()), load_cache(PACKAGED_CACHE)]
+    entry = nearest_shape_entry(caches, gpu_name(), kernel, N, K, m_bucket(M),
+                                accept=lambda e: _config_of(e) is not None)
+    return None if entry is None else _config_of(entry)
 
 
-def store(kernel: str, M: int, N: int, K: int, cfg: GemmConfig) -> None:
-    path = cache_path()
-    data = dict(_load(path))
-    data[key(kernel, M, N, K)] = cfg.as_dict()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-    _load.cache_clear()
+def store(kernel: str, M: int, N: int, K: int, cfg: GemmConfig, us: float | None = None,
+          heuristic_us: float | None = None) -> None:
+    entry = {"config": cfg.as_dict()}
+    if us is not None:
+        entry.update(us=round(us, 3), heuristic_us=None if heuristic_us is None else round(heuristic_us, 3))
+    store_cache(cache_path(), {key(kernel, M, N, K): entry})

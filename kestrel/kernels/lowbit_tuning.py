@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from kestrel.kernels import act_quant as aq
-from kestrel.kernels.lowbit_gemm import (A_FP8, A_INT8, A_MXFP4, A_NVFP4, GemmConfig, candidate_configs,
-                                         heuristic_config)
-from kestrel.kernels.lowbit_tune import m_bucket, store
+from kestrel.kernels.configs import m_bucket
+from kestrel.kernels.lowbit_gemm import (A_FP8, A_INT8, A_MXFP4, A_NVFP4, W_FP4, W_FP8, W_INT4, W_INT8, GemmConfig,
+                                         candidate_configs, heuristic_config)
+from kestrel.kernels.lowbit_tune import store
 
 # kernel name -> (activation format, weight format); the names are the cache keys the kernels look up
 LOWBIT_KERNELS = {
@@ -47,10 +48,15 @@ def make_case(kernel: str, M: int, N: int, K: int, device="cuda"):
     return lambda cfg: gemm_w4a4(a, s, qw, gs, config=cfg)
 
 
+W_CODE = {"fp8": W_FP8, "int8": W_INT8, "int4": W_INT4, "mxfp4": W_FP4, "nvfp4": W_FP4}
+
+
 def candidates(kernel: str, M: int, N: int, K: int, max_candidates: int | None = None) -> list[GemmConfig]:
-    a_fmt = LOWBIT_KERNELS[kernel][0]
-    h = heuristic_config(M, N, K, a_fmt, a_fmt)
-    out = [h] + [c for c in candidate_configs(M, a_fmt) if c != h and K % (c.BK * c.SPLIT_K) == 0]
+    """the kernel's own heuristic first (the one it launches untuned), then the search space."""
+    a_fmt, w = LOWBIT_KERNELS[kernel]
+    w_fmt = W_CODE[w]
+    h = heuristic_config(M, N, K, a_fmt, w_fmt)
+    out = [h] + [c for c in candidate_configs(M, a_fmt, w_fmt) if c != h and K % (c.BK * c.SPLIT_K) == 0]
     return out[:max_candidates] if max_candidates else out
 
 
@@ -81,7 +87,7 @@ def tune_lowbit(kernel: str, shapes: list[tuple[int, int]], ms: list[int], progr
                     progress.update(1)
             if best is not None:
                 if save:
-                    store(kernel, M, N, K, best)
+                    store(kernel, M, N, K, best, best_t, heur_t)
                 results[f"{kernel}|N{N}|K{K}|M{m_bucket(M)}"] = {"config": best.as_dict(), "us": best_t,
                                                                   "heuristic_us": heur_t}
     return results
