@@ -35,6 +35,20 @@ class EngineConfig:
     kv_offload_disk_dir: str | None = field(default=None, metadata={
         "help": "directory for a disk tier below the host tier (needs --kv-offload-disk-gb)"})
     kv_offload_disk_gb: float = field(default=0.0, metadata={"help": "size of the disk KV tier in GB"})
+    # sliding-window layers (kestrel/engine/swa_kv.py): bounded per-sequence SWA KV, rebuilt by replay on a prefix hit
+    swa_bounded_kv: bool | None = field(default=None, metadata={
+        "help": "for models with sliding-window (SWA) layers, keep only each sequence's last window of their KV "
+                "(not in the prefix cache) and rebuild it after a prefix-cache hit by replaying tokens; default: "
+                "on for such models unless speculative decoding, tensor parallelism or CUDA graphs are on; "
+                "--no-swa-bounded-kv keeps full-length KV for every layer"})
+    swa_replay_tokens: int = field(default=128, metadata={
+        "help": "tokens of a cached prefix recomputed to rebuild the SWA layers' KV on a prefix-cache hit (rounded "
+                "up to a block boundary); raised to the exactness bound num_swa_layers x (window - 1) unless "
+                "--no-swa-replay-exact"})
+    swa_replay_exact: bool = field(default=True, metadata={
+        "help": "replay at least num_swa_layers x (window - 1) tokens, which makes a prefix-cache hit exact; "
+                "--no-swa-replay-exact replays exactly --swa-replay-tokens and warns if that is fewer "
+                "(faster, logits may differ slightly from a full prefill)"})
     # kestrel.spec.SpeculativeConfig or its flag text (the spec layer registers the step builder)
     speculative: str | None = field(default=None, metadata={
         "help": "speculative decoding, e.g. 'drafter=ngram,k=4' or 'drafter=head,head=FILE,k=4,schedule=fixed'; "
@@ -57,6 +71,8 @@ class EngineConfig:
             raise ValueError("kv_offload_disk_gb needs kv_offload_disk_dir")
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be > 0")
+        if self.swa_replay_tokens < 0:
+            raise ValueError("swa_replay_tokens must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
 

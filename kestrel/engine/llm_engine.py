@@ -16,6 +16,8 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .swa_kv import SwaBlockManager, has_mixed_windows, plan_swa
+from .swa_kv import size_pools as size_swa_pools
 from .sequence import Sequence, SeqStatus
 
 # Set by kestrel.spec on import (the engine sits below the spec layer and never imports it):
@@ -55,11 +57,19 @@ class LLMEngine:
         self.model_name: str = loaded.name
         self.eos_token_ids = set(mc.eos_token_ids)
         bs = config.block_size
-        num_blocks, self.max_model_len = size_kv_cache(config, mc)
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        if config.speculative is not None and has_mixed_windows(mc):
+            raise ValueError("speculative decoding does not support models with both full and sliding-window layers")
+        swa = self.swa_plan = plan_swa(config, mc, type(self) is LLMEngine)  # bounded SWA KV (swa_kv.py) or None
+        if swa is not None:
+            num_blocks, num_swa_blocks, self.max_model_len = size_swa_pools(config, mc, swa)
+            self.block_manager = SwaBlockManager(num_blocks, bs, config.enable_prefix_caching, num_swa_blocks, swa)
+        else:
+            num_blocks, self.max_model_len = size_kv_cache(config, mc)
+            self.block_manager, num_swa_blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching), 0
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
-        self.runner = ModelRunner(self.model, mc, num_blocks, bs, config.torch_dtype, config.device, config.seed)
+        self.runner = ModelRunner(self.model, mc, num_blocks, bs, config.torch_dtype, config.device, config.seed,
+                                  swa_plan=swa, num_swa_blocks=num_swa_blocks)
         # subclasses (tensor parallel) replace the runner after this: they capture nothing here
         if config.cuda_graphs and torch.device(config.device).type == "cuda" and type(self) is LLMEngine:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, config.progress)
@@ -211,6 +221,9 @@ class LLMEngine:
         self.drain()  # async: nothing left running (a discarded extra step) once the caller gets the results
         return [final[r] for r in ids]
 
+    def _swa_stats(self) -> dict:
+        return {**self.block_manager.swa_stats(), "swa_replayed_tokens": self.runner.kv_groups.num_replayed_tokens}
+
     def stats(self) -> dict:
         s = self.scheduler
         return {
@@ -227,5 +240,6 @@ class LLMEngine:
             "num_steps": self.num_steps,
             **({"async_wait_s": self.async_stepper.wait_s} if self.async_stepper is not None else {}),
             **(self.spec.stats() if self.spec is not None else {}),
+            **(self._swa_stats() if self.swa_plan is not None else {}),
             **(self.block_manager.offload.stats() if self.block_manager.offload is not None else {}),
         }

@@ -2,11 +2,14 @@
 the attention backend, computes logits only for sequences that produce a token, and samples."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from .attention import AttentionBackend, TorchAttentionBackend, build_metadata, to_device
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
+from .swa_kv import KVGroups, has_mixed_windows
 
 
 class ForwardContext:
@@ -35,7 +38,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, model_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
-                 seed: int = 0, backend_cls: type[AttentionBackend] | None = None, prepack: bool = True):
+                 seed: int = 0, backend_cls: type[AttentionBackend] | None = None, prepack: bool = True,
+                 swa_plan=None, num_swa_blocks: int = 0):
         self.model = model
         self.cfg = model_config
         self.block_size = block_size
@@ -46,8 +50,13 @@ class ModelRunner:
             if torch.device(device).type == "cuda":
                 from .attention_triton import TritonAttentionBackend
                 backend_cls = TritonAttentionBackend
-        self.backend = backend_cls(c.num_hidden_layers, num_blocks, block_size, c.num_attention_heads,
-                                   c.num_key_value_heads, c.head_dim, dtype, device, c.sliding_window)
+        self.kv_groups = None  # full + sliding-window layers (or bounded SWA KV): one backend per kind, swa_kv.py
+        if swa_plan is not None or has_mixed_windows(c):
+            self.kv_groups = KVGroups(c, backend_cls, num_blocks, block_size, dtype, device, swa_plan, num_swa_blocks)
+            self.backend = self.kv_groups.full
+        else:
+            self.backend = backend_cls(c.num_hidden_layers, num_blocks, block_size, c.num_attention_heads,
+                                       c.num_key_value_heads, c.head_dim, dtype, device, c.sliding_window)
         self.sampler = Sampler(seed)
         if torch.device(device).type == "cpu" and prepack:
             from kestrel.model.cpu_linear import prepack_linears
@@ -59,8 +68,12 @@ class ModelRunner:
         """Capture decode steps of up to max_num_seqs sequences in CUDA graphs (GPU only; see cuda_graphs.py)."""
         from .cuda_graphs import DecodeCudaGraphs
 
+        if self.kv_groups is not None and self.kv_groups.plan is not None:
+            raise ValueError("CUDA graphs do not support bounded SWA KV")
         self.graphs = DecodeCudaGraphs(self.model, self.backend.k_cache, self.backend.v_cache, max_num_seqs,
                                        -(-max_model_len // self.block_size), self.cfg.sliding_window)
+        if self.kv_groups is not None:  # a hybrid model: each layer's own window
+            self.graphs.windows = [int(w or 0) for w in self.kv_groups.layer_windows]
         self.graphs.capture(progress)
 
     @torch.inference_mode()
@@ -85,10 +98,14 @@ class ModelRunner:
         for i in prefill:
             s, n = batch.seqs[i], batch.num_new_tokens[i]
             st.ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
-        st.meta, st.positions = build_metadata(
-            [(batch.seqs[i].num_tokens, batch.seqs[i].block_table) for i in decode],
-            [(batch.seqs[i].num_computed_tokens, batch.num_new_tokens[i], batch.seqs[i].block_table) for i in prefill],
-            self.block_size, self.cfg.sliding_window, self.device)
+        if self.kv_groups is not None:
+            st.meta, st.positions = self.kv_groups.build([batch.seqs[i] for i in decode],
+                                                         [(batch.seqs[i], batch.num_new_tokens[i]) for i in prefill])
+        else:
+            st.meta, st.positions = build_metadata(
+                [(batch.seqs[i].num_tokens, batch.seqs[i].block_table) for i in decode],
+                [(batch.seqs[i].num_computed_tokens, batch.num_new_tokens[i], batch.seqs[i].block_table)
+                 for i in prefill], self.block_size, self.cfg.sliding_window, self.device)
         # rows whose logits are needed: every decode, and prefills that reach the end of the known tokens
         st.order, st.rows = list(decode), list(range(len(decode)))
         for i, p in zip(prefill, st.meta.prefills):
@@ -107,7 +124,8 @@ class ModelRunner:
         # st.ids may already be a device tensor (async scheduling gathers tokens still being sampled there)
         input_ids = to_device(st.ids, torch.long, self.device)
         pos = to_device(st.positions, torch.long, self.device)
-        hidden = self.model(input_ids, pos, ForwardContext(self.backend, st.meta))
+        ctx = self.kv_groups.context(st.meta) if self.kv_groups is not None else ForwardContext(self.backend, st.meta)
+        hidden = self.model(input_ids, pos, ctx)
         if not st.order:
             return st.order, None
         rows = st.rows
@@ -131,9 +149,16 @@ def prompt_logits(model, token_ids: list[int], block_size: int = 16) -> torch.Te
     n = len(token_ids)
     nb = -(-n // block_size)
     p = next(model.parameters())
-    backend = TorchAttentionBackend(c.num_hidden_layers, nb, block_size, c.num_attention_heads,
-                                    c.num_key_value_heads, c.head_dim, p.dtype, p.device, c.sliding_window)
-    meta, positions = build_metadata([], [(0, n, list(range(nb)))], block_size, c.sliding_window, p.device)
     ids = torch.tensor(token_ids, dtype=torch.long, device=p.device)
-    hidden = model(ids, torch.tensor(positions, device=p.device), ForwardContext(backend, meta))
+    if has_mixed_windows(c):
+        groups = KVGroups(c, TorchAttentionBackend, nb, block_size, p.dtype, p.device)
+        seq = SimpleNamespace(num_tokens=n, num_computed_tokens=0, block_table=list(range(nb)))
+        meta, positions = groups.build([], [(seq, n)])
+        ctx = groups.context(meta)
+    else:
+        backend = TorchAttentionBackend(c.num_hidden_layers, nb, block_size, c.num_attention_heads,
+                                        c.num_key_value_heads, c.head_dim, p.dtype, p.device, c.sliding_window)
+        meta, positions = build_metadata([], [(0, n, list(range(nb)))], block_size, c.sliding_window, p.device)
+        ctx = ForwardContext(backend, meta)
+    hidden = model(ids, torch.tensor(positions, device=p.device), ctx)
     return model.compute_logits(hidden).float()

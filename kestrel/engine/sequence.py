@@ -27,6 +27,10 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first schedule)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the leading full blocks (prefix cache)
+        # bounded SWA KV (swa_kv.py): the SWA layers' own block table, and the end of the prefix-cache hit that
+        # is being replayed (positions below it already have full-layer K/V)
+        self.swa_block_table: list[int] = []
+        self.replay_end = 0
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

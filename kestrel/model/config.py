@@ -26,6 +26,9 @@ class ModelConfig:
     o_bias: bool = False  # Llama attention_bias=True: bias on q/k/v and o
     mlp_bias: bool = False
     sliding_window: int | None = None  # Mistral; None = full attention
+    # per layer "full_attention" | "sliding_attention" (HF layer_types); None = every layer sliding when
+    # sliding_window is set (Mistral). Hybrid models (Qwen2 use_sliding_window + max_window_layers) set it.
+    layer_types: list[str] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -34,6 +37,22 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.layer_types is not None:
+            bad = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            if bad or len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types must list 'full_attention'/'sliding_attention' for each of the "
+                                 f"{self.num_hidden_layers} layers, got {self.layer_types}")
+
+    def layer_window(self, i: int) -> int | None:
+        """Sliding window of layer i (keys t-W+1..t are visible), None = full attention."""
+        if self.sliding_window is None or (self.layer_types is not None
+                                           and self.layer_types[i] != "sliding_attention"):
+            return None
+        return self.sliding_window
+
+    @property
+    def swa_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.layer_window(i) is not None]
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
@@ -61,6 +80,15 @@ class ModelConfig:
             if rp.get("rope_type", "default") != "default":
                 rope_scaling = rp
         sw = d.get("sliding_window") if d.get("use_sliding_window", arch == "mistral") else None
+        # which layers slide, as transformers decides: Mistral all of them (it ignores layer_types); else an
+        # explicit layer_types, or for Qwen2 the layers from max_window_layers on (transformers' default 28)
+        layer_types = None
+        if sw is not None and arch != "mistral":
+            layer_types = d.get("layer_types")
+            if layer_types is None and arch == "qwen2":
+                mwl = d.get("max_window_layers", 28)
+                layer_types = ["sliding_attention" if i >= mwl else "full_attention"
+                               for i in range(d["num_hidden_layers"])]
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -79,6 +107,7 @@ class ModelConfig:
             o_bias=attn_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_window=sw,
+            layer_types=list(layer_types) if layer_types is not None else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
         )

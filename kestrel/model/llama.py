@@ -23,7 +23,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = make_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, f"layers.{layer_idx}.qkv_proj")
         self.o_proj = make_linear(self.q_size, cfg.hidden_size, cfg.o_bias, f"layers.{layer_idx}.o_proj")
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.layer_window(layer_idx)
 
     def forward(self, cos_sin, x, ctx):
         qkv = self.qkv_proj(x)
