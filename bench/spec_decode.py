@@ -26,16 +26,52 @@ from kestrel.engine.config import EngineConfig  # noqa: E402
 from kestrel.engine.llm_engine import LLMEngine  # noqa: E402
 from kestrel.engine.sampling_params import SamplingParams  # noqa: E402
 from kestrel.spec.config import parse_speculative  # noqa: E402
-from kestrel.spec.factory import build_spec_decoder  # noqa: E402
+from kestrel.spec.decoder import SpecDecoder  # noqa: E402
+from kestrel.spec.factory import build_drafter, verify_graphs  # noqa: E402
 from kestrel.spec.train_cli import DEFAULT_PROMPTS  # noqa: E402
 
 MODES = {"nospec": None, "k1": "schedule=fixed,k=1", "k4": "schedule=fixed,k=4", "conf": "schedule=confidence,k={kmax}"}
 
+_PASSAGES = [
+    "The city council met on Tuesday to discuss the new park. Residents asked for more trees, a playground and "
+    "better lighting along the paths. The council agreed to plant two hundred trees next spring and to review the "
+    "lighting plan before the end of the year.",
+    "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to make glucose "
+    "and oxygen. It takes place mainly in the leaves, inside small structures called chloroplasts, which contain "
+    "the green pigment chlorophyll.",
+    "Our team shipped the new search feature last week. Queries are now twice as fast, results are ranked by "
+    "relevance instead of date, and users can filter by author and by tag. Next we will add spelling correction.",
+    "The old lighthouse stood on a rock at the edge of the bay. Every night the keeper climbed the narrow stairs, "
+    "lit the lamp and watched the ships pass. One winter night a storm broke the glass, and he kept the flame "
+    "alive with his own coat.",
+    "To make bread, mix flour, water, salt and yeast into a dough. Knead it for ten minutes, let it rise for an "
+    "hour, shape it into a loaf, let it rise again and bake it at two hundred degrees for thirty minutes.",
+    "def add_item(cart, item, price):\n    cart['items'].append(item)\n    cart['total'] = cart['total'] + price\n"
+    "    return cart\n\ndef remove_item(cart, item, price):\n    cart['items'].remove(item)\n"
+    "    cart['total'] = cart['total'] - price\n    return cart",
+]
+_TASKS = ["Rewrite the following text in a more formal tone:\n\n{}", "Summarize the following text:\n\n{}",
+          "Fix any grammar mistakes and repeat the text:\n\n{}", "Continue the following text:\n\n{}"]
+# workloads: `chat` = open questions NOT in the head's training prompts (held out); `edit` = rewrite / summarise /
+# repeat / continue a given passage (prompt lookup has text to copy)
+WORKLOADS = {
+    "chat": ["What is the capital of Australia and why was it chosen?", "Explain how a bicycle stays upright.",
+             "Write a short poem about the moon.", "What are good habits for learning a new language?",
+             "How does a refrigerator keep food cold?", "Describe the rules of basketball.",
+             "Write a short story about a dragon who is afraid of fire.", "What is the difference between a virus "
+             "and a bacterium?", "Give me three ideas for a birthday party.", "How do airplanes fly?",
+             "Explain what a database index is.", "Why do leaves change color in autumn?",
+             "Write a thank-you note to a teacher.", "What is the stock market?", "How do I start running?",
+             "Explain the difference between weather and climate."],
+    "edit": [t.format(p) for p in _PASSAGES for t in _TASKS],
+}
 
-def chat_prompts(tok, n: int, offset: int = 0) -> list[list[int]]:
+
+def chat_prompts(tok, n: int, offset: int = 0, texts: list[str] | None = None) -> list[list[int]]:
+    texts = texts or DEFAULT_PROMPTS
     out = []
     for i in range(n):
-        t = DEFAULT_PROMPTS[(i + offset) % len(DEFAULT_PROMPTS)]
+        t = texts[(i + offset) % len(texts)]
         ids = tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
@@ -49,75 +85,116 @@ def run_once(engine, prompts, params) -> dict:
     for r, p in zip(rids, prompts):
         engine.add_request(r, p, params)
         start[r] = time.perf_counter()
-    ntok, finish = {}, {}
+    out, finish = {}, {}
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 finish[o.request_id] = time.perf_counter()
-                ntok[o.request_id] = len(o.output_token_ids)
+                out[o.request_id] = list(o.output_token_ids)
     if engine.config.device.startswith("cuda"):
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    ntok = {r: len(out[r]) for r in rids}
     per_user = [ntok[r] / (finish[r] - start[r]) for r in rids]
-    return {"wall_s": wall, "tokens": sum(ntok.values()), "steps": engine.num_steps - steps0, "per_user_tok_s": sum(per_user) / len(per_user),
-            "aggregate_tok_s": sum(ntok.values()) / wall}
+    return {"wall_s": wall, "tokens": sum(ntok.values()), "steps": engine.num_steps - steps0,
+            "per_user_tok_s": sum(per_user) / len(per_user), "aggregate_tok_s": sum(ntok.values()) / wall,
+            "outputs": [out[r] for r in rids]}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target model (default: embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir to use instead of the model's (e.g. a "
+                    "machine without the embedded GGUF's cached tokenizer)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="dummy = random weights of the model's shape (times the machinery; acceptance is meaningless)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--drafter", default="ngram", choices=["ngram", "head"])
+    ap.add_argument("--drafter", nargs="+", default=["ngram"], choices=["ngram", "head"],
+                    help="one or more drafters; each runs k1/k4/conf against the same no-spec baseline")
     ap.add_argument("--head", default=None, help="draft head safetensors (for --drafter head)")
     ap.add_argument("--kmax", type=int, default=4, help="most draft tokens for the confidence scheduler")
     ap.add_argument("--token-budget", type=int, default=None, help="confidence scheduler budget (default: config's)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one table per temperature (0 = greedy)")
+    ap.add_argument("--workloads", nargs="+", default=["chat"], choices=list(WORKLOADS) + ["train"],
+                    help="prompt sets, one table each (train = the head's training prompts)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--repeats", type=int, default=3, help="runs per (mode, concurrency); the median is reported")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="engine's async scheduling for the no-spec runs (default: the engine's auto, on for CUDA)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="CUDA graphs for decode, verify and the draft head (--no-cuda-graphs: all eager)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="append a markdown section with the results to this file")
     args = ap.parse_args(argv)
-    if args.drafter == "head" and not args.head:
+    if "head" in args.drafter and not args.head:
         ap.error("--drafter head needs --head FILE (train one with `kestrel train-draft`)")
+    if args.tokenizer:
+        import kestrel.model.loader as loader
+        from transformers import AutoTokenizer
+        loader.load_tokenizer = lambda kind, path: AutoTokenizer.from_pretrained(args.tokenizer)
+        if args.model is None and args.load_format == "dummy":  # no embedded GGUF needed for random weights
+            loader.resolve = lambda model: ("hf", args.tokenizer, "dummy")
 
+    t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                                     max_num_seqs=max(args.concurrency), kv_cache_gb=args.kv_cache_gb,
                                     enable_prefix_caching=False, max_num_batched_tokens=4096, progress=False,
-                                    async_scheduling=args.async_scheduling))
-    extra = f",drafter={args.drafter}" + (f",head={args.head}" if args.head else "")
-    if args.token_budget:
-        extra += f",token_budget={args.token_budget}"
-
+                                    async_scheduling=args.async_scheduling, cuda_graphs=args.cuda_graphs))
+    print(f"engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
     run_once(engine, chat_prompts(engine.tokenizer, 2), SamplingParams(max_tokens=8, temperature=0))  # warm-up
+    t0 = time.perf_counter()
+    decoders = build_modes(engine, args)
+    print(f"speculative decoders (verify/head graphs) ready in {time.perf_counter() - t0:.1f}s", flush=True)
     for temp in args.temperature:
-        report(engine, args, extra, temp, argv)
+        for wl in args.workloads:
+            report(engine, args, decoders, temp, wl, argv)
 
 
-def report(engine, args, extra, temp, argv):
+def build_modes(engine, args) -> dict:
+    """mode name -> factory of a fresh SpecDecoder (None = no-spec). A draft head is loaded (and its graphs
+    captured) once and shared by its modes; n-gram drafters are per run (they adapt per request)."""
+    modes = {"nospec": None} if "nospec" in args.modes else {}
+    budget = f",token_budget={args.token_budget}" if args.token_budget else ""
+    for d in args.drafter:
+        shared = None
+        for m in (m for m in args.modes if MODES[m] is not None):
+            cfg = parse_speculative(MODES[m].format(kmax=args.kmax) + f",drafter={d}" + budget +
+                                    (f",head={args.head}" if d == "head" else ""))
+            if d == "head" and shared is None:
+                shared = build_drafter(cfg, engine)
+
+            def make(cfg=cfg, shared=shared):
+                dec = SpecDecoder(cfg, shared or build_drafter(cfg, engine), engine.config.device)
+                if args.cuda_graphs:
+                    dec.graphs = verify_graphs(engine, max(cfg.k, args.kmax))
+                return dec
+            make()  # capture now, not inside a timed run
+            modes[f"{d}-{m}" if len(args.drafter) > 1 or d != "ngram" else m] = make
+    return modes
+
+
+def report(engine, args, decoders, temp, workload, argv):
     params = SamplingParams(max_tokens=args.max_tokens, temperature=temp, ignore_eos=True)
     stepper = getattr(engine, "async_stepper", None)
+    texts = DEFAULT_PROMPTS if workload == "train" else WORKLOADS[workload]
     rows = []
+    names = list(decoders)
     for c in args.concurrency:
-        prompts = chat_prompts(engine.tokenizer, c)
-        runs = {m: [] for m in args.modes}
+        prompts = chat_prompts(engine.tokenizer, c, texts=texts)
+        runs = {m: [] for m in names}
         for rep in range(args.repeats):  # round-robin with a rotating order: drift hits every mode alike
-            order = args.modes[rep % len(args.modes):] + args.modes[:rep % len(args.modes)]
+            order = names[rep % len(names):] + names[:rep % len(names)]
             for mode in order:
-                spec = MODES[mode]
-                engine.spec = None if spec is None else build_spec_decoder(
-                    engine, parse_speculative(spec.format(kmax=args.kmax) + extra))
+                make = decoders[mode]
+                engine.spec = None if make is None else make()
                 # no-spec runs with the engine's asynchronous scheduling (its best, on by default on CUDA); the
                 # speculative step is synchronous, and an engine with an async stepper would bypass it
                 if hasattr(engine, "async_stepper"):
                     engine.drain()
-                    engine.async_stepper = stepper if spec is None else None
+                    engine.async_stepper = stepper if make is None else None
                 try:
                     r = run_once(engine, prompts, params)
                 except Exception:  # keep measuring the other modes; the failure is in the log
@@ -128,40 +205,50 @@ def report(engine, args, extra, temp, argv):
                 st = engine.spec.stats() if engine.spec is not None else {}
                 r.update(acceptance=st.get("spec_acceptance_rate"), mean_len=st.get("spec_mean_accepted_length"))
                 runs[mode].append(r)
-        for mode in args.modes:
+        ref = runs.get("nospec") and runs["nospec"][0]["outputs"]
+        for mode in names:
             if not runs[mode]:
                 continue
             rs = sorted(runs[mode], key=lambda x: x["wall_s"])
             r = dict(rs[len(rs) // 2], mode=mode, concurrency=c, all_wall_s=[round(x["wall_s"], 3) for x in runs[mode]])
+            # greedy: requests whose tokens equal the no-spec run's (low-precision numerics may flip near-ties)
+            r["same"] = None if not ref or temp > 0 else \
+                f"{sum(a == b for x in runs[mode] for a, b in zip(x['outputs'], ref))}/{len(ref) * len(runs[mode])}"
             rows.append(r)
-            print(f"c={c:3d} {mode:7s} per-user {r['per_user_tok_s']:8.1f} tok/s  aggregate {r['aggregate_tok_s']:8.1f} "
-                  f"tok/s  wall {r['wall_s']:6.2f}s  accept {r['acceptance'] if r['acceptance'] is not None else '-'}"
-                  f"  mean_len {r['mean_len'] if r['mean_len'] is not None else '-'}  steps {r['steps']}", flush=True)
+            print(f"[{workload}] c={c:3d} {mode:12s} per-user {r['per_user_tok_s']:8.1f} tok/s  aggregate "
+                  f"{r['aggregate_tok_s']:8.1f} tok/s  wall {r['wall_s']:6.2f}s  accept "
+                  f"{r['acceptance'] if r['acceptance'] is not None else '-'}  mean_len "
+                  f"{r['mean_len'] if r['mean_len'] is not None else '-'}  steps {r['steps']}  same {r['same']}",
+                  flush=True)
     engine.spec = None
     if hasattr(engine, "async_stepper"):
         engine.async_stepper = stepper
 
     lines = ["| conc | mode | per-user tok/s | aggregate tok/s | per-user vs no-spec | aggregate vs no-spec | "
-             "per-user vs k=1 | acceptance rate | mean accepted length (tokens/verify) | wall s (median) | all walls s | tokens | "
-             "engine steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "per-user vs k=1 | acceptance rate | mean accepted length (tokens/verify) | wall s (median) | all walls s | "
+             "tokens | engine steps | same tokens as no-spec |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == "nospec"), None)
-        k1 = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == "k1"), None)
+        k1name = r["mode"].rsplit("-", 1)[0] + "-k1" if "-" in r["mode"] else "k1"
+        k1 = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == k1name), None)
         f = lambda x: "-" if x is None else f"{x:.3f}"
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['per_user_tok_s']:.1f} | {r['aggregate_tok_s']:.1f} | "
                      f"{f(base and r['per_user_tok_s'] / base['per_user_tok_s'])} | "
                      f"{f(base and r['aggregate_tok_s'] / base['aggregate_tok_s'])} | "
                      f"{f(k1 and r['per_user_tok_s'] / k1['per_user_tok_s'])} | {f(r['acceptance'])} | "
-                     f"{f(r['mean_len'])} | {r['wall_s']:.2f} | {r['all_wall_s']} | {r['tokens']} | {r['steps']} |")
+                     f"{f(r['mean_len'])} | {r['wall_s']:.2f} | {r['all_wall_s']} | {r['tokens']} | {r['steps']} | "
+                     f"{r['same'] or '-'} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
         dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
         with open(args.out, "a") as f:
-            f.write(f"\n## {dev} — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n\n"
-                    f"Model: {engine.model_name}{' (DUMMY random weights)' if args.load_format == 'dummy' else ''}, dtype {args.dtype}, drafter {args.drafter}, temperature {temp}, greedy={temp == 0}, "
-                    f"max_tokens {args.max_tokens} (ignore_eos), prefix caching off, torch {torch.__version__}.\n\n"
+            f.write(f"\n## {dev} — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} — workload {workload}\n\n"
+                    f"Model: {engine.model_name}{' (DUMMY random weights)' if args.load_format == 'dummy' else ''}, "
+                    f"dtype {args.dtype}, drafters {' '.join(args.drafter)}, temperature {temp}, greedy={temp == 0}, "
+                    f"max_tokens {args.max_tokens} (ignore_eos), prefix caching off, CUDA graphs {args.cuda_graphs}, "
+                    f"torch {torch.__version__}.\n\n"
                     f"Command: `python bench/spec_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n"
                     f"{table}\n")
 

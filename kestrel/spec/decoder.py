@@ -48,6 +48,7 @@ class SpecDecoder:
         self.num_draft_tokens = 0  # draft tokens verified
         self.num_accepted_tokens = 0
         self.num_spec_steps = 0
+        self.graphs = None  # VerifyGraphs (verify_graph.py): all-decode steps replay a captured verify forward
 
     def stats(self) -> dict:
         v = max(self.num_verifies, 1)
@@ -113,6 +114,50 @@ class SpecDecoder:
                     self.drafter.release(s.request_id)
             return outs
 
+        g = self.graphs
+        if g is not None and len(decode_idx) == len(seqs) and \
+                g.shape_for(len(seqs), max([len(d[0]) for d in drafts.values()] + [1])) is not None:
+            emitted, out_hidden = self._graph_forward(runner, seqs, drafts)
+        else:
+            emitted, out_hidden = self._eager_forward(runner, seqs, ns, decode_idx, drafts)
+
+        # bookkeeping: KV now holds the scheduled tokens (+ accepted drafts); free blocks of rejected drafts
+        engine.num_steps += 1
+        bs = bm.block_size
+        for i, (s, n) in enumerate(zip(seqs, ns)):
+            if i in drafts:
+                n = len(emitted[i][0])  # the last known token + accepted drafts are now cached
+            s.num_computed_tokens += n
+            if s.num_output_tokens == 0:
+                engine.num_prompt_tokens += n
+            if i in drafts:
+                keep = -(-s.num_computed_tokens // bs)
+                bm.free_tail(s, keep)
+        outputs = []
+        now = time.monotonic()
+        for i, (toks, lps) in emitted.items():
+            s = seqs[i]
+            merged = None
+            for t, lp in zip(toks, lps):
+                o = engine._append_token(s, t, lp, now)
+                merged = o if merged is None else _merge(merged, o)
+                if o.finished:
+                    break
+            if not s.is_finished:
+                bm.register_full_blocks(s)
+                self.hidden[s.request_id] = out_hidden[i]
+            else:
+                self.hidden.pop(s.request_id, None)
+                self.drafter.release(s.request_id)
+            outputs.append(merged)
+        if len(self.hidden) > 2 * len(engine.seqs) + 64:  # aborted requests never come back: forget them
+            for rid in [r for r in self.hidden if r not in engine.seqs]:
+                self.hidden.pop(rid)
+                self.drafter.release(rid)
+        return outputs
+
+    def _eager_forward(self, runner, seqs, ns, decode_idx, drafts):
+        """Mixed step (plain decodes, prefill chunks, verifications) in one eager forward: any batch."""
         plain_dec = [i for i in decode_idx if i not in drafts]
         chunks = [i for i in range(len(seqs)) if i not in drafts and i not in set(plain_dec)]
         spec = list(drafts)
@@ -156,42 +201,53 @@ class SpecDecoder:
         if spec:
             self._verify(seqs, spec, drafts, spec_rows, logits[len(plain):], hidden, emitted, out_hidden)
 
-        # bookkeeping: KV now holds the scheduled tokens (+ accepted drafts); free blocks of rejected drafts
-        engine.num_steps += 1
-        bs = bm.block_size
-        for i, (s, n) in enumerate(zip(seqs, ns)):
-            if i in drafts:
-                n = len(emitted[i][0])  # the last known token + accepted drafts are now cached
-            s.num_computed_tokens += n
-            if s.num_output_tokens == 0:
-                engine.num_prompt_tokens += n
-            if i in drafts:
-                keep = -(-s.num_computed_tokens // bs)
-                bm.free_tail(s, keep)
-        outputs = []
-        now = time.monotonic()
-        for i, (toks, lps) in emitted.items():
-            s = seqs[i]
-            merged = None
-            for t, lp in zip(toks, lps):
-                o = engine._append_token(s, t, lp, now)
-                merged = o if merged is None else _merge(merged, o)
-                if o.finished:
-                    break
-            if not s.is_finished:
-                bm.register_full_blocks(s)
-                self.hidden[s.request_id] = out_hidden[i]
-            else:
-                self.hidden.pop(s.request_id, None)
-                self.drafter.release(s.request_id)
-            outputs.append(merged)
-        if len(self.hidden) > 2 * len(engine.seqs) + 64:  # aborted requests never come back: forget them
-            for rid in [r for r in self.hidden if r not in engine.seqs]:
-                self.hidden.pop(rid)
-                self.drafter.release(rid)
-        return outputs
+        return emitted, out_hidden
 
-    def _verify(self, seqs, spec, drafts, spec_rows, logits, hidden, emitted, out_hidden):
+    def _graph_forward(self, runner, seqs, drafts):
+        """All-decode step through a captured verify graph: every request is a (1 + k)-token chunk padded to K + 1
+        (k = 0 for requests without a draft). Greedy verification runs on the host from one copy of the argmax;
+        rows that sample, want logprobs or do not speculate take the general paths on the logits."""
+        rows = [(s.token_ids[-1], drafts[i][0] if i in drafts else [], s.num_computed_tokens, s.block_table)
+                for i, s in enumerate(seqs)]
+        logits, top, hid = self.graphs.run(rows)
+        S, V, H = logits.shape[1], logits.shape[2], hid.shape[2]
+        top_l = top.tolist()  # the step's one device sync
+        emitted: dict[int, tuple[list[int], list]] = {}
+        hid_rows: dict[int, int] = {}
+        plain = [i for i in range(len(seqs)) if i not in drafts]
+        if plain:
+            idx = torch.tensor([i * S for i in plain], device=logits.device)
+            lg = logits.reshape(-1, V).index_select(0, idx).float()
+            toks, lps = runner.sampler(lg, [seqs[i].params for i in plain], [seqs[i].output_token_ids for i in plain],
+                                       [seqs[i].generator for i in plain])
+            for j, i in enumerate(plain):
+                emitted[i] = ([toks[j]], [lps[j]])
+                hid_rows[i] = i * S
+        fast = [i for i in drafts if seqs[i].params.temperature == 0.0 and seqs[i].params.logprobs is None]
+        acc_fast = []
+        for i in fast:
+            d, t = drafts[i][0], top_l[i]
+            a = 0
+            while a < len(d) and d[a] == t[a]:
+                a += 1
+            emitted[i] = (d[:a] + [t[a]], [None] * (a + 1))
+            hid_rows[i] = i * S + a
+            acc_fast.append(a)
+        if fast:
+            self._record(seqs, fast, drafts, acc_fast)
+        rest = [i for i in drafts if i not in set(fast)]
+        if rest:  # sampled rows / logprobs: the general verification on the padded logits
+            flat = [i * S + j for i in rest for j in range(len(drafts[i][0]) + 1)]
+            lg = logits.reshape(-1, V).index_select(0, torch.tensor(flat, device=logits.device)).float()
+            spec_rows = [(i * S, i * S + len(drafts[i][0]) + 1) for i in rest]
+            out_h: dict[int, torch.Tensor] = {}
+            self._verify(seqs, rest, drafts, spec_rows, lg, None, emitted, out_h, hid_rows)
+        order = list(hid_rows)
+        # copy out of the graph's static output: the next replay overwrites it
+        h = hid.reshape(-1, H).index_select(0, torch.tensor([hid_rows[i] for i in order], device=hid.device))
+        return emitted, {i: h[j] for j, i in enumerate(order)}
+
+    def _verify(self, seqs, spec, drafts, spec_rows, logits, hidden, emitted, out_hidden, hid_rows=None):
         K = max(len(drafts[i][0]) for i in spec)
         B, V = len(spec), logits.shape[-1]
         dev = logits.device
@@ -251,11 +307,18 @@ class SpecDecoder:
                         e["top"] = dict(zip(idx.tolist(), vals.tolist()))
                     lps.append(e)
             emitted[i] = (toks, lps)
-            out_hidden[i] = hidden[spec_rows[r][0] + a]
+            if hid_rows is not None:  # graph path: the caller gathers hidden rows at once
+                hid_rows[i] = spec_rows[r][0] + a
+            else:
+                out_hidden[i] = hidden[spec_rows[r][0] + a]
+        self._record(seqs, spec, drafts, acc_l)
+
+    def _record(self, seqs, spec, drafts, acc):
+        for i, a in zip(spec, acc):
             self.num_verifies += 1
             self.num_draft_tokens += len(drafts[i][0])
             self.num_accepted_tokens += a
-        self.drafter.observe([seqs[i].request_id for i in spec], [len(drafts[i][0]) for i in spec], acc_l)
+        self.drafter.observe([seqs[i].request_id for i in spec], [len(drafts[i][0]) for i in spec], list(acc))
 
 
 def _merge(a, b):

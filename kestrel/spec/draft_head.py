@@ -65,6 +65,20 @@ class DraftHead(nn.Module):
         return self.readout(z, lm_head)
 
     @torch.no_grad()
+    def draft_greedy(self, h, x_next, embed, lm_head, k):
+        """draft() for all-greedy rows with no host syncs (capturable in a CUDA graph): tokens [N, k] (argmax),
+        confidence [N, k] float32."""
+        z = self.slots(h, embed[x_next])
+        toks, confs, prev = [], [], x_next
+        for i in range(min(k, self.k)):
+            zi = z[:, i] if i == 0 else self.refine(z[:, i], embed[prev])
+            logits, c = self.readout(zi, lm_head)
+            prev = logits.argmax(-1)
+            toks.append(prev)
+            confs.append(torch.sigmoid(c.float()))
+        return torch.stack(toks, 1), torch.stack(confs, 1)
+
+    @torch.no_grad()
     def draft(self, h, x_next, embed, lm_head, k, temperature=None, generator=None):
         """Inference: propose k tokens per row. temperature [N] (0 = greedy). Returns tokens [N, k],
         confidence [N, k], q [N, k, V] (the distributions sampled from; T=1 softmax for greedy rows) or None when

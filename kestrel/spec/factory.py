@@ -33,7 +33,10 @@ def build_drafter(cfg: SpeculativeConfig, engine) -> Drafter:
         from kestrel.spec.head_drafter import HeadDrafter
         head = DraftHead.load(cfg.head, device=engine.config.device)
         m = engine.model
-        return HeadDrafter(head, m.embed_tokens.weight, m.lm_head.weight)
+        d = HeadDrafter(head, m.embed_tokens.weight, m.lm_head.weight)
+        if getattr(engine.runner, "graphs", None) is not None:  # the engine replays decode graphs: so does the head
+            d.enable_cuda_graphs(engine.runner.graphs.batch_sizes)
+        return d
     if cfg.drafter == "draft_model":
         from kestrel.model import load_model
         from kestrel.spec.draft_model import DraftModelDrafter
@@ -58,4 +61,26 @@ def build_spec_decoder(engine, cfg: SpeculativeConfig | str | dict) -> SpecDecod
         cfg = SpeculativeConfig(**cfg)
     elif not isinstance(cfg, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig, a 'drafter=...,k=...' string or a dict, got {cfg!r}")
-    return SpecDecoder(cfg, build_drafter(cfg, engine), engine.config.device)
+    dec = SpecDecoder(cfg, build_drafter(cfg, engine), engine.config.device)
+    dec.graphs = verify_graphs(engine, cfg.k)
+    return dec
+
+
+def verify_graphs(engine, k: int):
+    """Captured verify forwards for the engine's decode batch buckets and K <= max(k, 4), or None where the engine
+    replays no decode graphs (CPU, --no-cuda-graphs, tensor parallel). Captured once per engine: kept on the runner,
+    so decoders built later (other k, other drafter) reuse them."""
+    from kestrel.spec.verify_graph import VerifyGraphs, default_k_buckets
+
+    runner = engine.runner
+    if getattr(runner, "graphs", None) is None:
+        return None
+    ks = tuple(default_k_buckets(max(k, 4)))
+    cache = runner.__dict__.setdefault("spec_verify_graphs", {})
+    if ks not in cache:
+        b = runner.backend
+        g = VerifyGraphs(runner.model, b.k_cache, b.v_cache, runner.graphs.batch_sizes, list(ks),
+                         -(-engine.max_model_len // runner.block_size), runner.cfg.sliding_window)
+        g.capture()
+        cache[ks] = g
+    return cache[ks]

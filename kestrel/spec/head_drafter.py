@@ -18,6 +18,13 @@ class HeadDrafter(Drafter):
         self.head = head.to(device=embed.device, dtype=embed.dtype).eval()
         self.embed, self.lm_head = embed, lm_head
         self.generator = generator
+        self.graphs = None  # HeadGraphs (head_graphs.py): greedy proposals replayed from CUDA graphs
+
+    def enable_cuda_graphs(self, batch_sizes: list[int]) -> None:
+        from kestrel.spec.head_graphs import HeadGraphs
+
+        self.graphs = HeadGraphs(self.head, self.embed, self.lm_head, batch_sizes)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def propose(self, inputs: list[DraftInput], k: int) -> Draft:
@@ -29,8 +36,13 @@ class HeadDrafter(Drafter):
         dev = self.embed.device
         h = torch.stack([inputs[b].hidden for b in have]).to(dev, self.embed.dtype)
         x = torch.tensor([inputs[b].token_ids[-1] for b in have], device=dev)
-        temp = torch.tensor([inputs[b].temperature for b in have], device=dev)
-        toks, conf, q = self.head.draft(h, x, self.embed, self.lm_head, k, temp, self.generator)
+        temps = [inputs[b].temperature for b in have]
+        if self.graphs is not None and not any(temps) and self.graphs.fits(len(have)):
+            toks, conf = self.graphs.run(h, x, k)
+            q = None
+        else:
+            temp = torch.tensor(temps, device=dev)
+            toks, conf, q = self.head.draft(h, x, self.embed, self.lm_head, k, temp, self.generator)
         if len(have) == B:  # common case: no scatter
             return Draft(toks, torch.full((B,), k, dtype=torch.long, device=dev), conf.float(),
                          q)

@@ -45,6 +45,8 @@ def add_parser(subparsers):
                    "written after generating otherwise (skip regeneration when retraining)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not wrap prompts in the chat template")
     p.add_argument("--steps", type=int, default=500, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop training after this many seconds (the LR schedule follows the clock; default: no limit)")
     p.add_argument("--batch-positions", type=int, default=256, help="positions per step (default: %(default)s)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
     p.add_argument("--vocab-subset", choices=["auto", "on", "off"], default="auto",
@@ -111,6 +113,8 @@ def run(args) -> int:
     from kestrel.spec.train_draft import collect_hidden, train_head
 
     torch.manual_seed(args.seed)
+    if str(args.device).startswith("cuda"):
+        torch.set_float32_matmul_precision("high")  # TF32 for the head's fp32 training matmuls
     t0 = time.time()
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
                                     load_format=args.load_format, model_shape=args.model_shape,
@@ -137,7 +141,7 @@ def run(args) -> int:
     head = DraftHead(model.config.hidden_size, k=args.k, layers=args.layers)
     head = train_head(model.embed_tokens.weight, model.lm_head.weight, hidden, seqs, k=args.k, steps=args.steps,
                       batch_positions=args.batch_positions, lr=args.lr, seed=args.seed, head=head,
-                      progress=args.progress,
+                      progress=args.progress, max_seconds=args.max_seconds,
                       vocab_subset=args.vocab_subset == "on" or (args.vocab_subset == "auto" and args.device == "cpu"))
     head.save(args.out, {"target": engine.model_name, "train_stats": json.dumps(head.train_stats),
                          "generated_tokens": n_gen})

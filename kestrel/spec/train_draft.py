@@ -7,7 +7,7 @@ hidden @ lm_head^T, so they are recomputed for the sampled positions of each ste
 from __future__ import annotations
 
 import math
-import random
+import time
 
 import torch
 import torch.nn.functional as F
@@ -38,40 +38,49 @@ def collect_hidden(model, seqs: list[list[int]], device, progress: bool = True) 
     return out
 
 
-def _sample_batch(hidden, seqs, k, n, gen: random.Random, device):
+class _Packed:
+    """All sequences' tokens and hidden states in flat device tensors, so a batch is a few gathers (a per-position
+    Python loop made each step launch hundreds of tiny copies on a GPU)."""
+
+    def __init__(self, hidden, seqs, device):
+        self.h = torch.cat([h.to(device) for h in hidden])
+        self.tok = torch.tensor([t for s in seqs for t in s], device=device)
+        lens = torch.tensor([len(s) for s in seqs])
+        self.lens, self.start = lens.to(device), (lens.cumsum(0) - lens).to(device)
+
+
+def _sample_batch(p: _Packed, k, n, gen: torch.Generator, device):
     """n random (sequence, t) positions with t + 2 < len: inputs h_t, x_{t+1}; per slot i the previous token
     x_{t+1+i}, the teacher hidden at t+1+i (its logits predict x_{t+2+i}), the token x_{t+2+i} the target actually
     generated there, and a validity mask."""
-    hs, nxt, prev, teach, label, mask = [], [], [], [], [], []
-    for _ in range(n):
-        j = gen.randrange(len(seqs))
-        L = len(seqs[j])
-        t = gen.randrange(L - 2)
-        hs.append(hidden[j][t])
-        nxt.append(seqs[j][t + 1])
-        idx = [min(t + 1 + i, L - 2) for i in range(k)]
-        prev.append([seqs[j][p] for p in idx])
-        label.append([seqs[j][p + 1] for p in idx])
-        teach.append(hidden[j][idx])
-        mask.append([t + 2 + i <= L - 1 for i in range(k)])
-    f = lambda x: torch.tensor(x, device=device)
-    return torch.stack(hs).to(device), f(nxt), f(prev), torch.stack(teach).to(device), f(label), f(mask)
+    j = torch.randint(len(p.lens), (n,), generator=gen).to(device)
+    L = p.lens[j]
+    t = (torch.rand(n, generator=gen).to(device) * (L - 2)).long().clamp(max=L - 3)
+    base = p.start[j]
+    i = torch.arange(k, device=device)[None, :]
+    idx = torch.minimum(t[:, None] + 1 + i, (L - 2)[:, None])
+    mask = t[:, None] + 2 + i <= (L - 1)[:, None]
+    return (p.h[base + t], p.tok[base + t + 1], p.tok[base[:, None] + idx], p.h[base[:, None] + idx],
+            p.tok[base[:, None] + idx + 1], mask)
 
 
 def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Tensor], seqs: list[list[int]],
                k: int = 4, steps: int = 500, batch_positions: int = 256, lr: float = 1e-3, seed: int = 0,
                head: DraftHead | None = None, progress: bool = True, conf_weight: float = 0.5,
-               vocab_subset: bool = False) -> DraftHead:
+               vocab_subset: bool = False, max_seconds: float | None = None) -> DraftHead:
     """Distil: cross-entropy to the teacher's distribution at each slot (soft) and to the token the teacher actually
     generated there (hard: a sharp signal even where the teacher is flat), + BCE of the confidence output against
     'the head's argmax equals the teacher's argmax' (per-slot acceptance under greedy verification).
 
     vocab_subset: score only the tokens that occur in the training text (teacher and head alike). On a CPU this cuts
     the dominant [positions, vocab] matmuls by the vocabulary/subset ratio (~10x for SmolLM2); at inference the head
-    still reads out over the full vocabulary."""
+    still reads out over the full vocabulary.
+
+    max_seconds: a wall-clock budget; the learning-rate schedule then runs on max(step / steps, elapsed / budget),
+    so a run cut short by the clock still ends annealed."""
     device = embed.device
     torch.manual_seed(seed)
-    gen = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
     keep = [j for j, s in enumerate(seqs) if len(s) >= 3]
     seqs, hidden = [seqs[j] for j in keep], [hidden[j] for j in keep]
     if not seqs:
@@ -85,14 +94,22 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
         remap = torch.full((lm_head.shape[0],), -1, dtype=torch.long, device=device)
         remap[sub] = torch.arange(len(sub), device=device)
         lm_head = lm_head[sub]
+    packed = _Packed(hidden, seqs, device)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    warm = max(1, steps // 20)
-    cosine = lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
+    t0 = time.monotonic()
+
+    def frac(i):  # training progress in [0, 1]: by steps, or by the clock when that is further along
+        f = i / steps
+        return min(1.0, max(f, (time.monotonic() - t0) / max_seconds)) if max_seconds else min(f, 1.0)
+    # linear warm-up over the first 5% of training, then cosine
+    cosine = lambda i: min(1.0, max(frac(i), (i + 1) / steps) / 0.05) * 0.5 * (1 + math.cos(math.pi * frac(i)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: max(cosine(i), 0.05))
     bar = tqdm(range(steps), desc="Training draft head", unit="step", disable=not progress)
-    stats = {}
+    stats, done = {}, 0
     for step in bar:
-        h, nxt, prev, teach, label, mask = _sample_batch(hidden, seqs, head.k, batch_positions, gen, device)
+        if max_seconds and time.monotonic() - t0 >= max_seconds:
+            break
+        h, nxt, prev, teach, label, mask = _sample_batch(packed, head.k, batch_positions, gen, device)
         if remap is not None:
             label = remap[label]
         logits, conf = head.forward_teacher(h, embed[nxt], embed[prev], lm_head)
@@ -110,9 +127,10 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         sched.step()
+        done = step + 1
         if step % 10 == 0 or step == steps - 1:
             acc = (hit * m).sum(0) / m.sum(0).clamp_min(1)
             stats = {"loss": round(loss.item(), 3), "acc1": round(acc[0].item(), 3), f"acc{head.k}": round(acc[-1].item(), 3)}
             bar.set_postfix(stats)
-    head.train_stats = stats
+    head.train_stats = dict(stats, steps=done)
     return head.eval()

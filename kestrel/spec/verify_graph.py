@@ -1,0 +1,162 @@
+"""The verify forward of speculative decoding at fixed shapes, replayed from CUDA graphs.
+
+A verification step scores, for each decoding request, its last token plus k draft tokens: a (1 + k)-token chunk on
+top of its cached context. For a small model that forward is hundreds of short kernels, so run eagerly it costs
+far more in launches than plain decode does from its graphs (kestrel/engine/cuda_graphs.py) and eats the gain.
+Here the chunk of every request is padded to K + 1 tokens and the batch to a bucket size B, and one graph per
+(B, K) is captured. Padding never touches real data:
+  - a request's padding tokens (k < K) get cache slot -1 (not stored); the attention kernel places query j at
+    position seq_len - (K + 1) + j, so with seq_len = context + K + 1 the real queries sit at their true
+    positions and see only real keys (causal); padding queries read some keys that were never written (finite
+    values, rows discarded);
+  - padding rows (beyond the real batch) get seq_len 0 (empty attention) and slots -1.
+`pack_verify_inputs` builds those host tensors (pure, testable on the CPU); `VerifyGraphs` owns the static
+buffers and graphs and, on a CPU (tests, under TRITON_INTERPRET=1), runs the same padded step without capture.
+"""
+from __future__ import annotations
+
+import torch
+
+from kestrel.kernels.attention import paged_prefill_attention, store_kvcache
+
+
+def default_k_buckets(k_max: int) -> list[int]:
+    # a verify of K+1 tokens per row costs ~ the same as K'+1 on a GPU (launch-bound); few buckets keep capture short
+    return sorted({k for k in (1, 2, 4) if k < k_max} | {k_max})
+
+
+def pack_verify_inputs(rows, K: int, bs: int, block_size: int):
+    """rows: [(last_token, drafts list (len <= K), context_len = tokens already cached, block_table list)].
+    Returns host tensors for a (bs, K) step: input_ids, positions, slot_mapping [bs*(K+1)] int64,
+    seq_lens [bs] int32 and block_tables [len(rows), longest table] int32 (rows past len(rows) are padding).
+    Plain lists, one tensor each at the end: this runs every step, per-row tensor ops would cost more than the
+    graph replay."""
+    n, S = len(rows), K + 1
+    if n > bs:
+        raise ValueError(f"{n} rows do not fit a verify batch of {bs}")
+    pad = (bs - n) * S
+    ids, pos, slots, seq_lens, tables = [], [], [], [], []
+    nb = max([len(r[3]) for r in rows] + [1])
+    for last, drafts, ctx, table in rows:
+        k = len(drafts)
+        if k > K:
+            raise ValueError(f"{k} draft tokens exceed the verify shape K={K}")
+        ids += [last, *drafts] + [0] * (K - k)
+        p = range(ctx, ctx + k + 1)
+        pos += [*p] + [ctx + k] * (K - k)  # padding tokens: any valid rope position
+        slots += [table[q // block_size] * block_size + q % block_size for q in p] + [-1] * (K - k)
+        seq_lens.append(ctx + S)  # query j then sits at position ctx + j
+        tables.append(list(table) + [0] * (nb - len(table)))
+    ids += [0] * pad
+    pos += [0] * pad
+    slots += [-1] * pad
+    seq_lens += [0] * (bs - n)
+    return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+            torch.tensor(slots, dtype=torch.long), torch.tensor(seq_lens, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32).view(n, nb))
+
+
+class _VerifyCtx:
+    """The model's attention context inside a verify step: store the chunk's K/V, then varlen paged attention."""
+
+    def __init__(self, k_caches, v_caches, window, scale, slot_mapping, block_tables, cu_q, seq_lens, max_q):
+        self.k_caches, self.v_caches, self.window, self.scale = k_caches, v_caches, window, scale
+        self.slot_mapping, self.block_tables, self.cu_q, self.seq_lens, self.max_q = \
+            slot_mapping, block_tables, cu_q, seq_lens, max_q
+
+    def attention(self, layer, q, k, v):
+        kc, vc = self.k_caches[layer], self.v_caches[layer]
+        store_kvcache(k, v, kc, vc, self.slot_mapping)
+        out = paged_prefill_attention(q, kc, vc, self.block_tables, self.cu_q, self.seq_lens, self.scale,
+                                      max_q_len=self.max_q, window=self.window)
+        return out.view(q.shape[0], -1)
+
+
+class VerifyGraphs:
+    """Verify forwards for (batch bucket, K bucket) shapes. `run(rows)` -> (logits [n, K+1, V], argmax [n, K+1],
+    hidden [n, K+1, H]), views of static outputs: consume (or copy) them before the next run.
+
+    capture=False (or a CPU cache) runs the padded step eagerly: the same metadata and kernels, no graph."""
+
+    def __init__(self, model, k_caches, v_caches, batch_sizes: list[int], k_sizes: list[int], max_blocks_per_seq: int,
+                 sliding_window: int | None = None, capture: bool = True):
+        self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
+        self.dev = dev = k_caches[0].device
+        self.use_graphs = capture and dev.type == "cuda"
+        _, self.block_size, _, head_dim = k_caches[0].shape
+        self.scale = head_dim ** -0.5
+        self.window = int(sliding_window or 0)
+        self.batch_sizes, self.k_sizes = sorted(batch_sizes), sorted(k_sizes)
+        B, S = self.batch_sizes[-1], self.k_sizes[-1] + 1
+        # padding queries may look up to K positions past a full context: room for them in the block table
+        self.width = max_blocks_per_seq + -(-S // self.block_size) + 1
+        self.input_ids = torch.zeros(B * S, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(B * S, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((B * S,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(B, self.width, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.cu_q = {K: (torch.arange(B + 1, dtype=torch.int32) * (K + 1)).to(dev) for K in self.k_sizes}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple] = {}
+        self.pool = None
+
+    def _step(self, bs: int, K: int):
+        T = bs * (K + 1)
+        ctx = _VerifyCtx(self.k_caches, self.v_caches, self.window, self.scale, self.slot_mapping[:T],
+                         self.block_tables[:bs], self.cu_q[K][:bs + 1], self.seq_lens[:bs], K + 1)
+        hidden = self.model(self.input_ids[:T], self.positions[:T], ctx)
+        logits = self.model.compute_logits(hidden)
+        return logits, logits.argmax(-1), hidden
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.use_graphs:
+            return
+        self.slot_mapping.fill_(-1)  # padding state: nothing stored, nothing attended
+        self.seq_lens.zero_()
+        shapes = sorted(((b, k) for b in self.batch_sizes for k in self.k_sizes), key=lambda s: -s[0] * (s[1] + 1))
+        for bs, K in shapes:  # largest first, so smaller graphs reuse its memory pool
+            side = torch.cuda.Stream()  # warm-up (Triton JIT, cuBLAS handles) outside the graph
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step(bs, K)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.outputs[(bs, K)] = self._step(bs, K)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[(bs, K)] = g
+        torch.cuda.synchronize()
+
+    def shape_for(self, n: int, k: int) -> tuple[int, int] | None:
+        """Smallest captured (batch, K) holding n rows of up to k drafts; None if none does."""
+        bs = next((b for b in self.batch_sizes if b >= n), None)
+        K = next((x for x in self.k_sizes if x >= k), None)
+        return None if bs is None or K is None else (bs, K)
+
+    @torch.inference_mode()
+    def run(self, rows, K: int | None = None):
+        n = len(rows)
+        shape = self.shape_for(n, max([len(r[1]) for r in rows] + [K or 0]))
+        if shape is None:
+            raise ValueError("verify batch exceeds the captured shapes")
+        bs, K = shape
+        ids, pos, slots, seq_lens, bt = pack_verify_inputs(rows, K, bs, self.block_size)
+        T, nb = bs * (K + 1), bt.shape[1]
+        if nb > self.width:
+            raise ValueError(f"block table of {nb} blocks exceeds the captured {self.width}")
+        self.input_ids[:T].copy_(ids, non_blocking=True)
+        self.positions[:T].copy_(pos, non_blocking=True)
+        self.slot_mapping[:T].copy_(slots, non_blocking=True)
+        self.seq_lens[:bs].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:n, :nb].copy_(bt, non_blocking=True)
+        if self.use_graphs:
+            self.graphs[(bs, K)].replay()
+            logits, top, hidden = self.outputs[(bs, K)]
+        else:
+            logits, top, hidden = self._step(bs, K)
+        S = K + 1
+        return (logits.view(bs, S, -1)[:n], top.view(bs, S)[:n], hidden.view(bs, S, -1)[:n])
