@@ -186,7 +186,7 @@ def ready_and_warm(srv, args, workloads, t_start):
         srv["model"], ready_s = wait_ready(srv["base"], srv["proc"], args.startup_timeout - (time.time() - t_start))
         srv["ready_s"] = time.time() - t_start
         t = time.time()
-        asyncio.run(run_level(srv["base"], srv["model"], workloads["warmup"], 32))
+        asyncio.run(run_level(srv["base"], srv["model"], workloads["warmup"], min(32, len(workloads["warmup"]))))
         srv["warmup_s"] = time.time() - t
         print(f"kestrel (async_scheduling={srv['async_sched']}) ready {srv['ready_s']:.0f}s after launch, "
               f"warm-up {srv['warmup_s']:.1f}s", flush=True)
@@ -243,8 +243,8 @@ def bench_kestrel(args, workloads, levels, async_levels, out_dir, emit):
         for srv in servers:
             ready_and_warm(srv, args, workloads, t0)
         if len(servers) == 2:
-            same = same_outputs(servers, [ids for ids, _ in workloads["warmup"][:4]])
-            print(f"async on == off (greedy, 4 prompts x 32 tokens): {same}", flush=True)
+            same = same_outputs(servers, [ids for ids, _ in workloads["warmup"][:args.check_prompts]])
+            print(f"async on == off (greedy, {args.check_prompts} prompts x 32 tokens): {same}", flush=True)
             servers[1]["same_as_sync"] = same
         for c in levels:
             for srv in servers:
@@ -384,6 +384,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", help="device of both systems")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of both systems")
     ap.add_argument("--server-args", default="", help="extra `kestrel serve` flags (space-separated)")
+    ap.add_argument("--warmup-requests", type=int, default=64, help="warm-up requests per server (not timed)")
+    ap.add_argument("--check-prompts", type=int, default=4, help="prompts compared between async on and off")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--startup-timeout", type=float, default=300, help="seconds for both servers to become ready")
     ap.add_argument("--deadline-s", type=float, default=None, help="skip HF levels that would end later than this")
@@ -410,7 +412,7 @@ def main(argv=None):
     vocab = min(shape["vocab_size"], 32000)  # prompt ids must also be valid for the server's tokenizer
     workloads = {c: sharegpt_like(n, args.seed + c, vocab, args.max_input, args.max_output) for c, n in zip(levels, counts)}
     # distinct prompts (no prefix hits later), varied lengths: the Triton kernels compile their shape variants here
-    workloads["warmup"] = sharegpt_like(64, args.seed + 9999, vocab, args.max_input, 32)
+    workloads["warmup"] = sharegpt_like(args.warmup_requests, args.seed + 9999, vocab, args.max_input, 32)
     import torch
     import triton
     info = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,

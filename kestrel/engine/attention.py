@@ -92,8 +92,8 @@ def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
     of pageable memory waits for every queued kernel (it would stall async scheduling, which queues the next step
     while the current one runs)."""
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":  # already on a device: no host copy
+        return t.to(device=device, dtype=dtype, non_blocking=True)
     return t.to(dtype).pin_memory().to(device, non_blocking=True)
 
 
