@@ -30,6 +30,7 @@ from kestrel.kernels import act_quant as aq  # noqa: E402
 from kestrel.kernels.gemm_w4a4 import w4a4_linear  # noqa: E402
 from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear  # noqa: E402
 from kestrel.kernels.gemm_w8a8 import gemm_w8a8, quantize_weight_w8a8, ref_gemm_w8a8, w8a8_linear  # noqa: E402
+from kestrel.kernels.lowbit_gemm import GemmConfig  # noqa: E402
 
 T0 = time.time()
 DEADLINE = [float("inf")]  # seconds after T0 after which no new case starts (set by --deadline-s)
@@ -46,8 +47,15 @@ def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
+WARM_ONLY = [False]  # --warm-only: run every call once (fills the Triton / Humming JIT caches), time nothing
+
+
 def safe_us(fns) -> float | None:
     try:
+        if WARM_ONLY[0]:
+            fns[0]()
+            torch.cuda.synchronize()
+            return None
         return graph_us(fns)
     except Exception as ex:  # a peer that cannot run a case is reported as missing, not fatal
         log("  timing failed:", repr(ex)[:300])
@@ -72,8 +80,8 @@ def humming_layer(N, K, wcfg, icfg, W):
     return layer
 
 
-def scaled_mm(a, s, wq, ws_row):
-    return torch._scaled_mm(a, wq.t(), scale_a=s, scale_b=ws_row, out_dtype=torch.bfloat16)
+def scaled_mm(a, s, wq, ws_row, fast=False):
+    return torch._scaled_mm(a, wq.t(), scale_a=s, scale_b=ws_row, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
 def run_fp8(N, K, ms, rows, budget):
@@ -104,6 +112,8 @@ def run_fp8(N, K, ms, rows, budget):
             yc = scaled_mm(a, s, q[0][0], ws_row[0])
             r["scaled_mm_err_vs_dequant"] = rel(yc, ref_gemm_w8a8(a, s, *q[0]))
             r["scaled_mm_us"] = safe_us([lambda i=i: scaled_mm(a, s, q[i][0], ws_row[i]) for i in range(nc)])
+            # same numerics as kestrel's TMA path (M > 16): fp8 products summed in the wgmma accumulator over all K
+            r["scaled_mm_fast_us"] = safe_us([lambda i=i: scaled_mm(a, s, q[i][0], ws_row[i], True) for i in range(nc)])
             r["scaled_mm_e2e_us"] = safe_us([lambda i=i: scaled_mm(*aq.quant_fp8(x), q[i][0], ws_row[i])
                                              for i in range(nc)])
         except Exception as ex:
@@ -177,6 +187,10 @@ def run_w4(N, K, ms, rows, budget, sections):
             r["w4a8_err_vs_dequant"] = rel(gemm_w4a8(a, s, w4[0]), aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
             r["kestrel_w4a8_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i]) for i in range(nc)])
             r["kestrel_w4a8_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
+            if M > 256:  # the default here is expand-to-fp8 + TMA; the fused in-register (swapped) kernel beside it
+                fused = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
+                r["kestrel_w4a8_fused_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i], config=fused)
+                                                           for i in range(nc)])
             if wna:
                 r["kestrel_wna16_int4_us"] = safe_us([lambda i=i: gemm_wna16(x, wna[i]) for i in range(nc)])
             if hum is not None:
@@ -218,12 +232,14 @@ def check_act_quant() -> dict:
 
 RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
     ("fp8 gemm vs cuBLASLt _scaled_mm", "scaled_mm_us", "kestrel_gemm_us"),
+    ("fp8 gemm vs cuBLASLt _scaled_mm fast-accum", "scaled_mm_fast_us", "kestrel_gemm_us"),
     ("fp8 e2e vs _scaled_mm + our act quant", "scaled_mm_e2e_us", "kestrel_e2e_us"),
     ("fp8 e2e vs Humming W8A8", "humming_e2e_us", "kestrel_e2e_us"),
     ("fp8 gemm vs cuBLAS bf16", "cublas_bf16_us", "kestrel_gemm_us"),
     ("int8 gemm vs torch._int_mm+scale", "int_mm_scaled_us", "kestrel_gemm_us"),
     ("w4a8 e2e vs Humming W4A8", "humming_w4a8_e2e_us", "kestrel_w4a8_e2e_us"),
     ("w4a8 e2e vs kestrel WNA16 int4", "kestrel_wna16_int4_us", "kestrel_w4a8_e2e_us"),
+    ("w4a8 gemm: fused in-register / default (expand + TMA)", "kestrel_w4a8_fused_gemm_us", "kestrel_w4a8_gemm_us"),
     ("w4a8 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a8_e2e_us"),
     ("w4a4 mxfp4 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a4_mxfp4_e2e_us"),
 ]
@@ -283,10 +299,12 @@ def main():
     p.add_argument("--budget-s", type=float, default=200, help="skip Humming (slow JIT) once this much time has passed")
     p.add_argument("--deadline-s", type=float, default=float("inf"), help="start no new case after this many seconds")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder")
+    p.add_argument("--warm-only", action="store_true", help="run each call once to fill the JIT caches; no timing")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gemm_w8a8.py needs a CUDA GPU")
     DEADLINE[0] = args.deadline_s
+    WARM_ONLY[0] = args.warm_only
     secs = args.sections.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]

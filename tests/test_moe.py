@@ -7,7 +7,7 @@ import torch
 
 from kestrel.kernels import act_quant as aq
 from kestrel.kernels.lowbit_gemm import A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4, Operand
-from kestrel.kernels.moe_align import max_blocks, moe_align, moe_align_torch, route_topk
+from kestrel.kernels.moe_align import max_blocks, moe_align, moe_align_chunked, moe_align_torch, route_topk
 from kestrel.kernels.moe_gemm import grouped_gemm, moe_config, quantize_experts
 from kestrel.kernels.moe_layer import FusedMoE, ref_moe
 
@@ -18,7 +18,8 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("M,k,E,bm", [(7, 2, 4, 4), (1, 8, 64, 16), (40, 3, 5, 16)])
+@pytest.mark.parametrize("M,k,E,bm", [(7, 2, 4, 4), (1, 8, 64, 16), (40, 3, 5, 16), (300, 8, 128, 64),
+                                      (600, 6, 64, 32)])  # the last two: chunked path, several chunks
 def test_align_covers_every_slot_once(M, k, E, bm):
     g = torch.Generator().manual_seed(M * E)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
@@ -38,6 +39,8 @@ def test_align_covers_every_slot_once(M, k, E, bm):
         assert (ids.flatten()[blk] == expert_ids[b]).all()
     # the single-launch Triton align and the torch-ops one agree exactly (both stable)
     for got, want in zip((sorted_ids, expert_ids, num_post), moe_align_torch(ids, E, bm)):
+        assert torch.equal(got, want)
+    for got, want in zip(moe_align_chunked(ids, E, bm), moe_align_torch(ids, E, bm)):  # whatever size dispatches
         assert torch.equal(got, want)
 
 
@@ -108,6 +111,7 @@ def test_fused_moe_layer_vs_reference_loop(wfmt, act):
     tw, ti = moe.route(x)
     y = moe(x)
     assert y.shape == (M, H) and y.dtype == torch.bfloat16
+    assert torch.equal(moe(x, (tw, ti), align=moe.plan(ti)), y)  # precomputed sort/align: same result
     ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), act)
     assert _rel(y, ref) < LAYER_TOL[act]
     if (wfmt, act) == ("bf16", "bf16"):  # and the unquantized layer itself

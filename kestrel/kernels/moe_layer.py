@@ -41,8 +41,14 @@ class FusedMoE(torch.nn.Module):
     def route(self, x: torch.Tensor):
         return route_topk(x @ self.router.t().to(x.dtype), self.top_k, self.renormalize)
 
-    def forward(self, x: torch.Tensor, routing=None) -> torch.Tensor:
-        """x [M, H] -> [M, H]. routing: optional precomputed (topk_weights, topk_ids)."""
+    def plan(self, topk_ids: torch.Tensor):
+        """the token sort/align for this routing (what forward computes first); reusable across calls."""
+        cfg = moe_config(topk_ids.numel(), self.num_experts, self.act)
+        return moe_align(topk_ids, self.num_experts, cfg.BM)
+
+    def forward(self, x: torch.Tensor, routing=None, align=None) -> torch.Tensor:
+        """x [M, H] -> [M, H]. routing: optional precomputed (topk_weights, topk_ids); align: optional precomputed
+        plan(topk_ids) of that routing (benchmarks time the layer with and without the sort/align)."""
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"FusedMoE expects x [tokens, {self.hidden}], got {tuple(x.shape)}")
         M = x.shape[0]
@@ -53,7 +59,8 @@ class FusedMoE(torch.nn.Module):
             return ref_moe(x, topk_w, topk_ids, self.w13.dequantize(), self.w2.dequantize(), self.act).to(x.dtype)
         T = M * self.top_k
         cfg = moe_config(T, self.num_experts, self.act)
-        align = moe_align(topk_ids, self.num_experts, cfg.BM)
+        if align is None:
+            align = moe_align(topk_ids, self.num_experts, cfg.BM)
         h = torch.empty((T, 2 * self.inter), dtype=torch.bfloat16, device=x.device)
         grouped_gemm(quant_act(x, self.act), self.w13, align, T, self.top_k, h, cfg)
         if self.act == "fp8":
