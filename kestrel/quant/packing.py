@@ -73,6 +73,13 @@ def pack_bitstream(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 def unpack_bitstream(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Inverse of pack_bitstream: int32 words along `dim` -> int32 values along `dim`."""
+    if 32 % bits == 0:  # whole fields per word: shifts in torch (the bit-array path below is ~100x slower, which
+        # made loading one Llama-8B-sized GPTQ layer take a minute); arithmetic >> then & mask is exact for int32
+        w = words.to(torch.int32)
+        d = dim % w.dim()
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=w.device).view(-1, *[1] * (w.dim() - d - 1))
+        vals = (w.unsqueeze(d + 1) >> shifts) & ((1 << bits) - 1)  # field axis right after `dim`, then merged
+        return vals.flatten(d, d + 1)
     w = (words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF).numpy().astype(np.uint64)
     lead, nw = w.shape[:-1], w.shape[-1]
     count = nw * 32 // bits  # trailing pad bits (a padded last word) are dropped

@@ -13,11 +13,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a word holds column AWQ_ORDE
 
 def unpack_awq(words: torch.Tensor) -> torch.Tensor:
     """int32 [R, C] -> int32 [R, 8C] in natural column order."""
-    w = words.cpu().to(torch.int64) & 0xFFFFFFFF
-    nib = torch.stack([(w >> (4 * j)) & 0xF for j in range(8)], dim=-1)  # [R, C, 8] by nibble
-    out = torch.empty_like(nib)
-    out[..., list(AWQ_ORDER)] = nib
-    return out.reshape(w.shape[0], -1).to(torch.int32)
+    w = words.cpu().to(torch.int32)
+    # column c of a word's 8 sits in nibble AWQ_ORDER.index(c); int32 >> then & 0xF is exact (one pass, no int64)
+    shifts = torch.tensor([4 * AWQ_ORDER.index(c) for c in range(8)], dtype=torch.int32)
+    return ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(w.shape[0], -1)
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, group_size: int,
