@@ -60,6 +60,19 @@ def test_ngram_lookup_latest_longest_match():
     assert d.rate["a"] < d.prior
 
 
+def test_ngram_index_matches_full_rescan():
+    """The incremental index proposes exactly what a full rescan (ngram_lookup) does, step by step."""
+    from kestrel.spec.ngram import NgramIndex
+    g = np.random.default_rng(0)
+    for trial in range(20):
+        toks = g.integers(0, 4 + trial % 5, size=3).tolist()
+        idx = NgramIndex(3, 1)
+        for _ in range(60):
+            k = int(g.integers(1, 6))
+            assert idx.lookup(toks, k) == ngram_lookup(np.array(toks), k, 3, 1)
+            toks += g.integers(0, 4 + trial % 5, size=int(g.integers(1, 4))).tolist()
+
+
 def test_parse_speculative():
     c = parse_speculative("drafter=ngram,k=4,schedule=fixed")
     assert (c.drafter, c.k, c.schedule) == ("ngram", 4, "fixed")

@@ -145,7 +145,8 @@ class SpecDecoder:
                     break
             if not s.is_finished:
                 bm.register_full_blocks(s)
-                self.hidden[s.request_id] = out_hidden[i]
+                if i in out_hidden:
+                    self.hidden[s.request_id] = out_hidden[i]
             else:
                 self.hidden.pop(s.request_id, None)
                 self.drafter.release(s.request_id)
@@ -242,6 +243,8 @@ class SpecDecoder:
             spec_rows = [(i * S, i * S + len(drafts[i][0]) + 1) for i in rest]
             out_h: dict[int, torch.Tensor] = {}
             self._verify(seqs, rest, drafts, spec_rows, lg, None, emitted, out_h, hid_rows)
+        if not self.drafter.needs_hidden:
+            return emitted, {}
         order = list(hid_rows)
         # copy out of the graph's static output: the next replay overwrites it
         h = hid.reshape(-1, H).index_select(0, torch.tensor([hid_rows[i] for i in order], device=hid.device))

@@ -17,14 +17,43 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_max: int, n_min: int) -> list[int
         windows = sliding_window_view(tokens[: L - 1], n)  # starts 0..L-1-n: each has >= 1 following token
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
-            # copy forward from the match; a match near the end wraps onto the copied tokens (periodic text)
-            out = tokens[start: start + k].tolist()
-            period = L - start
-            while len(out) < k:
-                out.append(out[len(out) - period] if len(out) >= period else int(tokens[start + len(out)]))
-            return out
+            return _continue(tokens, int(hits[-1]) + n, k)
     return []
+
+
+def _continue(tokens, start: int, k: int) -> list[int]:
+    """Copy forward from `start`; a match near the end wraps onto the copied tokens (periodic text)."""
+    out = list(tokens[start: start + k])
+    period = len(tokens) - start
+    while len(out) < k:
+        out.append(out[len(out) - period] if len(out) >= period else int(tokens[start + len(out)]))
+    return out
+
+
+class NgramIndex:
+    """ngram_lookup for a growing sequence at O(new tokens) per call: for each n, the latest position that
+    followed each n-gram (rescanning the whole context every step costs ~50 us a request: at 64 requests, more
+    than the verify forward on a GPU)."""
+
+    def __init__(self, n_max: int, n_min: int):
+        self.n_max, self.n_min = n_max, n_min
+        self.seen: dict[int, dict[tuple, int]] = {n: {} for n in range(n_min, n_max + 1)}
+        self.done = 0  # positions e < done are indexed (n-grams ending right before token e)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        L = len(tokens)
+        if L < self.done:  # not the sequence we indexed: start over
+            self.__init__(self.n_max, self.n_min)
+        for e in range(max(self.done, 1), L):  # n-grams with a following token (e < L)
+            for n, d in self.seen.items():
+                if e >= n:
+                    d[tuple(tokens[e - n:e])] = e
+        self.done = max(self.done, L)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            e = self.seen[n].get(tuple(tokens[L - n:]))
+            if e is not None:
+                return _continue(tokens, e, k)
+        return []
 
 
 class NgramDrafter(Drafter):
@@ -32,6 +61,7 @@ class NgramDrafter(Drafter):
         self.n_max, self.n_min = n_max, n_min
         self.prior, self.ema = prior, ema
         self.rate: dict[str, float] = {}  # per-request running per-token acceptance rate (the confidence)
+        self.index: dict[str, NgramIndex] = {}
 
     def propose(self, inputs: list[DraftInput], k: int) -> Draft:
         B = len(inputs)
@@ -39,7 +69,10 @@ class NgramDrafter(Drafter):
         lens = torch.zeros(B, dtype=torch.long)
         conf = torch.zeros(B, k)
         for b, inp in enumerate(inputs):
-            cont = ngram_lookup(np.asarray(inp.token_ids, dtype=np.int64), k, self.n_max, self.n_min) if k else []
+            idx = self.index.get(inp.request_id)
+            if idx is None:
+                idx = self.index[inp.request_id] = NgramIndex(self.n_max, self.n_min)
+            cont = idx.lookup(inp.token_ids, k) if k else []
             lens[b] = len(cont)
             toks[b, : len(cont)] = torch.tensor(cont, dtype=torch.long)
             r = self.rate.get(inp.request_id, self.prior)  # new requests start at the drafter-wide rate
@@ -61,3 +94,4 @@ class NgramDrafter(Drafter):
 
     def release(self, request_id):
         self.rate.pop(request_id, None)
+        self.index.pop(request_id, None)
