@@ -18,14 +18,14 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-from kestrel.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from kestrel.engine.model_runner import prompt_logits  # noqa: E402
-from kestrel.kernels.quant_linear import QuantLinear  # noqa: E402
-from kestrel.model import load_model  # noqa: E402
-from kestrel.model.loader import load_tokenizer, resolve  # noqa: E402
-from kestrel.model.loader_quantized import ConcatLinear, concat_quantized  # noqa: E402
-from kestrel.model.quant_config import checkpoint_quant  # noqa: E402
-from kestrel.quant.weight import dequantize  # noqa: E402
+from kestrel.engine import EngineConfig, LLMEngine, SamplingParams
+from kestrel.engine.model_runner import prompt_logits
+from kestrel.kernels.quant_linear import QuantLinear
+from kestrel.model import load_model
+from kestrel.model.loader import load_tokenizer, resolve
+from kestrel.model.loader_quantized import ConcatLinear, concat_quantized
+from kestrel.model.quant_config import checkpoint_quant
+from kestrel.quant.weight import dequantize
 
 VOCAB = 8192  # < the embedded tokenizer's 49152 (only ids below VOCAB are used): a small, fast embedding
 BASE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -146,7 +146,8 @@ def nvfp4(w, prefix, global_scale):
     deq = (torch.where(neg, -1.0, 1.0) * FP4_GRID[idx] * eff[..., None]).reshape(n, k)
     codes = (idx | neg.long() << 3).reshape(n, k)
     t = {prefix + ".weight_packed": (codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8),
-         prefix + ".weight_scale": s, prefix + ".weight_global_scale": torch.tensor([global_scale], dtype=torch.float32)}
+         prefix + ".weight_scale": s,
+         prefix + ".weight_global_scale": torch.tensor([global_scale], dtype=torch.float32)}
     return t, deq
 
 
@@ -170,7 +171,7 @@ VARIANTS = {  # name: (tied embeddings, quantization_config)
                                      "true_sequential": True, "checkpoint_format": "gptq"}),
     "gptq-asym-g64": (False, {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": False,
                               "checkpoint_format": "gptq"}),
-    "awq-g64": (False, {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm",
+    "qwen2-awq-g64": (False, {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm",
                         "modules_to_not_convert": None}),
     "fp8-per-tensor": (True, {"quant_method": "fp8", "activation_scheme": "dynamic"}),
     "ct-int4-asym-g32-actorder": (False, {**CT_CONFIG, "format": "pack-quantized", "config_groups": {"group_0": {
@@ -202,7 +203,7 @@ def quantize_linear(variant, w, prefix, layer, proj, rng, shared):
         return ct_int_asym(w, prefix, gs=32, g_idx=g)
     if variant == "gptq-asym-g64":
         return gptq(w, prefix, bits=4, gs=64, sym=False, g_idx=_group_idx(k, 64, rng, False))
-    if variant == "awq-g64":
+    if variant == "qwen2-awq-g64":
         return awq(w, prefix, gs=64)
     if variant == "fp8-per-tensor":
         return fp8(w, prefix, per_channel=False)
@@ -214,12 +215,13 @@ def quantize_linear(variant, w, prefix, layer, proj, rng, shared):
 def make_checkpoints(root, variant, seed=0):
     """-> (quantized dir with the embedded tokenizer, float reference dir)."""
     tied, qc = VARIANTS[variant]
-    cfg = transformers.LlamaConfig(**BASE, tie_word_embeddings=tied)
+    arch = "Qwen2" if variant.startswith("qwen2") else "Llama"  # Qwen2: q/k/v biases next to packed weights
+    cfg = getattr(transformers, arch + "Config")(**BASE, tie_word_embeddings=tied)
     torch.manual_seed(seed)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf = getattr(transformers, arch + "ForCausalLM")(cfg).eval()
     with torch.no_grad():
         for n, p in hf.named_parameters():
-            if "norm" in n:
+            if "norm" in n or n.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     rng = np.random.default_rng(seed)
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
@@ -254,7 +256,7 @@ def _tokenizer():
 def ckpt(request, tmp_path_factory):
     """(variant, quantized dir, transformers on the float reference, an LLMEngine on the quantized dir)."""
     qdir, rdir = make_checkpoints(str(tmp_path_factory.mktemp(request.param)), request.param)
-    ref = transformers.LlamaForCausalLM.from_pretrained(rdir, dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(rdir, dtype=torch.float32).eval()
     # naming the checkpoint's own method in --quantization is accepted
     eng = LLMEngine(EngineConfig(model=qdir, block_size=4, num_kv_blocks=64, progress=False,
                                  quantization=VARIANTS[request.param][1]["quant_method"]))
@@ -262,7 +264,7 @@ def ckpt(request, tmp_path_factory):
 
 
 def test_logits_match_transformers_on_dequantized_reference(ckpt):
-    variant, qdir, ref, eng = ckpt
+    variant, _, ref, eng = ckpt
     m = eng.model
     for i in range(2):  # every linear of the decoder is quantized; the lm_head / tied embedding stays float
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
@@ -285,7 +287,7 @@ def test_logits_match_transformers_on_dequantized_reference(ckpt):
 
 
 def test_greedy_tokens_match_transformers(ckpt):
-    variant, qdir, ref, eng = ckpt
+    _, _, ref, eng = ckpt
     n_new = 10
     with torch.no_grad():
         out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
@@ -296,7 +298,7 @@ def test_greedy_tokens_match_transformers(ckpt):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="kernel path needs TRITON_INTERPRET=1 on CPU")
 def test_fused_layer_runs_in_the_triton_kernel(ckpt):
-    variant, qdir, _, eng = ckpt
+    variant, _, _, eng = ckpt
     if variant not in ACT_ORDER:
         pytest.skip("the act-order variants cover the kernel path (fp16 and bf16 scales, with and without zeros)")
     qw = eng.model.layers[0].self_attn.qkv_proj.qweight_struct
@@ -316,11 +318,11 @@ def _write(path, qc, tied=True):
 
 
 @pytest.mark.parametrize("qc, match", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method='bitsandbytes' is not supported; "
-                                                              r"supported: gptq .*awq"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True},
+     r"quant_method='bitsandbytes' is not supported; supported: gptq .*awq"),
     ({"quant_method": "gptq", "bits": 5, "group_size": 128}, r"GPTQ bits=5 is not supported; supported: 2, 3, 4, 8"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"AWQ version='gemv'.*supported: "
-                                                                               r"version gemm"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     r"AWQ version='gemv'.*supported: version gemm"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise FP8.*not supported"),
 ])
 def test_unsupported_formats_are_clear_errors(tmp_path, qc, match):

@@ -51,7 +51,7 @@ class _Tensors:
         if not files:
             raise ValueError(f"no *.safetensors files in {path}")
         self.handles = [safe_open(f, framework="pt") for f in files]
-        self.where = {k: h for h in self.handles for k in h.keys()}
+        self.where = {k: h for h in self.handles for k in h.keys()}  # noqa: SIM118 (safe_open is not a dict)
         self.used: set[str] = set()
 
     def get(self, name: str) -> torch.Tensor | None:
@@ -69,7 +69,8 @@ def _linear_targets(cfg: ModelConfig) -> list[tuple[str, list[str], list[tuple[i
     out = []
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        out += [(f"layers.{i}.self_attn.qkv_proj", [a + "q_proj", a + "k_proj", a + "v_proj"], [(q, h), (kv, h), (kv, h)]),
+        out += [(f"layers.{i}.self_attn.qkv_proj", [a + "q_proj", a + "k_proj", a + "v_proj"],
+                 [(q, h), (kv, h), (kv, h)]),
                 (f"layers.{i}.self_attn.o_proj", [a + "o_proj"], [(h, q)]),
                 (f"layers.{i}.mlp.gate_up_proj", [m + "gate_proj", m + "up_proj"], [(inter, h), (inter, h)]),
                 (f"layers.{i}.mlp.down_proj", [m + "down_proj"], [(h, inter)])]
@@ -184,5 +185,6 @@ def load_prequantized(cfg: ModelConfig, path: str, quant: CheckpointQuant, dtype
         setattr(m.get_submodule(parent) if parent else m, attr, mod)
     unused = [n for n in st.where if n not in st.used and n.startswith(prefixes) and not n.endswith(IGNORED_SUFFIXES)]
     if unused:
-        raise ValueError(f"checkpoint has {len(unused)} tensors the {quant.method} loader did not use, e.g. {unused[:3]}")
+        raise ValueError(f"checkpoint has {len(unused)} tensors the {quant.method} loader did not use, "
+                         f"e.g. {unused[:3]}")
     return m.eval().requires_grad_(False)

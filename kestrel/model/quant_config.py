@@ -12,12 +12,18 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 
-from kestrel.quant.converters import from_awq, from_compressed_tensors, from_fp8, from_gptq, from_nvfp4
+from kestrel.quant.converters import (
+    from_awq,
+    from_compressed_tensors,
+    from_fp8,
+    from_gptq,
+    from_nvfp4,
+)
 from kestrel.quant.packing import pack_codes, unpack_codes
 from kestrel.quant.spec import QuantSpec
 from kestrel.quant.weight import QuantizedWeight
@@ -42,7 +48,7 @@ def read_quantization_config(path: str) -> dict | None:
     return qc
 
 
-def checkpoint_quant(qc: dict) -> "CheckpointQuant":
+def checkpoint_quant(qc: dict) -> CheckpointQuant:
     method = str(qc.get("quant_method", "")).lower().replace("_", "-")
     cls = {"gptq": GPTQ, "awq": AWQ, "compressed-tensors": CompressedTensors, "fp8": FP8}.get(method)
     if cls is None:
