@@ -39,7 +39,8 @@ class EngineConfig:
     swa_bounded_kv: bool | None = field(default=None, metadata={
         "help": "for models with sliding-window (SWA) layers, keep only each sequence's last window of their KV "
                 "(not in the prefix cache) and rebuild it after a prefix-cache hit by replaying tokens; default: "
-                "on for such models unless speculative decoding, tensor parallelism or CUDA graphs are on; "
+                "on for such models unless speculative decoding, tensor parallelism or CUDA graphs are on "
+                "(or KV offload, for a model without full-attention layers); "
                 "--no-swa-bounded-kv keeps full-length KV for every layer"})
     swa_replay_tokens: int = field(default=128, metadata={
         "help": "tokens of a cached prefix recomputed to rebuild the SWA layers' KV on a prefix-cache hit (rounded "
@@ -47,7 +48,7 @@ class EngineConfig:
                 "--no-swa-replay-exact"})
     swa_replay_exact: bool = field(default=True, metadata={
         "help": "replay at least num_swa_layers x (window - 1) tokens, which makes a prefix-cache hit exact; "
-                "--no-swa-replay-exact replays exactly --swa-replay-tokens and warns if that is fewer "
+                "--no-swa-replay-exact replays just --swa-replay-tokens and warns if that is fewer "
                 "(faster, logits may differ slightly from a full prefill)"})
     # kestrel.spec.SpeculativeConfig or its flag text (the spec layer registers the step builder)
     speculative: str | None = field(default=None, metadata={

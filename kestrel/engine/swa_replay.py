@@ -10,11 +10,12 @@ cached K/V (never rewritten), SWA layers recompute K/V from the replayed hidden 
 Exactness: a SWA layer's output at position t reads keys [t-W+1, t], so every SWA layer in the stack pushes
 the dependency W-1 tokens further back, while full layers (cached K/V) add nothing. Replaying
 R = num_swa_layers * (W-1) tokens therefore reproduces the windows bit-for-bit up to float reassociation
-(`exact_replay_tokens`). With a single SWA layer that is W-1 <= window tokens; DeepSeek-style engines replay
-just `window` tokens for every model and accept the small drift; pass `replay_tokens` to do the same.
+(`exact_replay_tokens`). With a single SWA layer that is W-1 <= window tokens; DeepInfer replays just
+`window` tokens for every model and accepts the drift; pass `replay_tokens` to do the same.
 
 This module is the reference implementation on dense per-sequence tensors (CPU or GPU, PyTorch SDPA). It
 drives any model with the `forward(input_ids, positions, ctx)` / `ctx.attention(layer, q, k, v)` interface.
+The paged engine's version (own SWA block pool, replay on a prefix-cache hit) is kestrel/engine/swa_kv.py.
 """
 from __future__ import annotations
 
