@@ -156,7 +156,10 @@ def run_int8(N, K, ms, rows):
 def run_w4(N, K, ms, rows, budget, sections):
     nc = copies_for(N * K // 2)
     Ws = [torch.randn(N, K, device="cuda") * 0.02 for _ in range(nc)]
-    w4 = [quantize_weight_w4(W, "int4", 128) for W in Ws] if "w4a8" in sections else []
+    # W4A8 weights in the kernel layout (W4Weight.kernel_layout, "halves" packing; Humming repacks in transform()
+    # too); the interchange "pairs" packing is timed beside it (kestrel_w4a8_pairs_gemm_us)
+    w4p = [quantize_weight_w4(W, "int4", 128) for W in Ws] if "w4a8" in sections else []
+    w4 = [q.kernel_layout() for q in w4p]
     mx = [quantize_weight_w4(W, "mxfp4") for W in Ws] if "w4a4" in sections else []
     wna, gemm_wna16 = [], None
     if w4:
@@ -186,6 +189,7 @@ def run_w4(N, K, ms, rows, budget, sections):
             a, s = aq.quant_fp8(x)
             r["w4a8_err_vs_dequant"] = rel(gemm_w4a8(a, s, w4[0]), aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
             r["kestrel_w4a8_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i]) for i in range(nc)])
+            r["kestrel_w4a8_pairs_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4p[i]) for i in range(nc)])
             r["kestrel_w4a8_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
             if M > 256:  # the default here is expand-to-fp8 + TMA; the fused in-register (swapped) kernel beside it
                 fused = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
@@ -240,6 +244,7 @@ RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
     ("w4a8 e2e vs Humming W4A8", "humming_w4a8_e2e_us", "kestrel_w4a8_e2e_us"),
     ("w4a8 e2e vs kestrel WNA16 int4", "kestrel_wna16_int4_us", "kestrel_w4a8_e2e_us"),
     ("w4a8 gemm: fused in-register / default (expand + TMA)", "kestrel_w4a8_fused_gemm_us", "kestrel_w4a8_gemm_us"),
+    ("w4a8 gemm: pairs packing / halves packing", "kestrel_w4a8_pairs_gemm_us", "kestrel_w4a8_gemm_us"),
     ("w4a8 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a8_e2e_us"),
     ("w4a4 mxfp4 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a4_mxfp4_e2e_us"),
 ]

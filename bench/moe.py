@@ -40,7 +40,9 @@ MODELS = {  # experts, top_k, hidden, moe intermediate
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "deepseek-v3": (256, 8, 7168, 2048),
 }
-FMT = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"), "int4": ("int4", "bf16")}  # weight fmt, activation fmt
+# name -> (weight fmt, activation fmt, kernel layout); int4p = int4 in the interchange "pairs" nibble packing
+FMT = {"bf16": ("bf16", "bf16", True), "fp8": ("fp8", "fp8", True), "int4": ("int4", "bf16", True),
+       "int4p": ("int4", "bf16", False)}
 HUMMING = {"fp8": ({"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}),
            "int4": ({"dtype": "int4", "group_size": 128}, None)}
 
@@ -48,7 +50,7 @@ HUMMING = {"fp8": ({"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}),
 # both peers are timed without their sort / index-list building, so the fair kestrel column is *_noalign; the
 # align-included ratio is listed too (kestrel's align is one or three launches inside the layer)
 RATIOS = [(f"kestrel {f} vs {peer}{tag}", col, f"kestrel_{f}{suffix}_us")
-          for f in ("bf16", "fp8", "int4")
+          for f in ("bf16", "fp8", "int4", "int4p")
           for peer, col in (("per-expert cuBLAS bf16 loop", "cublas_loop_us"), (f"Humming {f}", f"humming_{f}_us"))
           for tag, suffix in ((" (both excl. sort/align)", "_noalign"), (" (kestrel incl. align)", ""))]
 
@@ -118,8 +120,9 @@ def run_model(name, ms, fmts, rows, budget):
     router = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
     ours = {}
     for f in fmts:
-        wf, af = FMT[f]
-        ours[f] = FusedMoE(router, quantize_experts(w13, wf), quantize_experts(w2, wf), k, af)
+        wf, af, kl = FMT[f]
+        ours[f] = FusedMoE(router, quantize_experts(w13, wf, kernel_layout=kl), quantize_experts(w2, wf, kernel_layout=kl),
+                           k, af)
     hum = {}
     for f in fmts:
         if f in HUMMING and time.time() - T0 < budget:

@@ -115,3 +115,21 @@ def test_w4a8_large_m_path_expand_then_tma(group, tma):
     a, s = aq.ref_quant_fp8(x)
     y = gemm_w4a8(a, s, qw, torch.float32, GemmConfig(BM=64, BN=32, BK=128, TMA=tma))
     assert _rel(y, aq.dequant_8bit(a, s) @ qw.dequantize().t()) < 1e-5
+
+
+@pytest.mark.parametrize("group", [128, -1])
+def test_w4a8_halves_packing(group):
+    """kernel_layout(): the "halves" repack dequantizes to the same weight and every GEMM path reads it right."""
+    from kestrel.kernels.gemm_w4a8 import from_halves, to_halves
+    M, N, K = 5, 48, 512
+    x, w = _data(M, N, K, 4)
+    qw = quantize_weight_w4(w, "int4", group)
+    kl = qw.kernel_layout()
+    assert kl.layout == "halves" and torch.equal(from_halves(kl.packed), qw.packed)
+    assert torch.equal(to_halves(qw.packed), kl.packed) and torch.equal(kl.dequantize(), qw.dequantize())
+    a, s = aq.ref_quant_fp8(x)
+    ref = aq.dequant_8bit(a, s) @ qw.dequantize().t()
+    for cfg in (GemmConfig(BM=16, BN=32, BK=64), GemmConfig(BM=16, BN=32, SPLIT_K=2, SWAP_AB=1),
+                GemmConfig(BM=64, BN=32, TMA=1)):
+        assert _rel(gemm_w4a8(a, s, kl, torch.float32, cfg), ref) < 1e-5
+    assert quantize_weight_w4(w, "int4", 32).kernel_layout().layout == "pairs"  # groups < 128: unchanged

@@ -75,13 +75,15 @@ PAIRS = [("bf16", "bf16"), ("int4", "bf16"), ("fp8", "fp8"), ("int8", "int8"), (
          ("nvfp4", "fp8"), ("mxfp4", "mxfp4"), ("nvfp4", "nvfp4")]
 
 
-@pytest.mark.parametrize("wfmt,act,swap", [p + (0,) for p in PAIRS] + [
-    ("fp8", "fp8", 1), ("int8", "int8", 1), ("int4", "fp8", 1), ("mxfp4", "fp8", 1)])
-def test_grouped_gemm_vs_per_expert_loop(wfmt, act, swap):
+@pytest.mark.parametrize("wfmt,act,swap,group", [p + (0, 64) for p in PAIRS] + [
+    ("fp8", "fp8", 1, 64), ("int8", "int8", 1, 64), ("int4", "fp8", 1, 64), ("mxfp4", "fp8", 1, 64),
+    ("int4", "bf16", 0, 128), ("int4", "fp8", 0, 128), ("int4", "int8", 0, 128)])  # g128: int4 "halves" packing
+def test_grouped_gemm_vs_per_expert_loop(wfmt, act, swap, group):
     g = torch.Generator().manual_seed(11)
-    M, k, E, N, K = 6, 2, 4, 48, 128
+    M, k, E, N, K = 6, 2, 4, 48, 256
     x = torch.randn(M, K, generator=g)
-    W = quantize_experts(torch.randn(E, N, K, generator=g) * 0.1, wfmt, group=64)
+    W = quantize_experts(torch.randn(E, N, K, generator=g) * 0.1, wfmt, group=group)
+    assert W.w4 is None or W.w4.layout == ("halves" if group == 128 else "pairs")
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
     topk_w = torch.rand(M, k, generator=g)
     a, a_deq = _act(x, act)

@@ -7,6 +7,10 @@ scale go in the epilogue. Weight layout: packed uint8 [N, K // 2] (low nibble = 
 Supported weight scales: fp32/bf16 (int4 or fp4, group >= 32 or per-channel), e8m0 per 32 (MXFP4), e4m3 per 16 +
 fp32 global (NVFP4: its 16-wide blocks are shorter than one fp8 MMA step, so NVFP4 weights take the bf16 MMA with
 both operands converted exactly in registers — slower; int4 / MXFP4 are the fast W4A8 formats).
+Kernel paths: M <= 256 swapped operands (C^T = W @ A^T: the converted weight tile is the wgmma register operand);
+larger M with int4: expand to fp8 once per call, then the TMA fp8 kernel (lowbit_tma.py). int4 weights repacked by
+W4Weight.kernel_layout() ("halves": each byte holds k and k + 64 of a 128-wide K block) decode with no nibble
+interleave — two dots of K/2 per tile instead of a join/reshape shuffle.
 """
 import torch
 
@@ -18,14 +22,48 @@ from kestrel.kernels.lowbit_gemm import (A_FP8, S_E4M3, S_E8M0, S_FLOAT, W_FP4, 
 W4_FORMATS = ("int4", "mxfp4", "nvfp4")
 
 
+HALF_BLOCK = 128  # K block of the "halves" packing (= the kernels' K tile when they read it)
+
+
+def to_halves(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K // 2] with k pairs (2j, 2j+1) per byte -> per 128-wide K block, byte j holds k = j (low nibble) and
+    k = j + 64 (high): the kernel then gets two contiguous K halves from one load, with no nibble interleave."""
+    codes = unpack_nibbles(packed)
+    c = codes.reshape(*codes.shape[:-1], -1, 2, HALF_BLOCK // 2)
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(packed.shape)
+
+
+def from_halves(packed: torch.Tensor) -> torch.Tensor:
+    lo, hi = packed & 0xF, packed >> 4
+    shp = (*packed.shape[:-1], -1, HALF_BLOCK // 2)
+    codes = torch.stack([lo.reshape(shp), hi.reshape(shp)], dim=-2).reshape(*packed.shape[:-1], -1)
+    return pack_nibbles(codes)
+
+
 class W4Weight:
-    """A 4-bit weight in the kernel layout: packed [N, K//2] uint8, scale [N, K//group], optional global scale."""
+    """A 4-bit weight: packed [N, K//2] uint8, scale [N, K//group], optional global scale. layout "pairs" (the
+    interchange packing, low nibble = even k) or "halves" (to_halves; made by kernel_layout(), int4 only)."""
 
     def __init__(self, fmt: str, packed: torch.Tensor, scale: torch.Tensor, group: int,
-                 global_scale: torch.Tensor | None = None):
+                 global_scale: torch.Tensor | None = None, layout: str = "pairs"):
         if fmt not in W4_FORMATS:
             raise ValueError(f"4-bit weight format must be one of {W4_FORMATS}, got {fmt!r}")
         self.fmt, self.packed, self.scale, self.group, self.global_scale = fmt, packed, scale, group, global_scale
+        self.layout = layout
+
+    def halves_ok(self) -> bool:
+        K = self.shape[1]
+        return self.fmt == "int4" and K % HALF_BLOCK == 0 and (self.group in (-1, K) or self.group % HALF_BLOCK == 0)
+
+    def kernel_layout(self) -> "W4Weight":
+        """the same weight repacked for the GEMM kernels (like Humming's transform()): "halves" where it applies
+        (int4, K and group multiples of 128), else unchanged. Decode in registers then needs no nibble shuffles."""
+        if self.layout == "halves" or not self.halves_ok():
+            return self
+        return W4Weight(self.fmt, to_halves(self.packed), self.scale, self.group, self.global_scale, "halves")
+
+    def pairs_packed(self) -> torch.Tensor:
+        return from_halves(self.packed) if self.layout == "halves" else self.packed
 
     @property
     def shape(self):
@@ -41,15 +79,15 @@ class W4Weight:
         elif kind == S_E8M0:
             scale = scale.view(torch.uint8)
         return Operand(W_INT4 if self.fmt == "int4" else W_FP4, self.packed, scale.contiguous(),
-                       self.global_scale, group=group, scale_kind=kind)
+                       self.global_scale, group=group, scale_kind=kind, halves=self.layout == "halves")
 
     def to(self, device):
         gs = None if self.global_scale is None else self.global_scale.to(device)
-        return W4Weight(self.fmt, self.packed.to(device), self.scale.to(device), self.group, gs)
+        return W4Weight(self.fmt, self.packed.to(device), self.scale.to(device), self.group, gs, self.layout)
 
     def dequantize(self) -> torch.Tensor:
         """CPU reference: fp32 [..., N, K]."""
-        codes = unpack_nibbles(self.packed)
+        codes = unpack_nibbles(self.pairs_packed())
         if self.fmt == "int4":
             v = ((codes.to(torch.int32) ^ 8) - 8).float()
         else:
@@ -108,7 +146,7 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
     if cfg.TMA and w.fmt == "int4" and (w_op.group == 0 or w_op.group % 128 == 0) and M > 0:
         # large M: expand to fp8 once per call, then the TMA fp8 kernel (lowbit_tma.py says why)
         from kestrel.kernels.lowbit_tma import int4_to_fp8, launch_tma, tma_ok
-        w8 = int4_to_fp8(w.packed)
+        w8 = int4_to_fp8(w.packed, halves=w.layout == "halves")
         out = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
         if tma_ok(a_op.data, w8, out):
             return launch_tma(a_op.data, a_op.scale.reshape(-1), w8, w_op.scale, out, cfg, group=w_op.group)

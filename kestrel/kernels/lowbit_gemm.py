@@ -121,6 +121,33 @@ def _qgemm_step(acc, a_ptr, as_ptr, w_base, ws_base, a_rows, offs_nc, k0, kk, kh
 
 
 @triton.jit
+def _qgemm_step_halves(acc, a_ptr, w_base, ws_base, a_rows, offs_nc, k0, kh, stride_am, stride_wn, stride_wsn,
+                       A_FMT: tl.constexpr, W_SCALE: tl.constexpr, WG: tl.constexpr, WGN: tl.constexpr,
+                       BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """16-bit-MMA K tile of an int4 weight in the "halves" packing (gemm_w4a8.to_halves): the low nibbles are K
+    rows k0 .. k0+BK/2, the high nibbles the next BK/2, so two dots replace the nibble interleave. WG >= BK here."""
+    wp = tl.load(w_base + offs_nc[None, :] * stride_wn + (k0 // 2 + kh[:, None]))  # [BK/2, BN]
+    a_lo = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + kh[None, :]))
+    a_hi = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + BK // 2 + kh[None, :]))
+    if A_FMT == 1 or A_FMT == 2:
+        a_lo = a_lo.to(tl.float32).to(tl.bfloat16)
+        a_hi = a_hi.to(tl.float32).to(tl.bfloat16)
+    w_lo = int4_value(wp & 0xF).to(tl.float32)
+    w_hi = int4_value(wp >> 4).to(tl.float32)
+    if WG > 0:
+        sc = _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[None, :]
+        w_lo = w_lo * sc
+        w_hi = w_hi * sc
+    if DOT_F32:  # interpreter: see _qgemm_step
+        acc = tl.dot(a_lo.to(tl.float32), round_bf16(w_lo), acc)
+        acc = tl.dot(a_hi.to(tl.float32), round_bf16(w_hi), acc)
+    else:
+        acc = tl.dot(a_lo, w_lo.to(a_lo.dtype), acc)
+        acc = tl.dot(a_hi, w_hi.to(a_hi.dtype), acc)
+    return acc
+
+
+@triton.jit
 def _qgemm_kernel(
     a_ptr, as_ptr, ags_ptr, w_ptr, ws_ptr, wgs_ptr, c_ptr,
     topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr,
@@ -130,7 +157,7 @@ def _qgemm_kernel(
     WG: tl.constexpr, WGN: tl.constexpr, HAS_WGS: tl.constexpr,
     IS_MOE: tl.constexpr, MUL_ROUTED: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
-    MMA8: tl.constexpr, OUT_BF16: tl.constexpr, SWAP: tl.constexpr,
+    MMA8: tl.constexpr, OUT_BF16: tl.constexpr, SWAP: tl.constexpr, HALVES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BN)
@@ -178,26 +205,41 @@ def _qgemm_kernel(
             # C^T = W @ A^T (8-bit MMA only): the weight tile, converted in registers, is the wgmma A operand (which
             # may live in registers), the few activation rows are its N side (8..256 wide) -> small-M GEMMs fill
             # the 64-row MMA with weight rows instead of padding tokens, and no converted tile goes through smem
-            at = tl.load(a_ptr + a_rows[None, :] * stride_am + (k0 + kk[:, None]))  # [BK, BM], K-major
-            if W_FMT == 3 or W_FMT == 4:
-                wn = unpack_k_rows(tl.load(w_base + offs_nc[:, None] * stride_wn + (k0 // 2 + kh[None, :])), BN, BK)
-                if W_FMT == 4:
-                    wq = fp4_to_e4m3(wn)
-                elif A_FMT == 1:
-                    wq = int4_to_e4m3(wn)
+            if HALVES:  # int4 "halves" packing: two K halves straight from one byte load, no interleave
+                wp = tl.load(w_base + offs_nc[:, None] * stride_wn + (k0 // 2 + kh[None, :]))  # [BN, BK/2]
+                at_lo = tl.load(a_ptr + a_rows[None, :] * stride_am + (k0 + kh[:, None]))  # [BK/2, BM]
+                at_hi = tl.load(a_ptr + a_rows[None, :] * stride_am + (k0 + BK // 2 + kh[:, None]))
+                if A_FMT == 1:
+                    part = tl.dot(int4_to_e4m3(wp & 0xF), at_lo)
+                    part = tl.dot(int4_to_e4m3(wp >> 4), at_hi, part)
                 else:
-                    wq = int4_value(wn).to(tl.int8)
+                    part = tl.dot(int4_value(wp & 0xF).to(tl.int8), at_lo, out_dtype=tl.int32)
+                    part = tl.dot(int4_value(wp >> 4).to(tl.int8), at_hi, part, out_dtype=tl.int32).to(tl.float32)
             else:
-                wq = tl.load(w_base + offs_nc[:, None] * stride_wn + (k0 + kk[None, :]))  # [BN, BK]
-            if A_FMT == 1:
-                part = tl.dot(wq, at)
-            else:
-                part = tl.dot(wq, at, out_dtype=tl.int32).to(tl.float32)
+                at = tl.load(a_ptr + a_rows[None, :] * stride_am + (k0 + kk[:, None]))  # [BK, BM], K-major
+                if W_FMT == 3 or W_FMT == 4:
+                    wn = unpack_k_rows(tl.load(w_base + offs_nc[:, None] * stride_wn + (k0 // 2 + kh[None, :])), BN,
+                                       BK)
+                    if W_FMT == 4:
+                        wq = fp4_to_e4m3(wn)
+                    elif A_FMT == 1:
+                        wq = int4_to_e4m3(wn)
+                    else:
+                        wq = int4_value(wn).to(tl.int8)
+                else:
+                    wq = tl.load(w_base + offs_nc[:, None] * stride_wn + (k0 + kk[None, :]))  # [BN, BK]
+                if A_FMT == 1:
+                    part = tl.dot(wq, at)
+                else:
+                    part = tl.dot(wq, at, out_dtype=tl.int32).to(tl.float32)
             if A_G > 0:
                 part = part * tl.load(as_ptr + a_rows * stride_asm + k0 // A_G)[None, :]
             if WG > 0:
                 part = part * _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[:, None]
             acc += part
+        elif HALVES:  # (16-bit MMA: the 8-bit MMA takes the swapped branch whenever the weight is in halves)
+            acc = _qgemm_step_halves(acc, a_ptr, w_base, ws_base, a_rows, offs_nc, k0, kh, stride_am, stride_wn,
+                                     stride_wsn, A_FMT, W_SCALE, WG, WGN, BK, DOT_F32)
         else:
             acc = _qgemm_step(acc, a_ptr, as_ptr, w_base, ws_base, a_rows, offs_nc, k0, kk, kh, stride_am, stride_asm,
                               stride_wn, stride_wsn, A_FMT, A_G, W_FMT, W_SCALE, WG, WGN, BM, BN, BK, DOT_F32, MMA8)
@@ -261,6 +303,7 @@ class Operand:
     group: int = 0  # scale group along K (0 = one scale for the whole K)
     group_n: int = 1  # weight scale block along N (DeepSeek 128x128 blocks)
     scale_kind: int = S_FLOAT
+    halves: bool = False  # int4 weight in gemm_w4a8's "halves" packing (K tile must be 128)
 
 
 def uses_mma8(a: Operand, w: Operand) -> bool:
@@ -282,13 +325,16 @@ def max_block_k(a: Operand, w: Operand, K: int) -> int:
 def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cfg: GemmConfig, *,
            moe: dict | None = None):
     """Run the kernel. `moe` = dict(sorted_ids, expert_ids, num_post, num_valid, a_div, topk_weights|None)."""
-    BK = min(cfg.BK, max_block_k(a, w, K))
-    while BK > 32 and (K // cfg.SPLIT_K) % BK:  # small / odd K: shrink the K tile rather than fail
+    BK = 128 if w.halves else min(cfg.BK, max_block_k(a, w, K))  # halves: the packing block is the K tile
+    while BK > 32 and (K // cfg.SPLIT_K) % BK and not w.halves:  # small / odd K: shrink the K tile rather than fail
         BK //= 2
     if a.group and not uses_mma8(a, w):
         raise ValueError("per-group activation scales need weight scale groups of >= 32 (8-bit MMA path)")
     if K % BK or (K // cfg.SPLIT_K) % BK:
         raise ValueError(f"K={K} must be a multiple of BLOCK_K={BK} (x split_k={cfg.SPLIT_K})")
+    if w.halves and (BK != 128 or a.fmt not in (A_BF16, A_FP8, A_INT8) or (w.group and w.group % 128)):
+        raise ValueError(f"a halves-packed int4 weight needs a K tile of 128 per split (K={K}, split {cfg.SPLIT_K}), "
+                         f"bf16 / 8-bit activations and groups of 128")
     wd = w.data
     stride_we = wd.stride(0) if wd.dim() == 3 else 0
     ws = w.scale if w.scale is not None else wd
@@ -318,7 +364,7 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
         WG=w.group, WGN=w.group_n, HAS_WGS=w.global_scale is not None,
         IS_MOE=moe is not None, MUL_ROUTED=mul_routed, SPLIT_K=cfg.SPLIT_K,
         BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M, DOT_F32=not out.is_cuda, MMA8=uses_mma8(a, w),
-        OUT_BF16=out.dtype == torch.bfloat16, SWAP=bool(cfg.SWAP_AB) and uses_mma8(a, w),
+        OUT_BF16=out.dtype == torch.bfloat16, SWAP=bool(cfg.SWAP_AB or w.halves) and uses_mma8(a, w), HALVES=w.halves,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

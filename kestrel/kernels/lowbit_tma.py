@@ -64,21 +64,27 @@ def _w8a8_tma_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, M, N, K, num_progs,
 
 
 @triton.jit
-def _int4_to_fp8_kernel(src, dst, n_bytes, BLOCK: tl.constexpr):
+def _int4_to_fp8_kernel(src, dst, n_bytes, BLOCK: tl.constexpr, HALVES: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     p = tl.load(src + offs, mask=offs < n_bytes, other=0)
     lo = int4_to_e4m3(p & 0xF).to(tl.uint8, bitcast=True)
     hi = int4_to_e4m3(p >> 4).to(tl.uint8, bitcast=True)
-    o = tl.program_id(0) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
-    tl.store(dst + o, tl.reshape(tl.join(lo, hi), (2 * BLOCK,)), mask=o < 2 * n_bytes)
+    if HALVES:  # byte j of each 64-byte block -> k = j and k = j + 64 of its 128-wide K block
+        o = (offs // 64) * 128 + offs % 64
+        tl.store(dst + o, lo, mask=offs < n_bytes)
+        tl.store(dst + o + 64, hi, mask=offs < n_bytes)
+    else:
+        o = tl.program_id(0) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
+        tl.store(dst + o, tl.reshape(tl.join(lo, hi), (2 * BLOCK,)), mask=o < 2 * n_bytes)
 
 
-def int4_to_fp8(packed: torch.Tensor) -> torch.Tensor:
-    """packed int4 [N, K // 2] (low nibble = even k) -> float8_e4m3fn [N, K] holding the same integers (exact)."""
+def int4_to_fp8(packed: torch.Tensor, halves: bool = False) -> torch.Tensor:
+    """packed int4 [N, K // 2] ("pairs": low nibble = even k; or gemm_w4a8's "halves") -> float8_e4m3fn [N, K]
+    holding the same integers (exact)."""
     N, Kh = packed.shape
     out = torch.empty((N, 2 * Kh), dtype=torch.uint8, device=packed.device)
     n = packed.numel()
-    _int4_to_fp8_kernel[(triton.cdiv(n, 4096),)](packed.contiguous(), out, n, BLOCK=4096)
+    _int4_to_fp8_kernel[(triton.cdiv(n, 4096),)](packed.contiguous(), out, n, BLOCK=4096, HALVES=halves)
     return out.view(torch.float8_e4m3fn)
 
 

@@ -36,7 +36,7 @@ def make_case(kernel: str, M: int, N: int, K: int, device="cuda"):
         wq, ws = quantize_weight_w8a8(w, w_fmt)
         a, s = aq.quant_int8(x) if w_fmt == "int8" else aq.quant_fp8(x)
         return lambda cfg: gemm_w8a8(a, s, wq, ws, config=cfg)
-    qw = quantize_weight_w4(w, w_fmt, 128)
+    qw = quantize_weight_w4(w, w_fmt, 128).kernel_layout()  # tune what runs: the kernel packing
     if kernel.startswith("w4a8"):
         a, s = aq.quant_fp8(x)
         return lambda cfg: gemm_w4a8(a, s, qw, config=cfg)

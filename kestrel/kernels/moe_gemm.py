@@ -53,8 +53,9 @@ class ExpertWeights:
                              None if self.w4 is None else self.w4.to(device))
 
 
-def quantize_experts(w: torch.Tensor, fmt: str, group: int = 128) -> ExpertWeights:
-    """RTN-quantize stacked expert weights [E, N, K] into `fmt`."""
+def quantize_experts(w: torch.Tensor, fmt: str, group: int = 128, kernel_layout: bool = True) -> ExpertWeights:
+    """RTN-quantize stacked expert weights [E, N, K] into `fmt`. kernel_layout: int4 in the "halves" packing where it
+    applies (W4Weight.kernel_layout: no nibble interleave in the kernel)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"MoE weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
     if w.dim() != 3:
@@ -65,7 +66,8 @@ def quantize_experts(w: torch.Tensor, fmt: str, group: int = 128) -> ExpertWeigh
         quant = act_quant.ref_quant_fp8 if fmt == "fp8" else act_quant.ref_quant_int8
         parts = [quant(we.float()) for we in w]  # one expert at a time: bounded fp32 temporaries
         return ExpertWeights(fmt, torch.stack([q for q, _ in parts]), torch.stack([s.view(-1) for _, s in parts]))
-    return ExpertWeights(fmt, w4=quantize_weight_w4(w, fmt, group))
+    w4 = quantize_weight_w4(w, fmt, group)
+    return ExpertWeights(fmt, w4=w4.kernel_layout() if kernel_layout else w4)
 
 
 def check_pair(act: str, w: ExpertWeights):
