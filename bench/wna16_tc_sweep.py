@@ -31,23 +31,29 @@ SHAPES = {f"{m[7:]}:{NAMES[i]}": nk for m in MODEL_SHAPES for i, nk in enumerate
 
 
 def sweep_configs(m: int, n: int, k: int) -> list[tuple[ComputeConfig, dict]]:
-    """(config, extra kwargs of gemm_wna16_tc) candidates for this M; split-K where the tiles can't fill 132 SMs."""
+    """(config, extra kwargs of gemm_wna16_tc) candidates for this M; split-K where the tiles can't fill 132 SMs.
+    kwargs: swap (W^T as the wgmma A operand from registers), dec (0 fp32 decode, 1/2 packed-asm int4 decode)."""
     C = ComputeConfig
+    T, F = {"swap": True}, {"swap": False}
     if m <= 64:
-        base = [(C("tc", 32, 64, 128, 1, 4, 4), {}), (C("tc", 32, 128, 128, 1, 4, 4), {}),
-                (C("tc", 64, 128, 128, 1, 4, 4), {"swap": True}), (C("tc", 64, 128, 128, 1, 4, 4), {}),
-                (C("tc", 64, 128, 256, 1, 4, 3), {}), (C("tc", 64, 256, 128, 1, 8, 3), {})]
+        base = [(C("tc", 32, 128, 0, 1, 8, 4), T), (C("tc", 32, 64, 0, 1, 4, 4), T), (C("tc", 64, 128, 0, 1, 8, 3), T),
+                (C("tc", 64, 128, 0, 1, 8, 3), F), (C("tc", 64, 64, 0, 1, 4, 4), F),
+                (C("tc", 64, 128, 0, 1, 8, 3), {"swap": False, "dec": 0})]
     elif m <= 256:
-        base = [(C("tc", 64, 128, 128, 1, 4, 4), {}), (C("tc", 64, 128, 256, 1, 4, 3), {}),
-                (C("tc", 128, 128, 128, 1, 8, 3), {}), (C("tc", 128, 128, 128, 1, 4, 4), {}),
-                (C("tc", 128, 256, 128, 1, 8, 3), {}), (C("tc", 64, 256, 128, 1, 8, 3), {}),
-                (C("tc", 128, 128, 128, 1, 8, 3), {"layout": 1})]
+        base = [(C("tc", 64, 128, 0, 1, 8, 3), F), (C("tc", 64, 128, 0, 1, 8, 3), T),
+                (C("tc", 128, 128, 0, 1, 8, 2), F), (C("tc", 128, 128, 0, 1, 8, 3), F),
+                (C("tc", 128, 128, 0, 1, 8, 3), T), (C("tc", 128, 64, 0, 1, 4, 3), T),
+                (C("tc", 256, 128, 0, 1, 8, 2), T)]
     else:
-        base = [(C("tc", 128, 128, 128, 1, 8, 3), {}), (C("tc", 128, 128, 128, 1, 4, 4), {}),
-                (C("tc", 128, 256, 128, 1, 8, 3), {}), (C("tc", 128, 128, 256, 1, 8, 3), {}),
-                (C("tc", 256, 128, 128, 1, 8, 3), {}), (C("tc", 128, 128, 128, 1, 8, 3), {"layout": 1})]
+        base = [(C("tc", 128, 128, 0, 1, 8, 2), F), (C("tc", 128, 128, 0, 1, 8, 3), F),
+                (C("tc", 256, 128, 0, 1, 8, 2), F), (C("tc", 256, 128, 0, 1, 8, 2), T),
+                (C("tc", 128, 128, 0, 1, 8, 3), T), (C("tc", 256, 64, 0, 1, 4, 3), T),
+                (C("tc", 128, 64, 0, 1, 4, 3), T),
+                (C("tc", 128, 128, 0, 1, 8, 3), {"swap": False, "dec": 1}),
+                (C("tc", 128, 128, 0, 1, 8, 3), {"swap": False, "dec": 0})]
     out = []
     for cfg, kw in base:
+        kw = {"dec": 2, **kw}
         out.append((cfg, kw))
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
         steps = k // max(128, cfg.block_k)

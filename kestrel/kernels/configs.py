@@ -138,12 +138,12 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
 def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
     """M > 16: the tensor-core "tc" kernel (gemm_wna16_tc.py). Tiles by M class; split-K only while the output
     tiles leave most SMs idle and each split keeps >= 8 K steps."""
-    if m <= 64:
-        bm, bn, warps, stages = (32 if m <= 32 else 64), 128, 4, 4
-    elif m <= 256:
-        bm, bn, warps, stages = (64 if m <= 128 else 128), 128, (4 if m <= 128 else 8), 3
+    if m <= 32:
+        bm, bn, warps, stages = 32, 128, 8, 4
+    elif m <= 128:
+        bm, bn, warps, stages = 64, 128, 8, 3
     else:
-        bm, bn, warps, stages = 128, 256, 8, 3
+        bm, bn, warps, stages = 128, 128, 8, 3
     tiles = -(-m // bm) * -(-layer.n // bn)
     k_steps = -(-layer.k // layer.spec.k_multiple)
     split = 1

@@ -3,7 +3,7 @@
 Per K step the kernel loads KB planar word tiles (packing.py: block b = word rows b*R .. b*R+R-1, field i of row r
 holds k = b*R*EPW + i*R + r), decodes them with broadcast per-field shifts into [KB, R, EPW, BN], permutes to
 [KB, EPW, R, BN] (that is k order) and reshapes to one [BK, BN] tile, group scale/zero applied in the tile, then one
-dot with K = BK against x[BM, BK]. LAYOUT=1 instead gathers each k row's word (simple, more loads) as a fallback.
+dot with K = BK against x[BM, BK]. LAYOUT=1 instead gathers each k row's word (simple, more loads).
 SWAP computes y^T = W^T x^T so the decoded weight is the wgmma A operand and a small M is the wgmma N (>= 8).
 
 Decode (fp32, then one rounding to the activation dtype):
@@ -38,12 +38,18 @@ def _coeffs(s_ptr, z_ptr, g, mask, offs_n, N, BITS: tl.constexpr, IS_INT: tl.con
     SCALED=False (per-channel: the scale goes on the accumulator) uses s = 1."""
     off = g * N + offs_n
     if SCALED:
-        s = decode_scale(tl.load(s_ptr + off, mask=mask, other=0), SCALE_KIND)
+        if mask is None:
+            s = decode_scale(tl.load(s_ptr + off), SCALE_KIND)
+        else:
+            s = decode_scale(tl.load(s_ptr + off, mask=mask, other=0), SCALE_KIND)
     else:
         s = tl.zeros(off.shape, dtype=tl.float32) + 1.0
     if IS_INT:
         if HAS_ZERO:
-            z = tl.load(z_ptr + off, mask=mask, other=0).to(tl.float32)
+            if mask is None:
+                z = tl.load(z_ptr + off).to(tl.float32)
+            else:
+                z = tl.load(z_ptr + off, mask=mask, other=0).to(tl.float32)
         else:
             z = CODE_OFFSET * 1.0
         a = s * (1 << BITS) * 1.0
@@ -78,6 +84,120 @@ def _decode(q, f, a, b, BITS: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.c
         return v * a
 
 
+def _asm_int4(shared: bool, fp16: bool) -> tl.constexpr:
+    """PTX for two int4 codes -> (c - z) * s as one bf16x2/f16x2 register (operands: see _decode_int4_x2)."""
+    if shared:
+        body = "prmt.b32 t, $1, $2, $3; shr.u32 t, t, $5; "
+        zs = "$7", "$8"
+    else:
+        body = "shr.u32 a, $1, $3; shr.u32 b, $2, $4; prmt.b32 t, a, b, 0x5410; "
+        zs = "$5", "$6"
+    magic, ty = ("0x64006400", "f16x2") if fp16 else ("0x43004300", "bf16x2")
+    return tl.constexpr("{ .reg .b32 a, b, t; " + body + f"lop3.b32 t, t, 0x000F000F, {magic}, 0xEA; "
+                        f"sub.rn.{ty} t, t, {zs[0]}; mul.rn.{ty} $0, t, {zs[1]}; }}")
+
+
+_ASM_SH_BF16 = _asm_int4(True, False)
+_ASM_SH_F16 = _asm_int4(True, True)
+_ASM_BF16 = _asm_int4(False, False)
+_ASM_F16 = _asm_int4(False, True)
+
+
+@triton.jit
+def _decode_int4_x2(q, f, s, zb, SHARED: tl.constexpr, DT: tl.constexpr):
+    """Symmetric int4 fields -> (c - offset) * s in the activation dtype, two elements per PTX block (packed
+    bf16x2/f16x2 math, no fp32 round trip): codes are OR-ed under the exponent of 128 (bf16) / 1024 (fp16), so
+    the subtraction of (magic + offset) is exact and the scale multiply rounds once. SHARED assumes the two
+    elements of a pair (adjacent registers: adjacent n) share a field: one byte permute then one shift."""
+    if SHARED:
+        j = f // 2
+        sel = tl.broadcast_to(j | ((j + 4) << 8), q.shape)
+        sh = tl.broadcast_to((f % 2) * 4, q.shape)
+        if DT == tl.float16:
+            return tl.inline_asm_elementwise(_ASM_SH_F16, "=r,r,r,r,r,r,r,r,r", [q, sel, sh, zb, s], dtype=zb.dtype,
+                                             is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(_ASM_SH_BF16, "=r,r,r,r,r,r,r,r,r", [q, sel, sh, zb, s], dtype=zb.dtype,
+                                             is_pure=True, pack=2)
+    else:
+        sh = tl.broadcast_to(f * 4, q.shape)
+        if DT == tl.float16:
+            return tl.inline_asm_elementwise(_ASM_F16, "=r,r,r,r,r,r,r", [q, sh, zb, s], dtype=zb.dtype, is_pure=True,
+                                             pack=2)
+        else:
+            return tl.inline_asm_elementwise(_ASM_BF16, "=r,r,r,r,r,r,r", [q, sh, zb, s], dtype=zb.dtype,
+                                             is_pure=True, pack=2)
+
+
+@triton.jit
+def _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n, n_mask, N, a_pc, b_pc,
+            BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
+            MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_KIND: tl.constexpr,
+            GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr,
+            LAYOUT: tl.constexpr, EVEN_K: tl.constexpr, TILE_EXP: tl.constexpr, R: tl.constexpr,
+            DEC: tl.constexpr = 0, DT: tl.constexpr = tl.bfloat16):
+    """W^T tile [BK, BN] in the activation dtype DT of K step `step` (row j = input channel step*BK + j), decoded in
+    fp32 (DEC 0) or with packed int4 asm (DEC 1/2). offs_n are already clamped when N is ragged."""
+    PB: tl.constexpr = R * EPW
+    BK: tl.constexpr = KB * PB
+    if LAYOUT == 0:
+        blk = step * KB + tl.arange(0, KB)  # [KB]
+        rows = blk[:, None] * R + tl.arange(0, R)[None, :]  # [KB, R]
+        # loaded as [KB, R, 1, BN] so the decode keeps the load's layout (consecutive n per thread: vector
+        # stores of the bf16 tile); the broadcast over fields stays in registers
+        ptrs = qw_ptr + rows[:, :, None, None] * N + offs_n[None, None, None, :]
+        if EVEN_K:
+            q = tl.load(ptrs)
+            cmask = None
+        else:
+            cmask = (blk < n_blocks)[:, None, None, None] & n_mask[None, None, None, :]
+            q = tl.load(ptrs, mask=cmask, other=0)
+        f = tl.arange(0, EPW)[None, None, :, None]  # [1, 1, EPW, 1]
+        if DEC:  # symmetric int4, one group per block (host checks)
+            g = (blk * PB // GROUP_SIZE)[:, None, None, None]
+            sp = s_ptr + g * N + offs_n[None, None, None, :]
+            if cmask is None:
+                sc = tl.load(sp)
+            else:
+                sc = tl.load(sp, mask=cmask, other=0)
+            sc = tl.broadcast_to(decode_scale(sc, SCALE_KIND).to(DT), (KB, R, EPW, BLOCK_N))
+            magic: tl.constexpr = 1024 if DT == tl.float16 else 128
+            zb = tl.full((KB, R, EPW, BLOCK_N), magic + CODE_OFFSET, DT)
+            w = _decode_int4_x2(tl.broadcast_to(q, (KB, R, EPW, BLOCK_N)), f, sc, zb, DEC == 2, DT)
+            return tl.reshape(tl.permute(w, (0, 2, 1, 3)), (BK, BLOCK_N))
+        if PER_CHANNEL:
+            a = a_pc[None, None, None, :]
+            b = b_pc[None, None, None, :]
+        elif GROUP_SIZE >= PB:  # one group per planar block
+            g = (blk * PB // GROUP_SIZE)[:, None, None, None]
+            a, b = _coeffs(s_ptr, z_ptr, g, cmask, offs_n[None, None, None, :], N, BITS, IS_INT, EXP_BITS,
+                           HAS_ZERO, CODE_OFFSET, SCALE_KIND, True, TILE_EXP)
+        else:  # several groups per block: one per field or per run of fields
+            g = (blk[:, None, None, None] * PB + f * R) // GROUP_SIZE
+            a, b = _coeffs(s_ptr, z_ptr, g, cmask, offs_n[None, None, None, :], N, BITS, IS_INT, EXP_BITS,
+                           HAS_ZERO, CODE_OFFSET, SCALE_KIND, True, TILE_EXP)
+        w = _decode(q, f, a, b, BITS, IS_INT, EXP_BITS, MAN_BITS, TILE_EXP).to(DT)  # [KB, R, EPW, BN]
+        return tl.reshape(tl.permute(w, (0, 2, 1, 3)), (BK, BLOCK_N))  # row = kb*PB + i*R + r
+    else:
+        k = step * BK + tl.arange(0, BK)
+        wrow = (k // PB) * R + (k % R)
+        if EVEN_K:
+            kmask = None
+            q = tl.load(qw_ptr + wrow[:, None] * N + offs_n[None, :])
+        else:
+            kmask = (k < n_blocks * PB)[:, None] & n_mask[None, :]
+            q = tl.load(qw_ptr + wrow[:, None] * N + offs_n[None, :], mask=kmask, other=0)
+        f = ((k % PB) // R)[:, None]
+        if PER_CHANNEL:
+            a = a_pc[None, :]
+            b = b_pc[None, :]
+        else:
+            g = (k // GROUP_SIZE)[:, None]
+            a, b = _coeffs(s_ptr, z_ptr, g, kmask, offs_n[None, :], N, BITS, IS_INT, EXP_BITS, HAS_ZERO,
+                           CODE_OFFSET, SCALE_KIND, True, TILE_EXP)
+        return _decode(q, f, a, b, BITS, IS_INT, EXP_BITS, MAN_BITS, TILE_EXP).to(DT)
+
+
 @triton.jit
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
@@ -85,7 +205,9 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
                SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr,
-               LAYOUT: tl.constexpr, TILE_EXP: tl.constexpr, DOT_F32: tl.constexpr, R: tl.constexpr):
+               LAYOUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               DEC: tl.constexpr, TILE_EXP: tl.constexpr,
+               DOT_F32: tl.constexpr, R: tl.constexpr):
     PB: tl.constexpr = R * EPW
     BK: tl.constexpr = KB * PB
     pid = tl.program_id(0)
@@ -102,66 +224,54 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    # x loads use clamped rows instead of masks (fewer predicates in the loop; the store is masked); W columns
+    # are clamped only when N is ragged (tl.minimum would hide their contiguity from the vectoriser)
+    offs_m_ld = tl.minimum(offs_m, M - 1)
+    if EVEN_N:
+        offs_n_ld = offs_n
+    else:
+        offs_n_ld = tl.minimum(offs_n, N - 1)
     n_blocks = tl.cdiv(K, PB)  # packed K is padded to whole planar blocks; x is masked to K
     n_steps = tl.cdiv(n_blocks, KB)
     per_split = tl.cdiv(n_steps, SPLIT_K)
     s0 = pid_k * per_split
     s1 = tl.minimum(s0 + per_split, n_steps)
-    SCALED: tl.constexpr = not PER_CHANNEL
+    a_pc = None
+    b_pc = None
     if PER_CHANNEL:  # coefficients are constant over K
-        a_pc, b_pc = _coeffs(s_ptr, z_ptr, 0, n_mask, offs_n, N, BITS, IS_INT, EXP_BITS, HAS_ZERO, CODE_OFFSET,
+        a_pc, b_pc = _coeffs(s_ptr, z_ptr, 0, None, offs_n_ld, N, BITS, IS_INT, EXP_BITS, HAS_ZERO, CODE_OFFSET,
                              SCALE_KIND, False, TILE_EXP)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:  # decode step s+1 right after issuing the MMA of step s
+        w = _w_tile(qw_ptr, s_ptr, z_ptr, s0, n_blocks, offs_n_ld, n_mask, N, a_pc, b_pc, BITS, EPW, IS_INT,
+                    EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, KB, BLOCK_N,
+                    LAYOUT, EVEN_K, TILE_EXP, R, DEC, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
     for step in tl.range(s0, s1, num_stages=NUM_STAGES):
         kx = step * BK + tl.arange(0, BK)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :],
-                    mask=m_mask[:, None] & (kx < K)[None, :], other=0.0)
-        if LAYOUT == 0:
-            blk = step * KB + tl.arange(0, KB)  # [KB]
-            bmask = blk < n_blocks
-            rows = blk[:, None] * R + tl.arange(0, R)[None, :]  # [KB, R]
-            q = tl.load(qw_ptr + rows[:, :, None] * N + offs_n[None, None, :],
-                        mask=bmask[:, None, None] & n_mask[None, None, :], other=0)
-            f = tl.arange(0, EPW)[None, None, :, None]  # [1, 1, EPW, 1]
-            cmask = bmask[:, None, None, None] & n_mask[None, None, None, :]
-            if PER_CHANNEL:
-                a = a_pc[None, None, None, :]
-                b = b_pc[None, None, None, :]
-            elif GROUP_SIZE >= PB:  # one group per planar block
-                g = (blk * PB // GROUP_SIZE)[:, None, None, None]
-                a, b = _coeffs(s_ptr, z_ptr, g, cmask, offs_n[None, None, None, :], N, BITS, IS_INT, EXP_BITS,
-                               HAS_ZERO, CODE_OFFSET, SCALE_KIND, True, TILE_EXP)
-            else:  # several groups per block: one per field or per run of fields
-                g = (blk[:, None, None, None] * PB + f * R) // GROUP_SIZE
-                a, b = _coeffs(s_ptr, z_ptr, g, cmask, offs_n[None, None, None, :], N, BITS, IS_INT, EXP_BITS,
-                               HAS_ZERO, CODE_OFFSET, SCALE_KIND, True, TILE_EXP)
-            w = _decode(q[:, :, None, :], f, a, b, BITS, IS_INT, EXP_BITS, MAN_BITS, TILE_EXP)  # [KB, R, EPW, BN]
-            w = tl.reshape(tl.permute(w, (0, 2, 1, 3)), (BK, BLOCK_N))  # row = kb*PB + i*R + r = k - step*BK
+        x_ptrs = x_ptr + offs_m_ld[:, None] * stride_xm + kx[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptrs)
         else:
-            k = step * BK + tl.arange(0, BK)
-            kmask = (k < n_blocks * PB)[:, None] & n_mask[None, :]
-            wrow = (k // PB) * R + (k % R)
-            q = tl.load(qw_ptr + wrow[:, None] * N + offs_n[None, :], mask=kmask, other=0)
-            f = ((k % PB) // R)[:, None]
-            if PER_CHANNEL:
-                a = a_pc[None, :]
-                b = b_pc[None, :]
-            else:
-                g = (k // GROUP_SIZE)[:, None]
-                a, b = _coeffs(s_ptr, z_ptr, g, kmask, offs_n[None, :], N, BITS, IS_INT, EXP_BITS, HAS_ZERO,
-                               CODE_OFFSET, SCALE_KIND, True, TILE_EXP)
-            w = _decode(q, f, a, b, BITS, IS_INT, EXP_BITS, MAN_BITS, TILE_EXP)
-        w = w.to(x_ptr.dtype.element_ty)
+            x = tl.load(x_ptrs, mask=(kx < K)[None, :], other=0.0)
+        if not PREFETCH:
+            w = _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n_ld, n_mask, N, a_pc, b_pc, BITS, EPW, IS_INT,
+                        EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, KB,
+                        BLOCK_N, LAYOUT, EVEN_K, TILE_EXP, R, DEC, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+        wd = w
         if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
-            w = w.to(tl.float32)
+            wd = wd.to(tl.float32)
             x = x.to(tl.float32)
         if SWAP:
-            acc = tl.dot(tl.trans(w), tl.trans(x), acc)
+            acc = tl.dot(tl.trans(wd), tl.trans(x), acc)
         else:
-            acc = tl.dot(x, w, acc)
+            acc = tl.dot(x, wd, acc)
+        if PREFETCH:  # past the last step this decodes a clamped (valid, unused) step
+            w = _w_tile(qw_ptr, s_ptr, z_ptr, tl.minimum(step + 1, n_steps - 1), n_blocks, offs_n_ld, n_mask, N,
+                        a_pc, b_pc, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
+                        GROUP_SIZE, PER_CHANNEL, KB, BLOCK_N, LAYOUT, EVEN_K, TILE_EXP, R, DEC, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
     if SWAP:
         acc = tl.trans(acc)
     post = 1.0
@@ -170,7 +280,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
     if HAS_GSCALE:
         post = post * tl.load(gs_ptr)
     if PER_CHANNEL:
-        acc = acc * (decode_scale(tl.load(s_ptr + offs_n, mask=n_mask, other=0), SCALE_KIND) * post)[None, :]
+        acc = acc * (decode_scale(tl.load(s_ptr + offs_n_ld), SCALE_KIND) * post)[None, :]
     elif HAS_GSCALE or not IS_INT:
         acc = acc * post
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -185,7 +295,8 @@ LAST_LAUNCH: dict = {}  # the last compiled kernel, for benches that inspect PTX
 
 
 def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt: dict,
-                  swap: bool | None = None, layout: int = 0, group_m: int = 8) -> torch.Tensor:
+                  swap: bool | None = None, layout: int = 0, prefetch: bool = False, dec: int | None = None,
+                  group_m: int = 8) -> torch.Tensor:
     """x2 [M, K] contiguous (already permuted for act-order) -> y [M, N] in x2's dtype. `fmt` is the format
     constexpr dict of gemm_wna16. cfg.block_k is the K step in planar blocks' elements (0 = one block).
     SWAP (W as the wgmma A operand) defaults to block_m < 64, where a wgmma M of 64 would idle rows."""
@@ -199,12 +310,21 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
     z = qw.zeros if qw.zeros is not None else qw.scales
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
+    # packed-asm decode: GPU only (the interpreter runs no PTX), symmetric int4 with one group per planar block;
+    # dec 2 pairs adjacent registers that share a field, which holds when n is contiguous per thread (even N)
+    if not (x2.device.type == "cuda" and layout == 0 and fmt["IS_INT"] and fmt["BITS"] == 4
+            and not fmt["HAS_ZERO"] and not fmt["PER_CHANNEL"] and fmt["GROUP_SIZE"] >= pb):
+        dec = 0
+    elif dec is None or (dec == 2 and n % cfg.block_n):
+        dec = 2 if n % cfg.block_n == 0 else 1
     tile_exp = 64 if (x2.dtype == torch.bfloat16 and not fmt["IS_INT"]) else 0
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     LAST_LAUNCH["kernel"] = _tc_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, m, n, k, x2.stride(0),
                                              y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=kb,
                                              SPLIT_K=split, NUM_STAGES=cfg.num_stages,
-                                             GROUP_M=group_m, SWAP=swap, LAYOUT=layout, TILE_EXP=tile_exp,
+                                             GROUP_M=group_m, SWAP=swap, LAYOUT=layout, PREFETCH=prefetch,
+                                             DEC=dec, EVEN_K=k % (kb * pb) == 0, EVEN_N=n % cfg.block_n == 0,
+                                             TILE_EXP=tile_exp,
                                              DOT_F32=x2.device.type != "cuda", num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages, **fmt)
     return y.to(x2.dtype) if split > 1 else y
