@@ -15,6 +15,7 @@ Writes raw JSON + markdown table + PNG to --out (default $OUT or bench_out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -29,8 +30,8 @@ from gpu_timing import graph_us  # noqa: E402
 from kestrel.kernels import act_quant as aq  # noqa: E402
 from kestrel.kernels.gemm_w4a4 import w4a4_linear  # noqa: E402
 from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear  # noqa: E402
-from kestrel.kernels.gemm_w8a8 import gemm_w8a8, quantize_weight_w8a8, ref_gemm_w8a8, w8a8_linear  # noqa: E402
-from kestrel.kernels.lowbit_gemm import GemmConfig  # noqa: E402
+from kestrel.kernels.gemm_w8a8 import gemm_w8a8, gemm_w8a16, quantize_weight_w8a8, ref_gemm_w8a8, w8a8_linear  # noqa: E402
+from kestrel.kernels.lowbit_gemm import A_BF16, W_FP8, GemmConfig, heuristic_config  # noqa: E402
 
 T0 = time.time()
 DEADLINE = [float("inf")]  # seconds after T0 after which no new case starts (set by --deadline-s)
@@ -108,6 +109,16 @@ def run_fp8(N, K, ms, rows, budget):
         r["err_vs_dequant"] = rel(y, ref_gemm_w8a8(a, s, *q[0]))
         r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
         r["kestrel_e2e_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i]) for i in range(nc)])
+        if M <= 16:  # decode alternative: bf16 activations straight into the fp8-weight kernel (no act-quant launch)
+            h = heuristic_config(M, N, K, A_BF16, W_FP8)
+            for tag, cfg in (("a16", h), ("a16_bk128", dataclasses.replace(h, BK=128))):
+                try:
+                    ya = gemm_w8a16(x, *q[0], config=cfg)
+                    r[f"kestrel_{tag}_err_vs_bf16_dequant"] = rel(ya, x.float() @ (q[0][0].float() * q[0][1][:, None]).t())
+                    r[f"kestrel_{tag}_e2e_us"] = safe_us([lambda i=i, cfg=cfg: gemm_w8a16(x, *q[i], config=cfg)
+                                                          for i in range(nc)])
+                except Exception as ex:
+                    r[f"kestrel_{tag}_error"] = repr(ex)[:200]
         try:
             yc = scaled_mm(a, s, q[0][0], ws_row[0])
             r["scaled_mm_err_vs_dequant"] = rel(yc, ref_gemm_w8a8(a, s, *q[0]))
@@ -234,11 +245,33 @@ def check_act_quant() -> dict:
     return out
 
 
+def mma_report() -> dict:
+    """which MMA instructions the compiled kestrel GEMM variants use (wgmma = Hopper's async warpgroup MMA; the fp8
+    wgmma needs both operands K-major). Read from the PTX of every variant this process compiled."""
+    from kestrel.kernels import lowbit_gemm, lowbit_tma
+    out = {}
+    for name, fn in (("qgemm", lowbit_gemm._qgemm_kernel), ("tma", lowbit_tma._w8a8_tma_kernel)):
+        try:
+            counts = {"variants": 0, "wgmma": 0, "mma.sync": 0, "cp.async.bulk.tensor": 0}
+            for caches in fn.device_caches.values():
+                for ck in caches[0].values():
+                    ptx = ck.asm.get("ptx", "") if hasattr(ck, "asm") else ""
+                    counts["variants"] += 1
+                    for ins in ("wgmma", "mma.sync", "cp.async.bulk.tensor"):
+                        counts[ins] += ins in ptx
+            out[name] = counts
+        except Exception as ex:
+            out[name] = repr(ex)[:200]
+    return out
+
+
 RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
     ("fp8 gemm vs cuBLASLt _scaled_mm", "scaled_mm_us", "kestrel_gemm_us"),
     ("fp8 gemm vs cuBLASLt _scaled_mm fast-accum", "scaled_mm_fast_us", "kestrel_gemm_us"),
     ("fp8 e2e vs _scaled_mm + our act quant", "scaled_mm_e2e_us", "kestrel_e2e_us"),
     ("fp8 e2e vs Humming W8A8", "humming_e2e_us", "kestrel_e2e_us"),
+    ("fp8-weight decode, bf16 act (no act quant) vs Humming W8A8", "humming_e2e_us", "kestrel_a16_e2e_us"),
+    ("fp8-weight decode, bf16 act, BK=128 vs Humming W8A8", "humming_e2e_us", "kestrel_a16_bk128_e2e_us"),
     ("fp8 gemm vs cuBLAS bf16", "cublas_bf16_us", "kestrel_gemm_us"),
     ("int8 gemm vs torch._int_mm+scale", "int_mm_scaled_us", "kestrel_gemm_us"),
     ("w4a8 e2e vs Humming W4A8", "humming_w4a8_e2e_us", "kestrel_w4a8_e2e_us"),
@@ -335,6 +368,7 @@ def main():
                     fn()
                 except Exception:
                     traceback.print_exc()
+                meta["mma_instructions"] = mma_report()
                 write_report(rows, args.out, meta)
 
 

@@ -70,3 +70,15 @@ def test_w8a8_bad_inputs():
         gemm_w8a8(a, torch.ones(4, 1), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
     with pytest.raises(ValueError):
         quantize_weight_w8a8(torch.randn(8, 64), "fp6")
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8"])
+def test_w8a16_bf16_activations_vs_dequant(dtype):
+    """decode path without activation quant: bf16 x [M, K] @ dequantized 8-bit weight (fp32 reference)."""
+    from kestrel.kernels.gemm_w8a8 import gemm_w8a16
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    wq, ws = quantize_weight_w8a8(torch.randn(40, 256, generator=g) * 0.05, dtype)
+    ref = x.float() @ (wq.float() * ws.reshape(-1, 1)).t()
+    for cfg in (None, GemmConfig(BM=16, BN=32, BK=128, SPLIT_K=2)):
+        assert _rel(gemm_w8a16(x, wq, ws, torch.float32, cfg), ref) < 1e-5

@@ -7,8 +7,8 @@ Layouts: activation q [M, K] with per-token scale [M, 1] (or DeepSeek-style per-
 import torch
 
 from kestrel.kernels import act_quant
-from kestrel.kernels.lowbit_gemm import (A_FP8, A_INT8, W_FP8, W_INT8, GemmConfig, Operand, heuristic_config,
-                                         run_dense)
+from kestrel.kernels.lowbit_gemm import (A_BF16, A_FP8, A_INT8, W_FP8, W_INT8, GemmConfig, Operand,
+                                         heuristic_config, run_dense)
 
 FP8_BLOCK = 128  # DeepSeek-V3 block-scale granularity
 
@@ -61,6 +61,21 @@ def gemm_w8a8(a_q, a_scale, w_q, w_scale, out_dtype=torch.bfloat16, config: Gemm
     if not act_quant.use_triton(a_q):
         return ref_gemm_w8a8(a_q, a_scale, w_q, w_scale).to(out_dtype)
     return run_dense(a_op, w_op, M, N, K, out_dtype, config or tuned_config(M, N, K, a_op.fmt))
+
+
+def gemm_w8a16(x: torch.Tensor, w_q, w_scale, out_dtype=torch.bfloat16, config: GemmConfig | None = None):
+    """bf16 x [M, K] straight into the fp8 / int8 per-channel weight [N, K] (weight converted in registers, bf16 MMA):
+    no activation-quant pass — at decode sizes the GEMM is weight-bandwidth bound, so the 16-bit MMA costs nothing
+    and the extra launch of act quant is saved (and the activations are not rounded to 8 bits)."""
+    M, K = x.shape
+    N = w_q.shape[0]
+    if w_scale.numel() != N:
+        raise ValueError("gemm_w8a16 takes per-channel weight scales [N]")
+    if not act_quant.use_triton(x):
+        return (x.float() @ (w_q.float() * w_scale.float().reshape(-1, 1)).t()).to(out_dtype)
+    w_op = Operand(W_FP8 if w_q.dtype == torch.float8_e4m3fn else W_INT8, w_q, w_scale.float().reshape(-1).contiguous())
+    cfg = config or heuristic_config(M, N, K, A_BF16, w_op.fmt)
+    return run_dense(Operand(A_BF16, x.to(torch.bfloat16).contiguous()), w_op, M, N, K, out_dtype, cfg)
 
 
 def w8a8_linear(x: torch.Tensor, w_q, w_scale, act_group: int = -1, out_dtype=None):
