@@ -145,3 +145,22 @@ def test_short_replay_warns_and_is_not_exact(tiny, caplog):
     eng.generate([B], SamplingParams(max_tokens=1, **GREEDY))
     assert calls[0] == len(B) - len(PREFIX) + W  # replayed W tokens (P - W is block-aligned)
     assert (rows[0] - _hf_logits(hf, B)[-1]).abs().max() > 1e-3  # the receptive field was cut: it drifts
+
+
+def test_preemption_and_chunked_replay_stay_exact(tiny):
+    """A cache too small for the batch (preemption, then recompute through the prefix cache + replay) and a
+    token budget smaller than the replay (the replay spans several chunks)."""
+    path, hf, swa = tiny
+    if len(swa) != 2 or 0 in swa:
+        pytest.skip("one variant is enough (hybrid: full layer first)")
+    prompts = [A[:30], B[:33], A[:26] + B[40:], B[40:] + A[:28]]
+    with torch.no_grad():
+        refs = [hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                            pad_token_id=2)[0, len(p):].tolist() for p in prompts]
+    eng = LLMEngine(EngineConfig(model=path, block_size=BS, num_kv_blocks=24, max_num_batched_tokens=8,
+                                 progress=False, swa_replay_tokens=1))
+    outs = eng.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+    st = eng.stats()
+    assert st["num_preemptions"] > 0 and st["swa_replayed_tokens"] > 0
+    assert [o.output_token_ids for o in outs] == refs
+    assert st["swa_kv_blocks_used"] == 0  # everything went back to the pool
