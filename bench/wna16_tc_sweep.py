@@ -65,6 +65,26 @@ def sweep_configs(m: int, n: int, k: int) -> list[tuple[ComputeConfig, dict]]:
     return out
 
 
+def gpu_check():
+    """Every packed-asm decode path (int4 / fp4, paired or robust, swapped or not, bf16/fp16) vs dequant-matmul."""
+    C = ComputeConfig
+    for fmt in ("int4", "mxfp4", "nvfp4", "uint4-zp"):
+        for n, cfg, kw, dt in ((1024, C("tc", 64, 128, 0, 1, 8, 3), {}, torch.bfloat16),
+                               (1024, C("tc", 64, 128, 0, 2, 8, 3), {"swap": True}, torch.bfloat16),
+                               (1000, C("tc", 32, 128, 0, 1, 8, 3), {}, torch.bfloat16),
+                               (1024, C("tc", 64, 64, 0, 1, 4, 3), {"swap": False}, torch.float16)):
+            try:
+                qw = quantize(torch.randn(n, 1024, device="cuda") * 0.02, FORMATS[fmt])
+                x = torch.randn(77, 1024, device="cuda", dtype=dt)
+                ref = x.float() @ dequantize(qw).t()
+                y = tcmod.gemm_wna16_tc(x, qw, cfg, _format_args(qw), **kw)
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                print(f"CHECK {fmt} n={n} {dt} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} sk{cfg.split_k} {kw}: "
+                      f"rel err {err:.2e} {'OK' if err < 1e-2 else 'FAIL'}", flush=True)
+            except Exception as ex:
+                print(f"CHECK {fmt} n={n} {cfg} {kw}: ERROR {ex!r}"[:300], flush=True)
+
+
 def last_humming():
     """Humming µs per (layer, M) from last session's table (bench/results/gemm_wna16.md), for runs without it."""
     out = {}
@@ -85,6 +105,7 @@ def main():
     ap.add_argument("--format", default="int4", choices=sorted(FORMATS))
     ap.add_argument("--sweep", action="store_true", help="time every candidate tc config, not only the default")
     ap.add_argument("--humming", action="store_true", help="run Humming live (else last session's numbers)")
+    ap.add_argument("--check", action="store_true", help="first: GPU correctness of the packed-asm decodes")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
@@ -103,6 +124,8 @@ def main():
             meta["humming_error"] = repr(ex)
             args.humming = False
     print(meta, flush=True)
+    if args.check:
+        gpu_check()
     old_hum = last_humming()
     spec = FORMATS[args.format]
     ms = [int(v) for v in args.ms.split(",")]

@@ -129,6 +129,35 @@ def _decode_int4_x2(q, f, s, zb, SHARED: tl.constexpr, DT: tl.constexpr):
                                              is_pure=True, pack=2)
 
 
+def _asm_fp4(shared: bool) -> tl.constexpr:
+    """PTX for two e2m1 codes -> bf16x2 of value * 2^-126 (sign to bit 15, exponent/mantissa to bits 8..6; an
+    e2m1 subnormal lands on a bf16 subnormal, exact) times the pre-scaled scale pair."""
+    body = ("prmt.b32 t, $1, $2, $3; shr.u32 t, t, $5; " if shared else
+            "shr.u32 a, $1, $3; shr.u32 b, $2, $4; prmt.b32 t, a, b, 0x5410; ")
+    return tl.constexpr("{ .reg .b32 a, b, t, u; " + body + "shl.b32 u, t, 6; shl.b32 t, t, 12; "
+                        "and.b32 u, u, 0x01C001C0; and.b32 t, t, 0x80008000; or.b32 t, t, u; "
+                        "mul.rn.bf16x2 $0, t, " + ("$7" if shared else "$5") + "; }")
+
+
+_ASM_FP4_SH = _asm_fp4(True)
+_ASM_FP4 = _asm_fp4(False)
+
+
+@triton.jit
+def _decode_fp4_x2(q, f, s, SHARED: tl.constexpr):
+    """fp4 e2m1 fields -> bf16 value * s (s already carries 2^126), two elements per PTX block."""
+    if SHARED:
+        j = f // 2
+        sel = tl.broadcast_to(j | ((j + 4) << 8), q.shape)
+        sh = tl.broadcast_to((f % 2) * 4, q.shape)
+        return tl.inline_asm_elementwise(_ASM_FP4_SH, "=r,r,r,r,r,r,r,r", [q, sel, sh, s], dtype=s.dtype,
+                                         is_pure=True, pack=2)
+    else:
+        sh = tl.broadcast_to(f * 4, q.shape)
+        return tl.inline_asm_elementwise(_ASM_FP4, "=r,r,r,r,r,r", [q, sh, s], dtype=s.dtype, is_pure=True,
+                                         pack=2)
+
+
 @triton.jit
 def _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n, n_mask, N, a_pc, b_pc,
             BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
@@ -153,17 +182,26 @@ def _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n, n_mask, N, a_pc, b_pc,
             cmask = (blk < n_blocks)[:, None, None, None] & n_mask[None, None, None, :]
             q = tl.load(ptrs, mask=cmask, other=0)
         f = tl.arange(0, EPW)[None, None, :, None]  # [1, 1, EPW, 1]
-        if DEC:  # symmetric int4, one group per block (host checks)
-            g = (blk * PB // GROUP_SIZE)[:, None, None, None]
+        if DEC:  # packed asm decode: symmetric int4 or fp4 e2m1, grouped scales (host checks)
+            if GROUP_SIZE >= PB:
+                g = (blk * PB // GROUP_SIZE)[:, None, None, None]
+            else:
+                g = (blk[:, None, None, None] * PB + f * R) // GROUP_SIZE
             sp = s_ptr + g * N + offs_n[None, None, None, :]
             if cmask is None:
                 sc = tl.load(sp)
             else:
                 sc = tl.load(sp, mask=cmask, other=0)
-            sc = tl.broadcast_to(decode_scale(sc, SCALE_KIND).to(DT), (KB, R, EPW, BLOCK_N))
-            magic: tl.constexpr = 1024 if DT == tl.float16 else 128
-            zb = tl.full((KB, R, EPW, BLOCK_N), magic + CODE_OFFSET, DT)
-            w = _decode_int4_x2(tl.broadcast_to(q, (KB, R, EPW, BLOCK_N)), f, sc, zb, DEC == 2, DT)
+            sc = decode_scale(sc, SCALE_KIND)
+            qf = tl.broadcast_to(q, (KB, R, EPW, BLOCK_N))
+            if IS_INT:
+                sc = tl.broadcast_to(sc.to(DT), (KB, R, EPW, BLOCK_N))
+                magic: tl.constexpr = 1024 if DT == tl.float16 else 128
+                zb = tl.full((KB, R, EPW, BLOCK_N), magic + CODE_OFFSET, DT)
+                w = _decode_int4_x2(qf, f, sc, zb, DEC == 2, DT)
+            else:  # e2m1 bits under the bf16 exponent: value * 2^-126, folded into the scale with 2^-TILE_EXP
+                sc = tl.broadcast_to((sc * (2.0 ** (126 - TILE_EXP))).to(DT), (KB, R, EPW, BLOCK_N))
+                w = _decode_fp4_x2(qf, f, sc, DEC == 2)
             return tl.reshape(tl.permute(w, (0, 2, 1, 3)), (BK, BLOCK_N))
         if PER_CHANNEL:
             a = a_pc[None, None, None, :]
@@ -310,10 +348,11 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
     z = qw.zeros if qw.zeros is not None else qw.scales
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
-    # packed-asm decode: GPU only (the interpreter runs no PTX), symmetric int4 with one group per planar block;
-    # dec 2 pairs adjacent registers that share a field, which holds when n is contiguous per thread (even N)
-    if not (x2.device.type == "cuda" and layout == 0 and fmt["IS_INT"] and fmt["BITS"] == 4
-            and not fmt["HAS_ZERO"] and not fmt["PER_CHANNEL"] and fmt["GROUP_SIZE"] >= pb):
+    # packed-asm decode: GPU only (the interpreter runs no PTX), symmetric int4 or (bf16) fp4 e2m1 with grouped
+    # scales; dec 2 pairs adjacent registers that share a field, which holds when n is contiguous per thread
+    int4 = fmt["IS_INT"] and fmt["BITS"] == 4 and not fmt["HAS_ZERO"]
+    fp4 = (not fmt["IS_INT"] and (fmt["EXP_BITS"], fmt["MAN_BITS"]) == (2, 1) and x2.dtype == torch.bfloat16)
+    if not (x2.device.type == "cuda" and layout == 0 and (int4 or fp4) and not fmt["PER_CHANNEL"]):
         dec = 0
     elif dec is None or (dec == 2 and n % cfg.block_n):
         dec = 2 if n % cfg.block_n == 0 else 1
