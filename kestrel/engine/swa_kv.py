@@ -16,7 +16,8 @@ Resuming from the prefix cache: a request whose first P tokens hit the cache has
 them but no SWA K/V. The engine restarts it at S < P and runs tokens S..P-1 again (the *replay*) before the new
 ones: full layers attend over their cached K/V and write the replayed positions' fresh K/V to a trash block
 (never over the shared cached blocks: for the first replayed positions they are wrong, see below); SWA layers
-write their K/V into fresh SWA blocks. Keys before S read the null block.
+write their K/V into fresh SWA blocks. Keys before S read the null block. Stats: a request's cached tokens
+(prefix_cache_hits, num_cached_tokens) count S, the tokens not run again; `swa_replayed_tokens` counts P - S.
 
 How much to replay, exactly: a layer's output at t is exact when its inputs at t are and the keys it reads are.
 Full layers read cached (exact) K/V, so they keep a position exact. SWA layer j (j-th SWA layer from the input)
