@@ -22,17 +22,45 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gpu_timing import copy_bandwidth  # noqa: E402
 
-VARIANTS = ([("mv", bn, w, st) for (bn, w), st in itertools.product(((64, 4), (128, 4), (128, 8), (256, 4), (256, 8)),
-                                                                      (3, 4))]
-            + [("mvs", bn, w, 3) for bn, w in ((64, 4), (128, 4), (128, 8))]
-            + [("gemv", bn, w, 3) for bn, w in ((128, 1), (256, 2), (128, 4), (256, 4))])
-SPLITS = (1, 2, 4, 8, 16)
+def _variants():
+    """(kernel, block_n, warps, stages, block_k) of every small-M tuning candidate (tuning.small_m_candidates)."""
+    from kestrel.kernels.configs import LayerConfig
+    from kestrel.kernels.tuning import FORMATS, small_m_candidates
+    layer = LayerConfig(FORMATS["int4"], 8192, 8192)
+    seen = {}
+    for m in (1, 16):
+        for c in small_m_candidates(layer, m):
+            seen[(c.kernel, c.block_n, c.num_warps, c.num_stages, c.block_k)] = None
+    return list(seen)
+
+
+VARIANTS = _variants()
+SPLITS = (1, 2, 4, 8, 16, 32)
 
 
 def cfg_of(v, split):
     from kestrel.kernels.configs import ComputeConfig
-    kern, bn, w, st = v
-    return ComputeConfig(kern, 1 if kern == "gemv" else 16, bn, 0, split, w, st)
+    kern, bn, w, st, bk = v
+    return ComputeConfig(kern, 1 if kern == "gemv" else 16, bn, bk, split, w, st)
+
+
+def _warm_humming(shape):
+    """Worker: JIT-compile Humming's int4 g128 kernels for one (N, K) (its cubin cache is on disk)."""
+    import torch
+    t0 = time.time()
+    try:
+        from humming.layer import HummingLayer
+        n, k = shape
+        layer = HummingLayer(shape_n=n, shape_k=k, weight_config={"dtype": "int4", "group_size": 128},
+                             torch_dtype=torch.bfloat16).cuda()
+        layer.load_from_unquantized(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        layer.transform()
+        for m in (1, 4, 16):
+            layer(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        torch.cuda.synchronize()
+        return shape, time.time() - t0, None
+    except Exception as ex:
+        return shape, time.time() - t0, repr(ex)[:300]
 
 
 def _warm(job):
@@ -62,12 +90,14 @@ def _check(job):
     from kestrel.kernels.tuning import FORMATS
     from kestrel.quant import dequantize, quantize
     try:
-        qw = quantize(torch.randn(1000, 2048, device="cuda") * 0.02, FORMATS[fmt])
+        qw = quantize(torch.randn(1000, 2176, device="cuda") * 0.02, FORMATS[fmt])  # 17 blocks: KB=2 tails
         errs = []
         for m in (1, 5, 16):
-            x = torch.randn(m, 2048, device="cuda", dtype=getattr(torch, dtype))
+            x = torch.randn(m, 2176, device="cuda", dtype=getattr(torch, dtype))
             ref = x.double() @ dequantize(qw).double().t()
-            cfg = ComputeConfig(kern, 1 if kern == "gemv" else 16, 64, 0, split, 1 if kern == "gemv" else 4, 3)
+            bk = 2 * FORMATS[fmt].k_multiple if kern.endswith("2") else 0
+            kern = kern.rstrip("2")
+            cfg = ComputeConfig(kern, 1 if kern == "gemv" else 16, 64, bk, split, 4, 3)
             for _ in range(2):  # twice: the split-K counters must be back at zero
                 y = gemm_wna16(x, qw, cfg) if (kern != "gemv" or m == 1) else None
             if y is not None:
@@ -108,6 +138,10 @@ def main():
     ap.add_argument("--humming-json", default="bench/results/gemm_wna16_int4.json")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--dry", action="store_true", help="CPU smoke run of the script (TRITON_INTERPRET=1, tiny shape)")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="only compile the kestrel candidates (and with --humming, Humming's kernels) in parallel")
+    ap.add_argument("--humming", action="store_true", help="also JIT-compile Humming for the shapes (warm-only)")
+    ap.add_argument("--no-checks", action="store_true", help="skip the GPU correctness checks")
     args = ap.parse_args()
     dev = "cpu" if args.dry else "cuda"
     t_start = time.time()
@@ -124,9 +158,13 @@ def main():
         warm = []
     else:
         pool = mp.get_context("spawn").Pool(args.workers)
+        hum_jobs = ([nk for mm in args.models.split(",") for nk in MODEL_SHAPES[mm]] if args.humming else [])
+        hum_res = pool.map_async(_warm_humming, hum_jobs)
         warm = pool.map(_warm, jobs)
-        checks = [(f, d, kern, sk) for f in ("int4", "uint4-zp", "int8", "mxfp4", "nvfp4", "int2")
-                  for d in ("bfloat16", "float16") for kern in ("mv", "mvs", "gemv") for sk in (1, 3)
+        for shape, t, err in hum_res.get():
+            print(f"humming warm {shape}: {t:.1f}s {err or ''}", flush=True)
+        checks = [] if (args.no_checks or args.warm_only) else [(f, d, kern, sk) for f in ("int4", "uint4-zp", "int8", "mxfp4", "nvfp4", "int2")
+                  for d in ("bfloat16", "float16") for kern in ("mv", "mvs", "gemv", "mv2", "gemv2") for sk in (1, 3)
                   if f in ("int4", "uint4-zp") or (d == "bfloat16" and sk == 3)]
         for job, errs, err in pool.map(_check, checks):
             flag = "OK " if errs is not None and max(errs) < 1e-2 else "BAD"
@@ -138,6 +176,8 @@ def main():
         if err:
             print(f"compile/run failed {v} split={s}: {err}", flush=True)
     print(f"compiled {len(jobs)} kernels in {time.time() - t_start:.1f}s", flush=True)
+    if args.warm_only:
+        return
     copy_bw = 1.0 if args.dry else copy_bandwidth()["rw_TBps"]
     print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
 

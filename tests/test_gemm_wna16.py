@@ -75,6 +75,18 @@ def test_small_m_kernels_every_format(spec):
     _check(qw, 16, ComputeConfig("mvs", 16, 32, 0, split_k=1, num_warps=4, num_stages=2))
 
 
+@pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128),
+                                  QuantSpec("uint4", has_zero_point=True, group_size=64, scale_dtype="fp16"),
+                                  QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")], ids=lambda s: s.name)
+def test_small_m_two_blocks_per_step(spec):
+    # block_k = 2 planar blocks per K step; K = 5 blocks so a split ends inside a step (masked tile)
+    qw = quantize(torch.randn(48, 5 * spec.k_multiple, generator=torch.Generator().manual_seed(9)), spec)
+    bk = 2 * spec.k_multiple
+    _check(qw, 1, ComputeConfig("gemv", 1, 32, bk, split_k=2, num_warps=1, num_stages=2))
+    _check(qw, 6, ComputeConfig("mv", 16, 32, bk, split_k=2, num_warps=4, num_stages=2))
+    _check(qw, 9, ComputeConfig("mvs", 16, 16, bk, split_k=1, num_warps=4, num_stages=2))
+
+
 @pytest.mark.parametrize("m", list(range(1, 17)))
 def test_small_m_every_m(m):
     qw = quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(7)), QuantSpec("int4", group_size=64))

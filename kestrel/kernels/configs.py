@@ -119,10 +119,13 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
         want = _pow2_floor(max(1, (ctas_per_sm * num_sms) // max(1, n_tiles)))
         return max(1, min(want, k_steps // 4 or 1, 32))
 
-    if m <= 2:  # decode: stream the weight on CUDA cores; 1-warp CTAs, many per SM, split-K for narrow N
-        bn = 128 if layer.n >= 128 else 64
-        split = split_for(-(-layer.n // bn), -(-layer.k // layer.spec.k_multiple), 8)
-        return ComputeConfig("gemv", 1, bn, 0, split, num_warps=1, num_stages=3)
+    if m <= 16:  # decode (gemm_wna16_small.py); H200 sweep (bench/results/gemm_wna16.md): split-K up to 16
+        k_steps = -(-layer.k // layer.spec.k_multiple)
+        bn = 256 if layer.n >= 2048 else 64
+        if m == 1:  # CUDA-core GEMV with many small programs won every M=1 shape but one
+            return ComputeConfig("gemv", 1, bn, 0, max(1, min(16, k_steps // 2)), num_warps=4, num_stages=3)
+        split = max(1, min(_pow2_floor(max(1, 2 * num_sms // -(-layer.n // bn))), k_steps // 2, 16))
+        return ComputeConfig("mv", 16, bn, 0, split, num_warps=4, num_stages=3)
     if m > 16:
         return heuristic_tc(layer, m, num_sms)
     if m <= 64:

@@ -27,45 +27,35 @@ from kestrel.kernels.dequant import decode_scale, fp_plane, int_plane, int_to_f3
 
 
 @triton.jit
-def _nibble_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr):
-    """GPU only (inline PTX): 4-bit field FIELD of int32 words -> OFF + c in bf16 (OFF = 128) or fp16 (OFF = 1024),
-    exactly; two words per PRMT + LOP3 (+ SHR for odd fields), no float conversion instruction."""
-    if FP16:
-        if FIELD == 0:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x4400; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
-        elif FIELD == 1:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x4400; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
-        elif FIELD == 2:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x5511; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
-        elif FIELD == 3:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x5511; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
-        elif FIELD == 4:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x6622; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
-        elif FIELD == 5:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x6622; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
-        elif FIELD == 6:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7733; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
+def _nibble_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr, SUB: tl.constexpr):
+    """GPU only (inline PTX): 4-bit field FIELD of int32 words -> bf16/fp16, two words per PRMT + LOP3 (+ SHR for
+    odd fields): OFF + c exactly (magic exponent, OFF = 128 in bf16, 1024 in fp16), and with SUB >= 0 minus
+    (OFF + SUB) in one packed FMA, i.e. c - SUB exactly."""
+    B: tl.constexpr = FIELD // 2
+    sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)  # byte B of each word
+    magic = tl.full(q.shape, 0x64006400 if FP16 else 0x43004300, tl.int32)
+    one = tl.full(q.shape, 0x3C003C00 if FP16 else 0x3F803F80, tl.int32)
+    NEG: tl.constexpr = (0xE400 if FP16 else 0xC300) | (SUB if SUB >= 0 else 0)
+    neg = tl.full(q.shape, (NEG << 16) | NEG, tl.int32)
+    cons: tl.constexpr = "=r,r,r,r,r,r,r,r,r,r,r"
+    if FIELD % 2 == 0:
+        if SUB < 0:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, $3; lop3.b32 $0, $0, 0x000F000F, $5, 0xEA;"
+        elif FP16:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, $3; lop3.b32 $0, $0, 0x000F000F, $5, 0xEA; fma.rn.f16x2 $0, $0, $7, $9;"
         else:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7733; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA;"
-        return tl.inline_asm_elementwise(asm, "=r,r,r", [q], dtype=tl.float16, is_pure=True, pack=2)
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, $3; lop3.b32 $0, $0, 0x000F000F, $5, 0xEA; fma.rn.bf16x2 $0, $0, $7, $9;"
     else:
-        if FIELD == 0:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x4400; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
-        elif FIELD == 1:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x4400; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
-        elif FIELD == 2:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x5511; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
-        elif FIELD == 3:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x5511; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
-        elif FIELD == 4:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x6622; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
-        elif FIELD == 5:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x6622; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
-        elif FIELD == 6:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7733; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
+        if SUB < 0:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, $3; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, $5, 0xEA;"
+        elif FP16:
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, $3; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, $5, 0xEA; fma.rn.f16x2 $0, $0, $7, $9;"
         else:
-            asm: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7733; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xEA;"
-        return tl.inline_asm_elementwise(asm, "=r,r,r", [q], dtype=tl.bfloat16, is_pure=True, pack=2)
+            asm: tl.constexpr = "prmt.b32 $0, $1, $2, $3; shr.b32 $0, $0, 4; lop3.b32 $0, $0, 0x000F000F, $5, 0xEA; fma.rn.bf16x2 $0, $0, $7, $9;"
+    if FP16:
+        return tl.inline_asm_elementwise(asm, cons, [q, sel, magic, one, neg], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(asm, cons, [q, sel, magic, one, neg], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -96,7 +86,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-               ASM: tl.constexpr, R: tl.constexpr):
+               ASM: tl.constexpr, KB: tl.constexpr, R: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -104,13 +94,14 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     # fields per quantization group run: all of a block when one group covers it
     FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
     MANT: tl.constexpr = BITS < 8  # 1 + c/2^B is exact in bf16 only up to 7 mantissa bits
+    SUB: tl.constexpr = CODE_OFFSET - 1000 * HAS_ZERO  # < 0: keep OFF + c and correct through the x sum
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
     offs_r = tl.arange(0, R)
     n_blocks = tl.cdiv(K, PB)
-    per_split = tl.cdiv(n_blocks, split_k)
+    per_split = tl.cdiv(tl.cdiv(n_blocks, split_k), KB) * KB
     b0 = pid_k * per_split
     b1 = tl.minimum(b0 + per_split, n_blocks)
     if SWAP:
@@ -118,70 +109,78 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, R)
-    for b in tl.range(b0, b1, num_stages=NUM_STAGES):
-        q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        for i in tl.static_range(EPW):
-            # field i of the tile: k = b*PB + i*R + r, decoded where the MMA operand lives (Triton moves the word
-            # tile, not the decoded values, through shared memory)
-            if ASM:
-                w = _nibble_pairs(q, i, x_ptr.dtype.element_ty == tl.float16)  # OFF + c
-            else:
-                if IS_INT:
-                    if MANT:
-                        v = int_plane(q, i, BITS)  # 1 + c/2^B
+    for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
+        for kb in tl.static_range(KB):  # KB word tiles per step: more bytes in flight per program
+            b = b_step + kb
+            nb_mask = n_mask & ((offs_n * 0 + b) < b1)
+            # a step past this split's end (KB > 1) reads an in-range x block and is weighted 0 below
+            bc = tl.minimum(b, n_blocks - 1)
+            okf = (b < b1).to(tl.float32)
+            q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=nb_mask[None, :], other=0)
+            for i in tl.static_range(EPW):
+                # field i of the tile: k = b*PB + i*R + r, decoded where the MMA operand lives (Triton moves the word
+                # tile, not the decoded values, through shared memory)
+                if ASM:  # c - CODE_OFFSET (symmetric) or OFF + c (zero points: corrected through the x sum)
+                    w = _nibble_pairs(q, i, x_ptr.dtype.element_ty == tl.float16, SUB)
+                else:
+                    if IS_INT:
+                        if MANT:
+                            v = int_plane(q, i, BITS)  # 1 + c/2^B
+                        else:
+                            v = int_to_f32((q >> (i * BITS)) & ((1 << BITS) - 1))
                     else:
-                        v = int_to_f32((q >> (i * BITS)) & ((1 << BITS) - 1))
+                        v = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS)
+                    w = v.to(x_ptr.dtype.element_ty)
+                kx = bc * PB + i * R + offs_k
+                if EVEN_K:
+                    xmask = m_mask[:, None]
                 else:
-                    v = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS)
-                w = v.to(x_ptr.dtype.element_ty)
-            kx = b * PB + i * R + offs_k
-            if EVEN_K:
-                xmask = m_mask[:, None]
-            else:
-                xmask = m_mask[:, None] & (kx < K)[None, :]
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=xmask, other=0.0)
-            if IS_INT:
-                if i % FPG == 0:
-                    xs = tl.sum(x.to(tl.float32), axis=1)
-                else:
-                    xs += tl.sum(x.to(tl.float32), axis=1)
-            if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
-                w = w.to(tl.float32)
-                x = x.to(tl.float32)
-            if SWAP:
-                if i % FPG == 0:
-                    d = tl.dot(tl.trans(w), tl.trans(x))  # [BN, BM]
-                else:
-                    d = tl.dot(tl.trans(w), tl.trans(x), d)
-            else:
-                if i % FPG == 0:
-                    d = tl.dot(x, w)  # [BM, BN]
-                else:
-                    d = tl.dot(x, w, d)
-            if (i + 1) % FPG == 0:  # end of a quantization group run: correction and scale on [BM, BN]
-                g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
-                if IS_INT:
-                    if HAS_ZERO:
-                        zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+                    xmask = m_mask[:, None] & (kx < K)[None, :]
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=xmask, other=0.0)
+                if IS_INT and not (ASM and not HAS_ZERO):
+                    if i % FPG == 0:
+                        xs = tl.sum(x.to(tl.float32), axis=1)
                     else:
-                        zero = tl.zeros((BLOCK_N,), dtype=tl.float32) + CODE_OFFSET
-                    if ASM:
-                        zero = zero + (1024.0 if x_ptr.dtype.element_ty == tl.float16 else 128.0)
-                    elif MANT:
-                        d = d * (1 << BITS)
-                        zero = zero + (1 << BITS)
-                    if SWAP:
-                        d = d - zero[:, None] * xs[None, :]
+                        xs += tl.sum(x.to(tl.float32), axis=1)
+                if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
+                    w = w.to(tl.float32)
+                    x = x.to(tl.float32)
+                if SWAP:
+                    if i % FPG == 0:
+                        d = tl.dot(tl.trans(w), tl.trans(x))  # [BN, BM]
                     else:
-                        d = d - xs[:, None] * zero[None, :]
-                if PER_CHANNEL:
-                    acc += d
+                        d = tl.dot(tl.trans(w), tl.trans(x), d)
                 else:
-                    s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0), SCALE_KIND)
-                    if SWAP:
-                        acc += d * s[:, None]
+                    if i % FPG == 0:
+                        d = tl.dot(x, w)  # [BM, BN]
                     else:
-                        acc += d * s[None, :]
+                        d = tl.dot(x, w, d)
+                if (i + 1) % FPG == 0:  # end of a quantization group run: correction and scale on [BM, BN]
+                    g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
+                    if IS_INT and not (ASM and not HAS_ZERO):
+                        if HAS_ZERO:
+                            zero = tl.load(z_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.float32)
+                        else:
+                            zero = tl.zeros((BLOCK_N,), dtype=tl.float32) + CODE_OFFSET
+                        if ASM:
+                            zero = zero + (1024.0 if x_ptr.dtype.element_ty == tl.float16 else 128.0)
+                        elif MANT:
+                            d = d * (1 << BITS)
+                            zero = zero + (1 << BITS)
+                        if SWAP:
+                            d = d - zero[:, None] * xs[None, :]
+                        else:
+                            d = d - xs[:, None] * zero[None, :]
+                    if KB > 1:
+                        d = d * okf
+                    if PER_CHANNEL:
+                        acc += d
+                    else:
+                        s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0), SCALE_KIND)
+                        if SWAP:
+                            acc += d * s[:, None]
+                        else:
+                            acc += d * s[None, :]
     if SWAP:
         acc = tl.trans(acc)
     if PER_CHANNEL:
@@ -198,7 +197,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
                  MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
                  SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                  HAS_GSCALE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, R: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, KB: tl.constexpr, R: tl.constexpr):
     """CUDA cores, one row of x per program: each bit field of the [R, BN] word tile is a [R, BN] tile of
     contiguous k decoded into fp32 1 + c/2^B (ints) or value * 2^(bias-127) (minifloats) and FMA'd with x; the
     group scale (and zero, through the x sum) is applied once per field group after an in-thread reduction."""
@@ -211,45 +210,52 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
     n_mask = offs_n < N
     offs_r = tl.arange(0, R)
     n_blocks = tl.cdiv(K, PB)
-    per_split = tl.cdiv(n_blocks, split_k)
+    per_split = tl.cdiv(tl.cdiv(n_blocks, split_k), KB) * KB
     b0 = pid_k * per_split
     b1 = tl.minimum(b0 + per_split, n_blocks)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_row = x_ptr + pid_m * stride_xm
-    for b in tl.range(b0, b1, num_stages=NUM_STAGES):
-        q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        for i in tl.static_range(EPW):
-            kx = b * PB + i * R + offs_r
-            if EVEN_K:
-                xi = tl.load(x_row + kx).to(tl.float32)
-            else:
-                xi = tl.load(x_row + kx, mask=kx < K, other=0.0).to(tl.float32)
-            if IS_INT:
-                v = int_plane(q, i, BITS)
-            else:
-                v = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS)
-            if i % PPG == 0:
-                part = v * xi[:, None]
-                if IS_INT:
-                    xs = tl.sum(xi, axis=0)
-            else:
-                part += v * xi[:, None]
-                if IS_INT:
-                    xs += tl.sum(xi, axis=0)
-            if (i + 1) % PPG == 0:
-                t = tl.sum(part, axis=0)
-                if IS_INT:
-                    g = (b * PB + (i + 1 - PPG) * R) // GROUP_SIZE
-                    if HAS_ZERO:
-                        zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
-                    else:
-                        zero = CODE_OFFSET * 1.0
-                    t = t * (1 << BITS) - ((1 << BITS) + zero) * xs  # v = 1 + c/2^B
-                if PER_CHANNEL:
-                    acc += t
+    for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
+        for kb in tl.static_range(KB):  # KB word tiles per step: more bytes in flight per program
+            b = b_step + kb
+            nb_mask = n_mask & ((offs_n * 0 + b) < b1)
+            bc = tl.minimum(b, n_blocks - 1)  # a step past the split's end reads an in-range x block, weight 0
+            okf = (b < b1).to(tl.float32)
+            q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=nb_mask[None, :], other=0)
+            for i in tl.static_range(EPW):
+                kx = bc * PB + i * R + offs_r
+                if EVEN_K:
+                    xi = tl.load(x_row + kx).to(tl.float32)
                 else:
-                    g = (b * PB + (i + 1 - PPG) * R) // GROUP_SIZE
-                    acc += t * decode_scale(tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0), SCALE_KIND)
+                    xi = tl.load(x_row + kx, mask=kx < K, other=0.0).to(tl.float32)
+                if IS_INT:
+                    v = int_plane(q, i, BITS)
+                else:
+                    v = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS)
+                if i % PPG == 0:
+                    part = v * xi[:, None]
+                    if IS_INT:
+                        xs = tl.sum(xi, axis=0)
+                else:
+                    part += v * xi[:, None]
+                    if IS_INT:
+                        xs += tl.sum(xi, axis=0)
+                if (i + 1) % PPG == 0:
+                    t = tl.sum(part, axis=0)
+                    if IS_INT:
+                        g = (b * PB + (i + 1 - PPG) * R) // GROUP_SIZE
+                        if HAS_ZERO:
+                            zero = tl.load(z_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.float32)
+                        else:
+                            zero = CODE_OFFSET * 1.0
+                        t = t * (1 << BITS) - ((1 << BITS) + zero) * xs  # v = 1 + c/2^B
+                    if KB > 1:
+                        t = t * okf
+                    if PER_CHANNEL:
+                        acc += t
+                    else:
+                        g = (b * PB + (i + 1 - PPG) * R) // GROUP_SIZE
+                        acc += t * decode_scale(tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0), SCALE_KIND)
     if PER_CHANNEL:
         acc = acc * decode_scale(tl.load(s_ptr + offs_n, mask=n_mask, other=0), SCALE_KIND)
     if HAS_GSCALE:
@@ -290,6 +296,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
     even_k = k % (fmt["R"] * fmt["EPW"]) == 0
     on_gpu = x2.device.type == "cuda"
+    kb = max(1, cfg.block_k // (fmt["R"] * fmt["EPW"]))  # planar blocks per K step (block_k = K elements)
     if cfg.kernel == "gemv":
         grid = (triton.cdiv(n, cfg.block_n), m, split)
     else:
@@ -304,9 +311,9 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fmt)
     if cfg.kernel == "gemv":
         _gemv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
-                           split, **common)
+                           split, KB=kb, **common)
     else:
         _mv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
-                         split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu,
+                         split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          ASM=on_gpu and fmt["IS_INT"] and fmt["BITS"] == 4 and _ASM, **common)
     return y

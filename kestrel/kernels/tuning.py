@@ -30,11 +30,9 @@ MODEL_SHAPES = {  # (N, K) of the linear layers (fused qkv and gate_up)
 
 def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     out = []
-    if m <= 4:
-        for (bn, w), sk, st in itertools.product(((128, 1), (256, 2), (64, 1), (512, 4), (128, 2), (256, 4)),
-                                                 (1, 2, 4, 8, 16, 32), (1, 3, 4)):
-            out.append(ComputeConfig("gemv", 1, bn, 0, sk, w, st))
-    if m <= 64:
+    if m <= 16:
+        out += small_m_candidates(layer, m)
+    if 16 < m <= 64:
         for bm, bn, sk, w, st in itertools.product((16, 32, 64), (32, 64, 128), (1, 2, 4, 8), (4, 2), (2, 3, 4)):
             if bm <= max(16, 1 << (m - 1).bit_length()):
                 out.append(ComputeConfig("dot", bm, bn, 0, sk, w, st))
@@ -57,6 +55,22 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     # nearest neighbours of the heuristic first, so --max-candidates does a local search around it
     dist = lambda c: sum(a != b for a, b in zip(c.to_dict().values(), h.to_dict().values()))
     return sorted(uniq, key=dist)
+
+
+def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
+    """M <= 16 (gemm_wna16_small.py), pruned by the H200 sweep (bench/gemv_sweep.py): 3 stages always, the
+    tile/warp shapes that won somewhere, split-K 1..32, and 2 planar blocks per step (block_k) as an option."""
+    km = layer.spec.k_multiple
+    out = []
+    if m <= 2:
+        for (bn, w, bk), sk in itertools.product(((128, 1, 0), (256, 2, 0), (256, 4, 0), (256, 4, 2 * km)),
+                                                 (4, 8, 16, 32)):
+            out.append(ComputeConfig("gemv", 1, bn, bk, sk, w, 3))
+    for (kern, bn, w, bk), sk in itertools.product((("mv", 256, 4, 0), ("mv", 256, 4, 2 * km), ("mv", 128, 4, 0),
+                                                    ("mv", 128, 4, 2 * km), ("mv", 128, 8, 0), ("mvs", 128, 4, 0)),
+                                                   (1, 2, 4, 8, 16)):
+        out.append(ComputeConfig(kern, 16, bn, bk, sk, w, 3))
+    return out
 
 
 def make_weights(layer: LayerConfig, device, min_bytes: int = 256 << 20, max_copies: int = 8):
@@ -82,6 +96,27 @@ def time_config(fn_for_copy, n_copies: int, rep_ms: int = 40) -> float:
     return do_bench(step, warmup=10, rep=rep_ms, return_mode="median") * 1e3
 
 
+def time_config_graph(fn_for_copy, n_copies: int, calls: int = 20, replays: int = 10) -> float:
+    """Median µs per call inside a CUDA graph of `calls` calls rotating over the weight copies: what decode
+    (graph mode) sees; do_bench would time the Python launch of these few-µs kernels instead."""
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        fn_for_copy(0)
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn_for_copy(i % n_copies)
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(replays):
+        s.record(); g.replay(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e))
+    return sorted(ts)[len(ts) // 2] * 1e3 / calls
+
+
 def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progress=None,
                max_candidates: int | None = None) -> dict:
     """-> {cache_key: {"config": {...}, "us": t, "heuristic_us": t_h}} for each M bucket."""
@@ -94,9 +129,15 @@ def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progr
         if max_candidates:
             cands = cands[:max_candidates]
         best, best_t, heur_t = None, float("inf"), None
+        ref = gemm_wna16(x, weights[0], heuristic(layer, m)).float() if m <= 16 else None
         for cfg in cands:
             try:
-                t = time_config(lambda i, cfg=cfg: gemm_wna16(x, weights[i], cfg), len(weights))
+                if ref is not None:  # never store a config that computes something else
+                    y = gemm_wna16(x, weights[0], cfg).float()
+                    if not ((y - ref).norm() <= 1e-2 * ref.norm()):
+                        raise ValueError(f"{cfg} disagrees with the heuristic config")
+                timer = time_config_graph if m <= 16 else time_config
+                t = timer(lambda i, cfg=cfg: gemm_wna16(x, weights[i], cfg), len(weights))
             except Exception:  # a config the compiler rejects (shared memory, registers) is simply skipped
                 t = float("inf")
             if cfg == heuristic(layer, m):
