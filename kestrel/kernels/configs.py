@@ -41,6 +41,7 @@ class ComputeConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = False  # "tc": y^T = W^T x^T (decoded W as the wgmma A operand, from registers); block_m < 64 always
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -337,12 +337,12 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
                   group_m: int = 8) -> torch.Tensor:
     """x2 [M, K] contiguous (already permuted for act-order) -> y [M, N] in x2's dtype. `fmt` is the format
     constexpr dict of gemm_wna16. cfg.block_k is the K step in planar blocks' elements (0 = one block).
-    SWAP (W as the wgmma A operand) defaults to block_m < 64, where a wgmma M of 64 would idle rows."""
+    SWAP (W as the wgmma A operand) defaults to cfg.swap or block_m < 64 (a wgmma M of 64 would idle rows)."""
     m, _ = x2.shape
     n, k = qw.shape
     pb = fmt["R"] * fmt["EPW"]
     kb = max(1, cfg.block_k // pb)
-    swap = cfg.block_m < 64 if swap is None else swap
+    swap = (cfg.swap or cfg.block_m < 64) if swap is None else swap
     split = cfg.split_k
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
