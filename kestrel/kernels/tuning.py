@@ -67,7 +67,8 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
                                                  (4, 8, 16, 32)):
             out.append(ComputeConfig("gemv", 1, bn, bk, sk, w, 3))
     for (kern, bn, w, bk), sk in itertools.product((("mv", 256, 4, 0), ("mv", 256, 4, 2 * km), ("mv", 128, 4, 0),
-                                                    ("mv", 128, 4, 2 * km), ("mv", 128, 8, 0), ("mvs", 128, 4, 0)),
+                                                    ("mv", 128, 4, 2 * km), ("mv", 128, 8, 0), ("mv", 128, 2, 0),
+                                                    ("mvs", 128, 4, 0)),
                                                    (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, 3))
     return out
