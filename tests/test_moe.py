@@ -7,7 +7,7 @@ import torch
 
 from kestrel.kernels import act_quant as aq
 from kestrel.kernels.lowbit_gemm import A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4, Operand
-from kestrel.kernels.moe_align import max_blocks, moe_align, moe_align_chunked, moe_align_torch, route_topk
+from kestrel.kernels.moe_align import max_blocks, moe_align, moe_align_torch, route_topk
 from kestrel.kernels.moe_gemm import grouped_gemm, moe_config, quantize_experts
 from kestrel.kernels.moe_layer import FusedMoE, ref_moe
 
@@ -18,8 +18,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("M,k,E,bm", [(7, 2, 4, 4), (1, 8, 64, 16), (40, 3, 5, 16), (300, 8, 128, 64),
-                                      (600, 6, 64, 32)])  # the last two: chunked path, several chunks
+@pytest.mark.parametrize("M,k,E,bm", [(7, 2, 4, 4), (1, 8, 64, 16), (40, 3, 5, 16), (200, 8, 128, 64)])
 def test_align_covers_every_slot_once(M, k, E, bm):
     g = torch.Generator().manual_seed(M * E)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
@@ -39,8 +38,6 @@ def test_align_covers_every_slot_once(M, k, E, bm):
         assert (ids.flatten()[blk] == expert_ids[b]).all()
     # the single-launch Triton align and the torch-ops one agree exactly (both stable)
     for got, want in zip((sorted_ids, expert_ids, num_post), moe_align_torch(ids, E, bm)):
-        assert torch.equal(got, want)
-    for got, want in zip(moe_align_chunked(ids, E, bm), moe_align_torch(ids, E, bm)):  # whatever size dispatches
         assert torch.equal(got, want)
 
 

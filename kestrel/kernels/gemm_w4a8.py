@@ -7,8 +7,8 @@ scale go in the epilogue. Weight layout: packed uint8 [N, K // 2] (low nibble = 
 Supported weight scales: fp32/bf16 (int4 or fp4, group >= 32 or per-channel), e8m0 per 32 (MXFP4), e4m3 per 16 +
 fp32 global (NVFP4: its 16-wide blocks are shorter than one fp8 MMA step, so NVFP4 weights take the bf16 MMA with
 both operands converted exactly in registers — slower; int4 / MXFP4 are the fast W4A8 formats).
-Kernel paths: M <= 256 swapped operands (C^T = W @ A^T: the converted weight tile is the wgmma register operand);
-larger M with int4: expand to fp8 once per call, then the TMA fp8 kernel (lowbit_tma.py). int4 weights repacked by
+Kernel paths: swapped operands (C^T = W @ A^T: the converted weight tile is the wgmma register operand); with
+config TMA=1 and int4, expand to fp8 once per call, then the TMA fp8 kernel (lowbit_tma.py; not faster so far). int4 weights repacked by
 W4Weight.kernel_layout() ("halves": each byte holds k and k + 64 of a 128-wide K block) decode with no nibble
 interleave — two dots of K/2 per tile instead of a join/reshape shuffle.
 """
@@ -144,7 +144,7 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
     cfg = config or lookup("w4a8-" + w.fmt, M, N, K) or heuristic_config(M, N, K, A_FP8, W_INT4)
     w_op = w.operand()
     if cfg.TMA and w.fmt == "int4" and (w_op.group == 0 or w_op.group % 128 == 0) and M > 0:
-        # large M: expand to fp8 once per call, then the TMA fp8 kernel (lowbit_tma.py says why)
+        # expand to fp8 once per call, then the TMA fp8 kernel (lowbit_tma.py)
         from kestrel.kernels.lowbit_tma import int4_to_fp8, launch_tma, tma_ok
         w8 = int4_to_fp8(w.packed, halves=w.layout == "halves")
         out = torch.empty((M, N), dtype=out_dtype, device=a_q.device)

@@ -372,17 +372,19 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
 
 def heuristic_config(M: int, N: int, K: int, a_fmt: int, w_fmt: int, num_sms: int = 132) -> GemmConfig:
     """Default compute config when the tune cache has no entry. The 8-bit-MMA choices are the H200 sweep's best on
-    average over nine Llama-3 shapes (bench/results/gemm_w8a8.md, `bench/lowbit_sweep.py`)."""
+    average over nine Llama-3 shapes (bench/results/gemm_w8a8_sweep.md); 6 stages at 16 < M <= 256 and the fused
+    W4A8 kernel at M > 256 come from the follow-up run at 8192x8192 (bench/results/gemm_w8a8.md)."""
     dq16 = a_fmt in (A_BF16, A_MXFP4, A_NVFP4)
     w4 = w_fmt in (W_INT4, W_FP4)
     if not dq16 and M > 16:
-        if w4:  # W4A8: swapped (weight rows on the MMA's 64-row side); large M: expand to fp8 + TMA (int4 only)
+        if w4:  # W4A8: swapped (weight rows on the MMA's 64-row side). (Expand-to-fp8 + TMA, config TMA=1, measured
+            # slower: its per-K-tile group scaling stalls the wgmma pipeline.)
             if M <= 256:
                 return GemmConfig(BM=min(128, triton.next_power_of_2(M)), BN=64, BK=128, num_warps=4, num_stages=4,
                                   SWAP_AB=1)
-            return GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, TMA=1)
+            return GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
         if M <= 256:  # TMA kernel (per-token x per-channel scales; other scale layouts reuse the tiles unTMA'd)
-            return GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, TMA=1)
+            return GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=6, TMA=1)
         return GemmConfig(BM=128, BN=256, BK=128, num_warps=8, num_stages=3, TMA=1)
     bk = 64 if dq16 else 128
     if M <= 16:
@@ -421,8 +423,8 @@ def candidate_configs(M: int, a_fmt: int, w_fmt: int | None = None) -> list[Gemm
                 w = 8 if bm * bn >= 128 * 128 else 4
                 out.append(GemmConfig(BM=bm, BN=bn, BK=128, SPLIT_K=split, num_warps=w, num_stages=4, SWAP_AB=1))
         if M > 16:
-            for bm, bn, w, st in ((64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3),
-                                  (256, 128, 8, 3)):
+            for bm, bn, w, st in ((64, 128, 4, 4), (64, 128, 4, 6), (128, 64, 4, 4), (128, 64, 4, 6),
+                                  (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3)):
                 for tma in (1, 2):
                     out.append(GemmConfig(BM=bm, BN=bn, BK=128, num_warps=w, num_stages=st, TMA=tma))
     return out

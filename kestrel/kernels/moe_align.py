@@ -2,10 +2,10 @@
 
 All outputs have sizes fixed by (tokens, top_k, experts, block) alone — no host sync, so the MoE layer can be
 captured in a CUDA graph. Padding slots hold the sentinel `num_tokens * top_k` and are masked in the kernel.
-Three implementations with identical (stable) output: one single-CTA Triton launch for decode-sized batches (the ~20
-small torch launches of the torch version cost more than the expert GEMMs themselves at M=1), three Triton launches
-parallel over slot chunks for larger batches (the single CTA serialises T / 64 reduction steps), and torch ops where
-Triton cannot run.
+Two implementations with identical (stable) output: one single-CTA Triton launch up to SINGLE_CTA_MAX_SLOTS (the
+~20 small torch launches of the other cost more than the expert GEMMs themselves at M=1), torch ops above (the single
+CTA serialises its work). A three-launch chunked Triton version was tried and measured slower than both (~175 us at
+1024-32768 slots on the H200), so it was dropped.
 """
 import warnings
 
@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-SINGLE_CTA_MAX_SLOTS = 256  # decode sizes: one launch; above, the three-launch chunked version (parallel over slots)
+# one CTA serialises ~T / 64 reduction steps: on the H200 (bench/results/moe.md, 2026-12-02) ~6 us at 8 slots,
+# ~11 us at 128, ~55 us at 1024, ~390 us at 8192, against ~50-130 us for the torch ops at any size
+SINGLE_CTA_MAX_SLOTS = 2048
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
@@ -65,87 +67,6 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, npost_ptr, T, E, n_blocks
         cursor += tl.sum(onehot, axis=0)
 
 
-@triton.jit
-def _chunk_count_kernel(ids_ptr, counts_ptr, rank_ptr, T, E, CH: tl.constexpr, BLOCK_E: tl.constexpr):
-    """one CTA per chunk of CH slots: per-expert counts of the chunk, and each slot's rank among the chunk's earlier
-    slots of its expert (a cumsum over the one-hot matrix, no CH x CH compare)."""
-    c = tl.program_id(0)
-    t = c * CH + tl.arange(0, CH)
-    ids = tl.load(ids_ptr + t, mask=t < T, other=BLOCK_E)
-    onehot = (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
-    tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(onehot, axis=0))
-    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    tl.store(rank_ptr + t, rank, mask=t < T)
-
-
-@triton.jit
-def _chunk_offsets_kernel(counts_ptr, base_ptr, sorted_ptr, expert_ids_ptr, npost_ptr, T, E, n_chunks, n_blocks,
-                          BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, FILL: tl.constexpr):
-    """one CTA: expert totals -> padded expert starts -> per-(chunk, expert) write bases, block expert ids, sentinel
-    fill (the scatter kernel runs after this one on the stream, so no ordering issue)."""
-    e_idx = tl.arange(0, BLOCK_E)
-    c_idx = tl.arange(0, BLOCK_C)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for c0 in range(0, n_chunks, BLOCK_C):
-        cm = (c0 + c_idx) < n_chunks
-        blk = tl.load(counts_ptr + (c0 + c_idx)[:, None] * BLOCK_E + e_idx[None, :], mask=cm[:, None], other=0)
-        counts += tl.sum(blk, axis=0)
-    padded = (counts + BM - 1) // BM * BM
-    cum = tl.cumsum(padded, axis=0)
-    tl.store(npost_ptr, tl.sum(padded, axis=0))
-    running = cum - padded  # padded start of each expert, advanced chunk by chunk
-    for c0 in range(0, n_chunks, BLOCK_C):
-        cm = (c0 + c_idx) < n_chunks
-        off = (c0 + c_idx)[:, None] * BLOCK_E + e_idx[None, :]
-        blk = tl.load(counts_ptr + off, mask=cm[:, None], other=0)
-        tl.store(base_ptr + off, running[None, :] + tl.cumsum(blk, axis=0) - blk, mask=cm[:, None])
-        running += tl.sum(blk, axis=0)
-    cum_blk = cum // BM
-    for b0 in range(0, n_blocks, FILL):
-        b = b0 + tl.arange(0, FILL)
-        e_of_b = tl.sum((cum_blk[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        tl.store(expert_ids_ptr + b, tl.minimum(e_of_b, E - 1), mask=b < n_blocks)
-    for p0 in range(0, n_blocks * BM, FILL):
-        p = p0 + tl.arange(0, FILL)
-        tl.store(sorted_ptr + p, tl.zeros([FILL], tl.int32) + T, mask=p < n_blocks * BM)
-
-
-@triton.jit
-def _chunk_scatter_kernel(ids_ptr, base_ptr, rank_ptr, sorted_ptr, T, CH: tl.constexpr, BLOCK_E: tl.constexpr):
-    c = tl.program_id(0)
-    t = c * CH + tl.arange(0, CH)
-    ok = t < T
-    ids = tl.load(ids_ptr + t, mask=ok, other=0)
-    dest = tl.load(base_ptr + c * BLOCK_E + ids, mask=ok, other=0) + tl.load(rank_ptr + t, mask=ok, other=0)
-    tl.store(sorted_ptr + dest, t, mask=ok)
-
-
-CHUNK = 256  # slots per CTA of the multi-CTA align
-
-
-def moe_align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """moe_align in three launches, each parallel over slot chunks except a small one-CTA offset pass: the
-    single-CTA kernel serialises ~T / 64 reduction steps, which outgrows the GEMMs at prefill sizes."""
-    flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    T, dev = flat.numel(), flat.device
-    B = max_blocks(T, num_experts, block_m)
-    BLOCK_E = triton.next_power_of_2(num_experts)
-    CH = max(16, min(CHUNK, 16384 // BLOCK_E))
-    n_chunks = triton.cdiv(T, CH)
-    counts = torch.empty((n_chunks, BLOCK_E), dtype=torch.int32, device=dev)
-    base = torch.empty_like(counts)
-    rank = torch.empty(T, dtype=torch.int32, device=dev)
-    sorted_ids = torch.empty(B * block_m, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(B, dtype=torch.int32, device=dev)
-    num_post = torch.empty(1, dtype=torch.int32, device=dev)
-    _chunk_count_kernel[(n_chunks,)](flat, counts, rank, T, num_experts, CH=CH, BLOCK_E=BLOCK_E, num_warps=4)
-    _chunk_offsets_kernel[(1,)](counts, base, sorted_ids, expert_ids, num_post, T, num_experts, n_chunks, B,
-                                BM=block_m, BLOCK_E=BLOCK_E, BLOCK_C=max(1, min(64, 8192 // BLOCK_E)), FILL=1024,
-                                num_warps=8)
-    _chunk_scatter_kernel[(n_chunks,)](flat, base, rank, sorted_ids, T, CH=CH, BLOCK_E=BLOCK_E, num_warps=4)
-    return sorted_ids, expert_ids, num_post
-
-
 _TRITON_ALIGN_OK = [True]
 
 
@@ -158,11 +79,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """
     from kestrel.kernels.act_quant import use_triton
     T = topk_ids.numel()
-    if use_triton(topk_ids) and T > 0 and _TRITON_ALIGN_OK[0]:
+    if use_triton(topk_ids) and 0 < T <= SINGLE_CTA_MAX_SLOTS and _TRITON_ALIGN_OK[0]:
         if not topk_ids.is_cuda:
             _check_ids(topk_ids, num_experts)
-        if T > SINGLE_CTA_MAX_SLOTS:
-            return moe_align_chunked(topk_ids, num_experts, block_m)
         B = max_blocks(T, num_experts, block_m)
         sorted_ids = torch.empty(B * block_m, dtype=torch.int32, device=topk_ids.device)
         expert_ids = torch.empty(B, dtype=torch.int32, device=topk_ids.device)
