@@ -32,17 +32,19 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     out = []
     if m <= 16:
         out += small_m_candidates(layer, m)
-    if 16 < m <= 64:
-        for bm, bn, sk, w, st in itertools.product((16, 32, 64), (32, 64, 128), (1, 2, 4, 8), (4, 2), (2, 3, 4)):
-            if bm <= max(16, 1 << (m - 1).bit_length()):
-                out.append(ComputeConfig("dot", bm, bn, 0, sk, w, st))
-    if m > 16:  # tensor-core "tc" kernel: K step of 1 or 2 planar blocks, split-K for few output tiles
-        km = layer.spec.k_multiple
-        bms = (32, 64) if m <= 32 else ((64,) if m <= 64 else (64, 128))
-        for bm, bn, bk, sk, w, st in itertools.product(bms, (64, 128, 256), (0, 2 * km), (1, 2, 4, 8), (4, 8),
-                                                       (3, 4)):
-            if (bn == 256) == (w == 8) and (sk == 1 or m <= 256) and not (bk and st == 4):
-                out.append(ComputeConfig("tc", bm, bn, bk, sk, w, st))
+    if m > 16:  # tensor-core "tc" kernel; 8-warp tiles keep the decoded tile's smem stores vectorised
+        C = ComputeConfig
+        if m <= 64:
+            base = [C("tc", 32, 128, 0, 1, 8, 4), C("tc", 32, 64, 0, 1, 4, 4), C("tc", 64, 128, 0, 1, 8, 3),
+                    C("tc", 64, 128, 0, 1, 8, 3, swap=True), C("tc", 64, 64, 0, 1, 4, 4)]
+        elif m <= 256:
+            base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
+                    C("tc", 128, 128, 0, 1, 8, 3, swap=True), C("tc", 256, 128, 0, 1, 8, 2, swap=True)]
+        else:
+            base = [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 256, 128, 0, 1, 8, 2),
+                    C("tc", 256, 128, 0, 1, 8, 2, swap=True), C("tc", 128, 128, 0, 1, 8, 3, swap=True)]
+        for c, sk in itertools.product(base, (1, 2, 4, 8) if m <= 256 else (1,)):
+            out.append(ComputeConfig(**{**c.to_dict(), "split_k": sk}))
     if m > 256:
         for bn, bk in itertools.product((32, 64, 128), (64, 128, 256)):
             out.append(ComputeConfig("dequant_mm", 1, bn, bk, 1, 4, 1))
