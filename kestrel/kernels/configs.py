@@ -116,10 +116,6 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
             bk //= 2
         return bk
 
-    def split_for(n_tiles: int, k_steps: int, ctas_per_sm: int) -> int:
-        want = _pow2_floor(max(1, (ctas_per_sm * num_sms) // max(1, n_tiles)))
-        return max(1, min(want, k_steps // 4 or 1, 32))
-
     if m <= 16:  # decode (gemm_wna16_small.py); H200 sweep (bench/results/gemm_wna16.md): split-K up to 16
         k_steps = -(-layer.k // layer.spec.k_multiple)
         bn = 256 if layer.n >= 2048 else 64
@@ -127,33 +123,28 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
             return ComputeConfig("gemv", 1, bn, 0, max(1, min(16, k_steps // 2)), num_warps=4, num_stages=3)
         split = max(1, min(_pow2_floor(max(1, 2 * num_sms // -(-layer.n // bn))), k_steps // 2, 16))
         return ComputeConfig("mv", 16, bn, 0, split, num_warps=4, num_stages=3)
-    if m > 16:
+    if 16 < m <= 256:
         return heuristic_tc(layer, m, num_sms)
-    if m <= 64:
-        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn = 64
-        split = split_for(-(-layer.n // bn), -(-layer.k // layer.spec.k_multiple), 2)
-        return ComputeConfig("dot", bm, bn, 0, split, num_warps=4, num_stages=3)
-    # M > 64: measured on H200 (bench/results/gemm_wna16.md) the dequant pass costs about one read of W plus a
-    # bf16 write, cheaper than the Triton tensor-core path's in-loop dequant from M ~ 128 on
+    # M > 256: dequant pass + cuBLAS, measured on H200 at 0.78-1.09x Humming (bench/results/gemm_wna16.md); the tc
+    # kernel competes there only through `kestrel tune` until it has been timed on the GPU
     return ComputeConfig("dequant_mm", 1, 64, fit_bk(128), 1, num_warps=4, num_stages=1)
 
 
 def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
-    """M > 16: the tensor-core "tc" kernel (gemm_wna16_tc.py). Tiles by M class; split-K only while the output
-    tiles leave most SMs idle and each split keeps >= 8 K steps."""
-    if m <= 32:
-        bm, bn, warps, stages = 32, 128, 8, 4
-    elif m <= 128:
-        bm, bn, warps, stages = 64, 128, 8, 3
-    else:
-        bm, bn, warps, stages = 128, 128, 8, 3
+    """16 < M <= 256: the tensor-core "tc" kernel (gemm_wna16_tc.py) with 8-warp tiles (vectorised smem stores
+    of the decoded tile; two CTAs per SM fit, so one CTA's decode overlaps the other's wgmma). Split-K only while
+    the output tiles leave most SMs idle and each split keeps >= 8 K steps. Chosen from the compiled SASS (registers,
+    shared memory, instructions per tile; bench/wna16_tc_sass.py), not yet from H200 timings."""
+    if m <= 64:  # decoded W stays in registers as the wgmma A operand (no shared-memory round trip)
+        bm, bn, warps, stages, swap = (32, 128, 8, 4, True) if m <= 32 else (64, 128, 8, 3, True)
+    else:  # one W tile decode feeds 128 rows
+        bm, bn, warps, stages, swap = 128, 128, 8, 2, False
     tiles = -(-m // bm) * -(-layer.n // bn)
     k_steps = -(-layer.k // layer.spec.k_multiple)
     split = 1
     while tiles * split * 2 <= num_sms * 1.3 and split < 8 and k_steps // (split * 2) >= 8:
         split *= 2
-    return ComputeConfig("tc", bm, bn, 0, split, num_warps=warps, num_stages=stages)
+    return ComputeConfig("tc", bm, bn, 0, split, num_warps=warps, num_stages=stages, swap=swap)
 
 
 @dataclass(frozen=True)
