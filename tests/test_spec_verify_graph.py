@@ -42,9 +42,10 @@ def test_pack_verify_inputs_layout():
 
 
 def _model(device="cpu", dtype=torch.float32):
-    from kestrel.model import load_model
-    torch.manual_seed(0)
-    return load_model(None, load_format="dummy", model_shape=SHAPE, progress=False, device=device, dtype=dtype).model
+    # built directly: load_model would also load the embedded model's tokenizer, absent on a bare GPU machine
+    from kestrel.model.dummy import build_dummy_model, dummy_config
+    cfg, _ = dummy_config(SHAPE)
+    return build_dummy_model(cfg, dtype=dtype, device=device, seed=0).requires_grad_(False)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=interp), pytest.param("cuda", marks=pytest.mark.skipif(

@@ -83,16 +83,16 @@ class SpecDecoder:
         room = torch.tensor([max(0, min(seqs[i].params.max_tokens - seqs[i].num_output_tokens - 1,
                                         engine.max_model_len - seqs[i].num_tokens)) for i in cand])
         lens = torch.minimum(draft.lens.cpu(), room)
-        k = self.scheduler.allocate(draft.confidence.cpu(), lens)
-        toks = draft.tokens.cpu()
+        k = self.scheduler.allocate(draft.confidence.cpu(), lens).tolist()
+        toks = draft.tokens.tolist()
         out = {}
         for r, i in enumerate(cand):
-            kb = int(k[r])
+            kb = k[r]
             if kb == 0:
                 continue
             if not engine.block_manager.allocate(seqs[i], 1 + kb):  # no KV room for the drafts: plain decode
                 continue
-            out[i] = (toks[r, :kb].tolist(), None if draft.probs is None else draft.probs[r, :kb])
+            out[i] = (toks[r][:kb], None if draft.probs is None else draft.probs[r, :kb])
         return out
 
     # ---- the step ----

@@ -64,22 +64,22 @@ class NgramDrafter(Drafter):
         self.index: dict[str, NgramIndex] = {}
 
     def propose(self, inputs: list[DraftInput], k: int) -> Draft:
-        B = len(inputs)
-        toks = torch.zeros(B, k, dtype=torch.long)
-        lens = torch.zeros(B, dtype=torch.long)
-        conf = torch.zeros(B, k)
-        for b, inp in enumerate(inputs):
+        toks, lens, conf = [], [], []  # lists, one tensor each at the end (per-row tensor writes cost more)
+        for inp in inputs:
             idx = self.index.get(inp.request_id)
             if idx is None:
                 idx = self.index[inp.request_id] = NgramIndex(self.n_max, self.n_min)
             cont = idx.lookup(inp.token_ids, k) if k else []
-            lens[b] = len(cont)
-            toks[b, : len(cont)] = torch.tensor(cont, dtype=torch.long)
+            n = len(cont)
+            lens.append(n)
+            toks.append(cont + [0] * (k - n))
             r = self.rate.get(inp.request_id, self.prior)  # new requests start at the drafter-wide rate
-            conf[b, : len(cont)] = r
+            conf.append([r] * n + [0.0] * (k - n))
             # drift back toward the prior, so a request whose drafts were skipped for low confidence gets retried
             self.rate[inp.request_id] = r + 0.1 * (self.prior - r)
-        return Draft(toks, lens, conf, None)
+        B = len(inputs)
+        return Draft(torch.tensor(toks, dtype=torch.long).view(B, k), torch.tensor(lens, dtype=torch.long),
+                     torch.tensor(conf, dtype=torch.float32).view(B, k), None)
 
     def observe(self, request_ids, num_proposed, num_accepted):
         for rid, m, a in zip(request_ids, num_proposed, num_accepted):
