@@ -79,6 +79,94 @@ def _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, s
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (and the next CUDA-graph replay)
 
 
+@triton.jit
+def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, nb_mask, K, N, stride_xm,
+              BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
+              MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_KIND: tl.constexpr,
+              GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
+              EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr, MASK_B: tl.constexpr,
+              PRE_S: tl.constexpr, R: tl.constexpr):
+    """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
+    s_pre its group-scale row when PRE_S (prefetched by the caller)."""
+    PB: tl.constexpr = R * EPW
+    # fields per quantization group run: all of a block when one group covers it
+    FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
+    MANT: tl.constexpr = BITS < 8  # 1 + c/2^B is exact in bf16 only up to 7 mantissa bits
+    SUB: tl.constexpr = CODE_OFFSET - 1000 * HAS_ZERO  # < 0: keep OFF + c and correct through the x sum
+    offs_k = tl.arange(0, R)
+    # a block past this split's end (MASK_B) reads an in-range x block and is weighted 0
+    bc = tl.minimum(b, n_blocks - 1)
+    okf = (b < b1).to(tl.float32)
+    for i in tl.static_range(EPW):
+        # field i of the tile: k = b*PB + i*R + r, decoded where the MMA operand lives (Triton moves the word
+        # tile, not the decoded values, through shared memory)
+        if ASM:  # c - CODE_OFFSET (symmetric) or OFF + c (zero points: corrected through the x sum)
+            w = _nibble_pairs(q, i, x_ptr.dtype.element_ty == tl.float16, SUB)
+        else:
+            if IS_INT:
+                if MANT:
+                    v = int_plane(q, i, BITS)  # 1 + c/2^B
+                else:
+                    v = int_to_f32((q >> (i * BITS)) & ((1 << BITS) - 1))
+            else:
+                v = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS)
+            w = v.to(x_ptr.dtype.element_ty)
+        kx = bc * PB + i * R + offs_k
+        if EVEN_K:
+            xmask = m_mask[:, None]
+        else:
+            xmask = m_mask[:, None] & (kx < K)[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=xmask, other=0.0)
+        if IS_INT and not (ASM and not HAS_ZERO):
+            if i % FPG == 0:
+                xs = tl.sum(x.to(tl.float32), axis=1)
+            else:
+                xs += tl.sum(x.to(tl.float32), axis=1)
+        if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        if SWAP:
+            if i % FPG == 0:
+                d = tl.dot(tl.trans(w), tl.trans(x))  # [BN, BM]
+            else:
+                d = tl.dot(tl.trans(w), tl.trans(x), d)
+        else:
+            if i % FPG == 0:
+                d = tl.dot(x, w)  # [BM, BN]
+            else:
+                d = tl.dot(x, w, d)
+        if (i + 1) % FPG == 0:  # end of a quantization group run: correction and scale on [BM, BN]
+            g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
+            if IS_INT and not (ASM and not HAS_ZERO):
+                if HAS_ZERO:
+                    zero = tl.load(z_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.float32)
+                else:
+                    zero = tl.zeros((BLOCK_N,), dtype=tl.float32) + CODE_OFFSET
+                if ASM:
+                    zero = zero + (1024.0 if x_ptr.dtype.element_ty == tl.float16 else 128.0)
+                elif MANT:
+                    d = d * (1 << BITS)
+                    zero = zero + (1 << BITS)
+                if SWAP:
+                    d = d - zero[:, None] * xs[None, :]
+                else:
+                    d = d - xs[:, None] * zero[None, :]
+            if MASK_B:
+                d = d * okf
+            if PER_CHANNEL:
+                acc += d
+            else:
+                if PRE_S:
+                    s = decode_scale(s_pre, SCALE_KIND)
+                else:
+                    s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0), SCALE_KIND)
+                if SWAP:
+                    acc += d * s[:, None]
+                else:
+                    acc += d * s[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, split_k,
                BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
@@ -91,10 +179,6 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     PB: tl.constexpr = R * EPW
-    # fields per quantization group run: all of a block when one group covers it
-    FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
-    MANT: tl.constexpr = BITS < 8  # 1 + c/2^B is exact in bf16 only up to 7 mantissa bits
-    SUB: tl.constexpr = CODE_OFFSET - 1000 * HAS_ZERO  # < 0: keep OFF + c and correct through the x sum
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
@@ -108,79 +192,39 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    offs_k = tl.arange(0, R)
-    for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
-        for kb in tl.static_range(KB):  # KB word tiles per step: more bytes in flight per program
-            b = b_step + kb
-            nb_mask = n_mask & ((offs_n * 0 + b) < b1)
-            # a step past this split's end (KB > 1) reads an in-range x block and is weighted 0 below
-            bc = tl.minimum(b, n_blocks - 1)
-            okf = (b < b1).to(tl.float32)
-            q = tl.load(qw_ptr + (b * R + offs_r)[:, None] * N + offs_n[None, :], mask=nb_mask[None, :], other=0)
-            for i in tl.static_range(EPW):
-                # field i of the tile: k = b*PB + i*R + r, decoded where the MMA operand lives (Triton moves the word
-                # tile, not the decoded values, through shared memory)
-                if ASM:  # c - CODE_OFFSET (symmetric) or OFF + c (zero points: corrected through the x sum)
-                    w = _nibble_pairs(q, i, x_ptr.dtype.element_ty == tl.float16, SUB)
-                else:
-                    if IS_INT:
-                        if MANT:
-                            v = int_plane(q, i, BITS)  # 1 + c/2^B
-                        else:
-                            v = int_to_f32((q >> (i * BITS)) & ((1 << BITS) - 1))
-                    else:
-                        v = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS)
-                    w = v.to(x_ptr.dtype.element_ty)
-                kx = bc * PB + i * R + offs_k
-                if EVEN_K:
-                    xmask = m_mask[:, None]
-                else:
-                    xmask = m_mask[:, None] & (kx < K)[None, :]
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=xmask, other=0.0)
-                if IS_INT and not (ASM and not HAS_ZERO):
-                    if i % FPG == 0:
-                        xs = tl.sum(x.to(tl.float32), axis=1)
-                    else:
-                        xs += tl.sum(x.to(tl.float32), axis=1)
-                if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
-                    w = w.to(tl.float32)
-                    x = x.to(tl.float32)
-                if SWAP:
-                    if i % FPG == 0:
-                        d = tl.dot(tl.trans(w), tl.trans(x))  # [BN, BM]
-                    else:
-                        d = tl.dot(tl.trans(w), tl.trans(x), d)
-                else:
-                    if i % FPG == 0:
-                        d = tl.dot(x, w)  # [BM, BN]
-                    else:
-                        d = tl.dot(x, w, d)
-                if (i + 1) % FPG == 0:  # end of a quantization group run: correction and scale on [BM, BN]
-                    g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
-                    if IS_INT and not (ASM and not HAS_ZERO):
-                        if HAS_ZERO:
-                            zero = tl.load(z_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.float32)
-                        else:
-                            zero = tl.zeros((BLOCK_N,), dtype=tl.float32) + CODE_OFFSET
-                        if ASM:
-                            zero = zero + (1024.0 if x_ptr.dtype.element_ty == tl.float16 else 128.0)
-                        elif MANT:
-                            d = d * (1 << BITS)
-                            zero = zero + (1 << BITS)
-                        if SWAP:
-                            d = d - zero[:, None] * xs[None, :]
-                        else:
-                            d = d - xs[:, None] * zero[None, :]
-                    if KB > 1:
-                        d = d * okf
-                    if PER_CHANNEL:
-                        acc += d
-                    else:
-                        s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0), SCALE_KIND)
-                        if SWAP:
-                            acc += d * s[:, None]
-                        else:
-                            acc += d * s[None, :]
+    q_ptrs = qw_ptr + offs_r[:, None] * N + offs_n[None, :]
+    if NUM_STAGES == 1:
+        # manual prefetch instead of Triton's cp.async pipeline: block b+1's words (and its scale row) are loaded
+        # into registers before block b is computed, so one block per program is always in flight
+        PRE_S: tl.constexpr = not PER_CHANNEL and GROUP_SIZE >= PB
+        nb_mask = n_mask & ((offs_n * 0 + b0) < b1)
+        q_nxt = tl.load(q_ptrs + b0 * R * N, mask=nb_mask[None, :], other=0)
+        if PRE_S:
+            s_nxt = tl.load(s_ptr + (b0 * PB // GROUP_SIZE) * N + offs_n, mask=nb_mask, other=0)
+        else:
+            s_nxt = q_nxt
+        for b in tl.range(b0, b1, num_stages=1):
+            q = q_nxt
+            s_cur = s_nxt
+            nb_mask = n_mask & ((offs_n * 0 + b + 1) < b1)
+            q_nxt = tl.load(q_ptrs + (b + 1) * R * N, mask=nb_mask[None, :], other=0)
+            if PRE_S:
+                s_nxt = tl.load(s_ptr + ((b + 1) * PB // GROUP_SIZE) * N + offs_n, mask=nb_mask, other=0)
+            else:
+                s_nxt = q_nxt
+            acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
+                            N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
+                            GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R)
+    else:
+        for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
+            for kb in tl.static_range(KB):  # KB word tiles per step: more bytes in flight per program
+                b = b_step + kb
+                nb_mask = n_mask & ((offs_n * 0 + b) < b1)
+                q = tl.load(q_ptrs + b * R * N, mask=nb_mask[None, :], other=0)
+                acc = _mv_block(acc, q, q, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, nb_mask,
+                                K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO,
+                                SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, KB > 1,
+                                False, R)
     if SWAP:
         acc = tl.trans(acc)
     if PER_CHANNEL:

@@ -60,19 +60,20 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
 
 
 def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
-    """M <= 16 (gemm_wna16_small.py), pruned by the H200 sweep (bench/gemv_sweep.py): 3 stages always, the
-    tile/warp shapes that won somewhere, split-K 1..32, and 2 planar blocks per step (block_k) as an option."""
+    """M <= 16 (gemm_wna16_small.py), pruned by the H200 sweep (bench/gemv_sweep.py): the tile/warp shapes that
+    won somewhere, split-K 1..32, 2 planar blocks per step (block_k), and num_stages=1 (mv: register prefetch of
+    the next block instead of Triton's cp.async pipeline; not yet timed on a GPU)."""
     km = layer.spec.k_multiple
     out = []
     if m <= 2:
         for (bn, w, bk), sk in itertools.product(((128, 1, 0), (256, 2, 0), (256, 4, 0), (256, 4, 2 * km)),
                                                  (4, 8, 16, 32)):
             out.append(ComputeConfig("gemv", 1, bn, bk, sk, w, 3))
-    for (kern, bn, w, bk), sk in itertools.product((("mv", 256, 4, 0), ("mv", 256, 4, 2 * km), ("mv", 128, 4, 0),
-                                                    ("mv", 128, 4, 2 * km), ("mv", 128, 8, 0), ("mv", 128, 2, 0),
-                                                    ("mvs", 128, 4, 0)),
-                                                   (1, 2, 4, 8, 16)):
-        out.append(ComputeConfig(kern, 16, bn, bk, sk, w, 3))
+    for (kern, bn, w, bk, st), sk in itertools.product(
+            (("mv", 256, 4, 0, 3), ("mv", 256, 4, 2 * km, 3), ("mv", 128, 4, 0, 3), ("mv", 128, 4, 2 * km, 3),
+             ("mv", 128, 8, 0, 3), ("mv", 128, 2, 0, 3), ("mvs", 128, 4, 0, 3), ("mv", 128, 4, 0, 1),
+             ("mv", 256, 8, 0, 1)), (1, 2, 4, 8, 16)):
+        out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
     return out
 
 
