@@ -194,24 +194,31 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     q_ptrs = qw_ptr + offs_r[:, None] * N + offs_n[None, :]
     if NUM_STAGES == 1:
-        # manual prefetch instead of Triton's cp.async pipeline: block b+1's words (and its scale row) are loaded
-        # into registers before block b is computed, so one block per program is always in flight
+        # manual prefetch instead of Triton's cp.async pipeline (whose wait, per the compiled SASS, also waits for
+        # the next step's word tile): the words (and scale row) of blocks b+1 and b+2 are loaded into registers
+        # before block b is computed, so two blocks per program stay in flight
         PRE_S: tl.constexpr = not PER_CHANNEL and GROUP_SIZE >= PB
-        nb_mask = n_mask & ((offs_n * 0 + b0) < b1)
-        q_nxt = tl.load(q_ptrs + b0 * R * N, mask=nb_mask[None, :], other=0)
+        m1 = n_mask & ((offs_n * 0 + b0) < b1)
+        m2 = n_mask & ((offs_n * 0 + b0 + 1) < b1)
+        q_n1 = tl.load(q_ptrs + b0 * R * N, mask=m1[None, :], other=0)
+        q_n2 = tl.load(q_ptrs + (b0 + 1) * R * N, mask=m2[None, :], other=0)
         if PRE_S:
-            s_nxt = tl.load(s_ptr + (b0 * PB // GROUP_SIZE) * N + offs_n, mask=nb_mask, other=0)
+            s_n1 = tl.load(s_ptr + (b0 * PB // GROUP_SIZE) * N + offs_n, mask=m1, other=0)
+            s_n2 = tl.load(s_ptr + ((b0 + 1) * PB // GROUP_SIZE) * N + offs_n, mask=m2, other=0)
         else:
-            s_nxt = q_nxt
+            s_n1 = q_n1
+            s_n2 = q_n2
         for b in tl.range(b0, b1, num_stages=1):
-            q = q_nxt
-            s_cur = s_nxt
-            nb_mask = n_mask & ((offs_n * 0 + b + 1) < b1)
-            q_nxt = tl.load(q_ptrs + (b + 1) * R * N, mask=nb_mask[None, :], other=0)
+            q = q_n1
+            s_cur = s_n1
+            q_n1 = q_n2
+            s_n1 = s_n2
+            m2 = n_mask & ((offs_n * 0 + b + 2) < b1)
+            q_n2 = tl.load(q_ptrs + (b + 2) * R * N, mask=m2[None, :], other=0)
             if PRE_S:
-                s_nxt = tl.load(s_ptr + ((b + 1) * PB // GROUP_SIZE) * N + offs_n, mask=nb_mask, other=0)
+                s_n2 = tl.load(s_ptr + ((b + 2) * PB // GROUP_SIZE) * N + offs_n, mask=m2, other=0)
             else:
-                s_nxt = q_nxt
+                s_n2 = q_n2
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R)
