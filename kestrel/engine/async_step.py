@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .attention import to_device
+from .model_runner import output_ids_if_penalized
 from .sequence import Sequence
 
 PLACEHOLDER = -1
@@ -135,12 +136,10 @@ class AsyncStepper:
         seqs = [batch.seqs[i] for i in st.order]
         params = [s.params for s in seqs]
         gens = [s.generator for s in seqs]
-        outs, out_fix = [], []
-        for j, s in enumerate(seqs):
-            o = s.output_token_ids
+        outs, out_fix = output_ids_if_penalized(seqs, params), []
+        for j, o in enumerate(outs or ()):  # penalties read the previous token: patched once it is known
             if o and o[-1] == PLACEHOLDER:
-                out_fix.append((j, prev.index[id(s)]))
-            outs.append(o)
+                out_fix.append((j, prev.index[id(seqs[j])]))
         if self.mode == "stream":
             future, tokens = self._run_queued(st, fix, out_fix, prev, params, outs, gens)
         else:

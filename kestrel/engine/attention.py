@@ -8,7 +8,9 @@ with the same metadata."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -19,7 +21,25 @@ class PrefillChunk:
     end: int
     context_len: int  # tokens of the sequence after this step (cached + new)
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
-    mask: torch.Tensor | None  # [q_len, context_len] bool (True = attend); None = plain causal, no cached prefix
+    window: int | None = None  # sliding window of the layers this metadata serves
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """[q_len, context_len] bool (True = attend); None = plain causal, no cached prefix. Built on first use:
+        only the PyTorch backend reads it (the Triton kernels take lengths), so the GPU path never pays for it."""
+        computed, w = self.context_len - (self.end - self.start), self.window
+        if not (computed > 0 or (w is not None and self.context_len > w)):
+            return None
+        if self._mask is None:
+            dev = self.block_table.device
+            qpos = torch.arange(computed, self.context_len, device=dev)[:, None]
+            kpos = torch.arange(self.context_len, device=dev)[None, :]
+            mask = kpos <= qpos
+            if w is not None:
+                mask &= kpos > qpos - w
+            self._mask = mask
+        return self._mask
 
 
 @dataclass
@@ -27,8 +47,24 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     num_decode: int = 0  # the first num_decode tokens are single-token decodes, one per sequence
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] int64
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    decode_seq_lens: torch.Tensor | None = None  # [num_decode] int32: context length of each decode (incl. new token)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    block_size: int = 16
+    window: int | None = None  # sliding window of the layers this metadata serves
+    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def decode_mask(self) -> torch.Tensor | None:
+        """[num_decode, 1, 1, max_blocks * block_size] bool, built on first use from the lengths (the PyTorch
+        backend's SDPA mask; the Triton backend reads decode_seq_lens and never builds it)."""
+        if self._decode_mask is None and self.num_decode:
+            lens = self.decode_seq_lens.to(torch.long)
+            key_pos = torch.arange(self.decode_block_tables.shape[1] * self.block_size, device=lens.device)
+            mask = key_pos[None, :] < lens[:, None]
+            if self.window is not None:
+                mask &= key_pos[None, :] > (lens[:, None] - 1 - self.window)
+            self._decode_mask = mask[:, None, None, :]
+        return self._decode_mask
 
 
 class AttentionBackend:
@@ -97,44 +133,43 @@ def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
     return t.to(dtype).pin_memory().to(device, non_blocking=True)
 
 
+def block_table_array(tables) -> np.ndarray:
+    """Zero-padded [n, longest] int64 array of per-sequence block-id lists: one masked fill from the flattened
+    ids instead of a tensor per row (a step of 256 decodes paid ~4 ms for those)."""
+    n = len(tables)
+    lens = np.fromiter(map(len, tables), np.int64, n)
+    width = int(lens.max()) if n else 0
+    out = np.zeros((n, width), np.int64)
+    out[np.arange(width)[None, :] < lens[:, None]] = np.fromiter(chain.from_iterable(tables), np.int64, int(lens.sum()))
+    return out
+
+
 def build_metadata(decode_seqs, prefill_seqs, block_size: int, sliding_window: int | None,
                    device="cpu") -> tuple[AttentionMetadata, list[int]]:
     """decode_seqs: [(context_len, block_table)], prefill_seqs: [(num_computed, num_new, block_table)].
-    Returns metadata and the flattened positions of the new tokens (decodes first)."""
-    positions: list[int] = []
-    slots: list[int] = []
-    for ctx, bt in decode_seqs:
+    Returns metadata and the flattened positions of the new tokens (decodes first). Host work is a few numpy
+    ops over the batch; masks are left to the backend that needs them (AttentionMetadata.decode_mask)."""
+    d = len(decode_seqs)
+    meta = AttentionMetadata(slot_mapping=None, num_decode=d, block_size=block_size, window=sliding_window)
+    pos_parts, slot_parts = [], []
+    if d:
+        ctx = np.fromiter((c for c, _ in decode_seqs), np.int64, d)
+        tables = block_table_array([bt for _, bt in decode_seqs])
         pos = ctx - 1
-        positions.append(pos)
-        slots.append(bt[pos // block_size] * block_size + pos % block_size)
-    meta = AttentionMetadata(slot_mapping=None, num_decode=len(decode_seqs))
-    if decode_seqs:
-        nb = max(len(bt) for _, bt in decode_seqs)
-        tables = torch.zeros(len(decode_seqs), nb, dtype=torch.long)
-        for i, (_, bt) in enumerate(decode_seqs):
-            tables[i, :len(bt)] = torch.tensor(bt, dtype=torch.long)
-        ctx_lens = torch.tensor([c for c, _ in decode_seqs])
-        key_pos = torch.arange(nb * block_size)
-        mask = key_pos[None, :] < ctx_lens[:, None]
-        if sliding_window is not None:
-            mask &= key_pos[None, :] > (ctx_lens[:, None] - 1 - sliding_window)
-        meta.decode_block_tables = to_device(tables, torch.long, device)
-        meta.decode_mask = to_device(mask[:, None, None, :], torch.bool, device)
-    start = len(decode_seqs)
+        pos_parts.append(pos)
+        slot_parts.append(tables[np.arange(d), pos // block_size] * block_size + pos % block_size)
+        meta.decode_block_tables = to_device(torch.from_numpy(tables), torch.long, device)
+        meta.decode_seq_lens = to_device(torch.from_numpy(ctx), torch.int32, device)
+    start = d
     for computed, n, bt in prefill_seqs:
-        pos = list(range(computed, computed + n))
-        positions.extend(pos)
-        slots.extend(bt[p // block_size] * block_size + p % block_size for p in pos)
-        ctx = computed + n
-        mask = None
-        if computed > 0 or (sliding_window is not None and ctx > sliding_window):
-            qpos = torch.arange(computed, ctx)[:, None]
-            kpos = torch.arange(ctx)[None, :]
-            mask = kpos <= qpos
-            if sliding_window is not None:
-                mask &= kpos > qpos - sliding_window
-            mask = to_device(mask, torch.bool, device)
-        meta.prefills.append(PrefillChunk(start, start + n, ctx, to_device(bt, torch.long, device), mask))
+        bt = np.asarray(bt, np.int64)
+        pos = np.arange(computed, computed + n)
+        pos_parts.append(pos)
+        slot_parts.append(bt[pos // block_size] * block_size + pos % block_size)
+        meta.prefills.append(PrefillChunk(start, start + n, computed + n, to_device(torch.from_numpy(bt), torch.long,
+                                                                                   device), sliding_window))
         start += n
-    meta.slot_mapping = to_device(slots, torch.long, device)
-    return meta, positions
+    positions = np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
+    slots = np.concatenate(slot_parts) if slot_parts else np.zeros(0, np.int64)
+    meta.slot_mapping = to_device(torch.from_numpy(slots), torch.long, device)
+    return meta, positions.tolist()

@@ -27,9 +27,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._dec = None
         if d:
             bt = meta.decode_block_tables
-            # context length = last visible key + 1 (the mask always shows the newest token)
-            key_pos = torch.arange(1, bt.shape[1] * self.block_size + 1, device=bt.device, dtype=torch.int32)
-            seq_lens = (meta.decode_mask.reshape(d, -1) * key_pos).amax(-1).to(torch.int32)
+            seq_lens = meta.decode_seq_lens.to(device=bt.device, dtype=torch.int32)  # the kernel's window masks
             splits = default_num_splits(d, self.num_kv_heads, bt.shape[1] * self.block_size, num_sms=self.num_sms) \
                 if self.num_sms > 1 else 1
             self._dec = (bt.to(torch.int32).contiguous(), seq_lens, splits)

@@ -9,6 +9,7 @@ paged decode kernel over the engine's caches; it reads lengths on the device onl
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -125,16 +126,18 @@ class DecodeCudaGraphs:
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 
-    def run_seqs(self, last_tokens: list[int] | torch.Tensor, positions: list[int],
-                 block_tables: list[list[int]]) -> torch.Tensor:
-        """`run` from host lists (the engine's per-sequence state): one host-to-device copy per tensor."""
-        n = len(last_tokens)
-        width = max(len(t) for t in block_tables)
-        bt = torch.zeros(n, width, dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.long)
-        slots = bt[torch.arange(n), pos // self.block_size].long() * self.block_size + pos % self.block_size
+    def run_seqs(self, last_tokens: list[int] | torch.Tensor, positions, block_tables) -> torch.Tensor:
+        """`run` from host data (the engine's per-sequence state): positions [n] and block tables, as arrays
+        (numpy [n] int64 / [n, width] zero-padded, as ModelRunner.prepare builds them) or lists; one
+        host-to-device copy per tensor, no per-row host work."""
+        if not isinstance(block_tables, np.ndarray):
+            from .attention import block_table_array
+            block_tables = block_table_array(block_tables)
+        pos_np = np.asarray(positions, np.int64)
+        n = len(pos_np)
+        slots_np = block_tables[np.arange(n), pos_np // self.block_size] * self.block_size + pos_np % self.block_size
+        pos, slots = torch.from_numpy(pos_np), torch.from_numpy(slots_np)
+        bt = torch.from_numpy(block_tables.astype(np.int32))
         dev = self.input_ids.device
         # pinned copies: a pageable one would wait for the step in flight (async scheduling queues behind it);
         # last_tokens may already be a device tensor (async scheduling gathers the previous step's ids there)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
-from .attention import AttentionBackend, TorchAttentionBackend, build_metadata, to_device
+from .attention import AttentionBackend, TorchAttentionBackend, block_table_array, build_metadata, to_device
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
 from .swa_kv import KVGroups, has_mixed_windows
@@ -87,12 +88,14 @@ class ModelRunner:
         the main thread and execute() on the worker)."""
         decode, prefill = [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            (decode if (n == 1 and seq.num_computed_tokens == seq.num_tokens - 1) else prefill).append(i)
+            (decode if (n == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1) else prefill).append(i)
         st = StepInputs()
-        st.ids = [batch.seqs[i].token_ids[-1] for i in decode]
+        seqs = batch.seqs
+        st.ids = [seqs[i].token_ids[-1] for i in decode]
         if self.graphs is not None and decode and not prefill and len(decode) <= self.graphs.batch_sizes[-1]:
-            seqs = [batch.seqs[i] for i in decode]
-            st.graph_args = ([s.num_tokens - 1 for s in seqs], [list(s.block_table) for s in seqs])
+            # snapshot as arrays now: the block tables may grow before the (async) launch reads them
+            st.graph_args = (np.fromiter((len(seqs[i].token_ids) - 1 for i in decode), np.int64, len(decode)),
+                             block_table_array([seqs[i].block_table for i in decode]))
             st.order = decode
             return st
         for i in prefill:
@@ -137,8 +140,15 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, batch: ScheduledBatch, order: list[int], logits):
         seqs = [batch.seqs[i] for i in order]
-        return self.sampler(logits, [s.params for s in seqs], [s.output_token_ids for s in seqs],
-                            [s.generator for s in seqs])
+        params = [s.params for s in seqs]
+        return self.sampler(logits, params, output_ids_if_penalized(seqs, params), [s.generator for s in seqs])
+
+
+def output_ids_if_penalized(seqs, params) -> list[list[int]] | None:
+    """Each sequence's output ids, which only penalties read: copying them every step is O(context) per row."""
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        return [s.output_token_ids for s in seqs]
+    return None
 
 
 @torch.inference_mode()

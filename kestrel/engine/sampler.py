@@ -44,9 +44,10 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_ids: list[list[int]],
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_ids: list[list[int]] | None,
                  generators: list[torch.Generator | None]):
-        """logits [B, V] float32. Returns (token_ids list[int], logprobs list[dict|None])."""
+        """logits [B, V] float32; output_ids is read only when a row has penalties (None otherwise).
+        Returns (token_ids list[int], logprobs list[dict|None])."""
         raw = logits
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             logits = apply_penalties(logits.clone(), output_ids, params)

@@ -1,0 +1,197 @@
+"""Host (Python) cost per engine step at decode batch sizes 1..256, by phase, on a model whose forward is ~free.
+
+The engine is the real one (scheduler, block manager, model runner, sampler, detokenizer, async step); the model is
+a random 1-layer Llama with hidden 64 and SmolLM2's vocabulary (49152) and tokenizer, so detokenization is
+realistic. Each batch size: B requests (prompt --prompt-tokens, ignore_eos, greedy) are prefilled, then
+--steps decode steps are timed. Phases are timed with perf_counter wrappers around the engine's own methods:
+
+  schedule   Scheduler.schedule
+  prepare    ModelRunner.prepare (flat inputs + attention metadata; on CUDA the graph inputs)
+  forward    ModelRunner.execute (the model: device work on a GPU, excluded from host time)
+  sample     the Sampler (argmax of [B, vocab]: device work on a GPU, excluded)
+  commit     everything else in step(): token append, stop checks, detokenization, outputs
+  host       the engine thread's CPU time per step, less forward and sample (sync engine)
+All phases are CPU time of the thread that ran them (time.thread_time), so other load on the box does not count;
+"step ms" is wall time.
+
+The server path (--sse): per-token cost of turning one RequestOutput into an SSE chunk, as serving does.
+
+    python bench/engine_host_overhead.py --out bench/results/engine_host_overhead.md --label after
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+
+from kestrel.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+TINY = dict(architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+            eos_token_ids=[2])
+
+
+class PhaseTimer:
+    """Wraps bound methods with accumulators of the calling thread's CPU time (time.thread_time: robust to other
+    processes on a shared box; a phase run on the async worker thread counts there, not on the engine thread)."""
+
+    def __init__(self):
+        self.t = defaultdict(float)
+        self.on = False
+
+    def wrap(self, obj, name, phase):
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[phase] += time.thread_time() - t0
+        setattr(obj, name, timed)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def measure(eng, timer, bs, prompt_tokens, steps, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    for i in range(bs):
+        eng.add_request(f"b{bs}-{i}", torch.randint(300, vocab, (prompt_tokens,), generator=g).tolist(), params)
+    while any(s.num_computed_tokens < s.prompt_len for s in eng.seqs.values()):  # prefill (untimed)
+        eng.step()
+    for _ in range(3):  # warm-up decodes
+        eng.step()
+    timer.t.clear()
+    timer.on = True
+    wait0 = eng.async_stepper.wait_s if eng.async_stepper is not None else 0.0
+    c0 = time.thread_time()
+    t0 = time.perf_counter()
+    n = 0
+    for _ in range(steps):
+        outs = eng.step()
+        n += len(outs)
+    wall = time.perf_counter() - t0
+    cpu = time.thread_time() - c0
+    timer.on = False
+    for rid in list(eng.seqs):
+        eng.abort_request(rid)
+    eng.drain()
+    eng.block_manager.reset_prefix_cache()
+    ph = {k: 1e3 * v / steps for k, v in timer.t.items()}
+    step_ms = 1e3 * wall / steps
+    cpu_ms = 1e3 * cpu / steps  # the engine thread's CPU time per step
+    if eng.async_stepper is None:  # forward + sample ran on this thread (torch threads = 1): not host work
+        ph["host"] = cpu_ms - ph.get("forward", 0.0) - ph.get("sample", 0.0)
+        ph["commit"] = ph["host"] - ph.get("schedule", 0.0) - ph.get("prepare", 0.0)
+    else:  # forward + sample ran on the worker thread; commit was timed directly
+        ph["wait"] = 1e3 * (eng.async_stepper.wait_s - wait0) / steps
+        ph["host"] = cpu_ms
+    ph["step"] = step_ms
+    ph["outputs/step"] = n / steps
+    return ph
+
+
+def sse_cost(eng, n_tokens=2000):
+    """us per streamed token of the server's chunk encoding (completions path), on real RequestOutputs."""
+    from kestrel.server import completions
+
+    fn = getattr(completions, "stream_chunk_cost_probe", None)
+    if fn is not None:
+        return fn(eng, n_tokens)
+    import json
+    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    eng.add_request("sse", [1, 504, 3108, 314], params)
+    outs = []
+    while eng.has_unfinished():
+        outs.extend(eng.step())
+    eng.drain()
+    t0 = time.perf_counter()
+    for out in outs:  # what completions.py yields per token
+        json.dumps({"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "m",
+                    "choices": [{"index": 0, "text": out.new_text, "logprobs": None,
+                                 "finish_reason": out.finish_reason}]})
+    return 1e6 * (time.perf_counter() - t0) / len(outs)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--async", dest="async_modes", type=int, nargs="+", default=[0, 1],
+                    help="async scheduling off (0) / on (1)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--label", default="run")
+    ap.add_argument("--out", default=None, help="append a markdown section to this file")
+    args = ap.parse_args()
+    if os.environ.get("MALLOC_MMAP_MAX_") is None:
+        # glibc hands the ~50 MB [256, 49152] logits back to the OS each step (munmap) and page-faults them in
+        # again: a CPU-allocator artifact a GPU caching allocator does not have, ~10 ms that would land in "commit".
+        # Keep big blocks on the heap instead (re-exec: glibc reads these only at start-up).
+        env = dict(os.environ, MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
+        os.execve(sys.executable, [sys.executable] + sys.argv, env)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for mode in args.async_modes:
+        eng = LLMEngine(EngineConfig(load_format="dummy", model_shape=dict(TINY), progress=False,
+                                     max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=8192,
+                                     num_kv_blocks=max(args.batch_sizes) * ((args.prompt_tokens + args.steps + 80)
+                                                                            // 16 + 2),
+                                     async_scheduling=bool(mode)))
+        timer = PhaseTimer()
+        timer.wrap(eng.scheduler, "schedule", "schedule")
+        timer.wrap(eng.runner, "prepare", "prepare")
+        timer.wrap(eng.runner, "execute", "forward")
+        timer.wrap(eng.runner, "sampler", "sample")
+        if eng.async_stepper is not None:
+            timer.wrap(eng.async_stepper, "_commit", "commit")
+        vocab = eng.model_config.vocab_size
+        for bs in args.batch_sizes:
+            ph = measure(eng, timer, bs, args.prompt_tokens, args.steps, vocab, bs)
+            rows.append((mode, bs, ph))
+            print(f"async={mode} batch {bs:4d}: host {ph['host']:7.2f} ms/step  (schedule {ph.get('schedule', 0):.2f}"
+                  f" prepare {ph.get('prepare', 0):.2f} commit {ph.get('commit', 0):.2f} | forward "
+                  f"{ph.get('forward', 0):.2f} sample {ph.get('sample', 0):.2f} step {ph['step']:.2f})", flush=True)
+        if mode == args.async_modes[0]:
+            sse = sse_cost(eng)
+            print(f"SSE chunk encoding: {sse:.1f} us/token", flush=True)
+    if args.out:
+        lines = [f"## {args.label}", "",
+                 f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+                 f"- CPU: {cpu_name()} ({os.cpu_count()} cores visible), torch threads {torch.get_num_threads()}, "
+                 f"torch {torch.__version__}",
+                 f"- command: `python {' '.join(sys.argv)}`",
+                 f"- prompt {args.prompt_tokens} tokens, {args.steps} timed decode steps per batch size",
+                 f"- SSE chunk encoding (server completions path): {sse:.1f} us/token", "",
+                 "| async | batch | host ms/step | schedule | prepare | commit | forward (device) | sample (device) "
+                 "| step ms |", "|---|---|---|---|---|---|---|---|---|"]
+        for mode, bs, ph in rows:
+            lines.append(f"| {'on' if mode else 'off'} | {bs} | **{ph['host']:.2f}** | {ph.get('schedule', 0):.2f} | "
+                         f"{ph.get('prepare', 0):.2f} | {ph.get('commit', 0):.2f} | {ph.get('forward', 0):.2f} | "
+                         f"{ph.get('sample', 0):.2f} | {ph['step']:.2f} |")
+        with open(args.out, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+
+
+if __name__ == "__main__":
+    main()
