@@ -35,11 +35,11 @@ def sweep_configs(m: int, n: int, k: int, variants: bool = False) -> list[tuple[
     variants adds decode comparisons (dec 0: fp32 decode, 1: robust packed asm; default 2: paired packed asm)."""
     C = ComputeConfig
     if m <= 64:
-        base = [C("tc", 32, 128, 0, 1, 8, 4), C("tc", 32, 64, 0, 1, 4, 4), C("tc", 64, 128, 0, 1, 8, 3, swap=True),
-                C("tc", 64, 128, 0, 1, 8, 3)]
+        base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 128, 0, 1, 8, 3, swap=True),
+                C("tc", 32, 128, 0, 1, 8, 4, swap=True), C("tc", 64, 64, 0, 1, 4, 4)]
     elif m <= 256:
         base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
-                C("tc", 128, 128, 0, 1, 8, 3, swap=True)] + ([C("tc", 256, 128, 0, 1, 8, 2, swap=True)] if m > 128 else [])
+                C("tc", 128, 128, 0, 1, 8, 3, swap=True)] + ([C("tc", 256, 128, 0, 1, 8, 2)] if m > 128 else [])
     else:
         base = [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 256, 128, 0, 1, 8, 2),
                 C("tc", 256, 128, 0, 1, 8, 2, swap=True), C("tc", 128, 128, 0, 1, 8, 3, swap=True),
@@ -57,7 +57,7 @@ def sweep_configs(m: int, n: int, k: int, variants: bool = False) -> list[tuple[
         if split > 1:
             out.append((ComputeConfig(**{**cfg.to_dict(), "split_k": split}), {}))
     if variants:
-        v = base[0] if m <= 256 else base[1]
+        v = base[0]
         out += [(v, {"dec": 0}), (v, {"dec": 1})]
     return out
 

@@ -4,7 +4,10 @@ Reference: x.double() @ dequantize(W).double().T (kestrel.quant's CPU reference 
 Frobenius for every format: the kernel rounds each scaled weight once to bf16/fp16 (2^-9 / 2^-12) and the output once;
 a wrong field, k order, group, zero or scale gives O(1) errors.
 """
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,13 +51,13 @@ def _weight(spec, n=48, k=256, seed=1):
 
 @pytest.mark.parametrize("spec", ALL_FORMATS, ids=lambda s: s.name)
 def test_every_format(spec):
-    # N = 48: the second N tile is partial; odd M; block_m 32 -> swapped (W as the MMA A operand)
+    # N = 48: the second N tile is partial; odd M
     _check(_weight(spec), 37, ComputeConfig("tc", 32, 32, 0, 1, 4, 2))
 
 
 @pytest.mark.parametrize("cfg,m,kw", [
-    (ComputeConfig("tc", 64, 32, 0, 1, 4, 2), 70, {}),             # not swapped, two M tiles
-    (ComputeConfig("tc", 16, 64, 0, 2, 4, 2), 17, {}),             # split-K (fp32 atomics), swapped
+    (ComputeConfig("tc", 64, 32, 0, 1, 4, 2), 70, {}),             # two M tiles
+    (ComputeConfig("tc", 16, 64, 0, 2, 4, 2, swap=True), 17, {}),  # split-K (fp32 atomics), W^T as operand A
     (ComputeConfig("tc", 32, 32, 256, 1, 4, 2), 45, {"swap": False}),  # K step of two planar blocks
     (ComputeConfig("tc", 64, 32, 0, 2, 4, 2), 33, {"swap": True, "layout": 1}),  # gather-rows layout
 ], ids=["noswap", "splitk", "bk256", "gather"])
@@ -91,6 +94,19 @@ def test_through_gemm_wna16_act_order_and_batch_dims():
     y = gemm_wna16(x.to(DEV), qw.to(DEV), ComputeConfig("tc", 32, 32, 0, 1, 4, 2)).cpu()
     ref = (x.double().reshape(27, k) @ dequantize(qw).double().t()).reshape(3, 9, n)
     assert y.shape == (3, 9, n) and ((y.double() - ref).norm() / ref.norm()) < TOL
+
+
+def test_packed_decode_pairs_share_a_field():
+    # dec 2 (the paired int4/fp4 PTX decode) reads the field of only the first element of each register pair; the
+    # tiles gemm_wna16_tc gives dec 2 must pair along r or n, never along the field dim (dim 2), in the layout this
+    # Triton compiles for sm_90 (bench/wna16_tc_sass.py; needs only Triton's bundled ptxas, no GPU, no interpreter)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "wna16_tc_sass.py")
+    r = subprocess.run([sys.executable, script, "--pairs"], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode:
+        pytest.skip(f"cannot compile for sm_90 here: {r.stderr[-300:]}")
+    pairs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert pairs and all(d in (1, 3) for d in pairs.values()), pairs
 
 
 def test_configs_valid_for_llama_shapes():

@@ -41,7 +41,7 @@ class ComputeConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    swap: bool = False  # "tc": y^T = W^T x^T (decoded W as the wgmma A operand, from registers); block_m < 64 always
+    swap: bool = False  # "tc": y^T = W^T x^T (decoded W as the wgmma A operand, x^T as B)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,20 +131,21 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
 
 
 def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
-    """16 < M <= 256: the tensor-core "tc" kernel (gemm_wna16_tc.py) with 8-warp tiles (vectorised smem stores
-    of the decoded tile; two CTAs per SM fit, so one CTA's decode overlaps the other's wgmma). Split-K only while
-    the output tiles leave most SMs idle and each split keeps >= 8 K steps. Chosen from the compiled SASS (registers,
-    shared memory, instructions per tile; bench/wna16_tc_sass.py), not yet from H200 timings."""
-    if m <= 64:  # decoded W stays in registers as the wgmma A operand (no shared-memory round trip)
-        bm, bn, warps, stages, swap = (32, 128, 8, 4, True) if m <= 32 else (64, 128, 8, 3, True)
+    """16 < M <= 256: the tensor-core "tc" kernel (gemm_wna16_tc.py) with 8-warp 128-wide tiles: vectorised smem
+    stores of the decoded tile, the paired packed decode, <= 128 registers and ~100 KB smem, so two CTAs share an
+    SM and one's decode overlaps the other's wgmma. Split-K only while the output tiles leave most SMs idle and each
+    split keeps >= 8 K steps. Chosen from the sm_90 SASS of triton 3.6 (bench/wna16_tc_sass.py; swap-AB tiles wait
+    on every wgmma there), not yet from H200 timings."""
+    if m <= 64:
+        bm, bn, warps, stages = 64, 128, 8, 3
     else:  # one W tile decode feeds 128 rows
-        bm, bn, warps, stages, swap = 128, 128, 8, 2, False
+        bm, bn, warps, stages = 128, 128, 8, 2
     tiles = -(-m // bm) * -(-layer.n // bn)
     k_steps = -(-layer.k // layer.spec.k_multiple)
     split = 1
     while tiles * split * 2 <= num_sms * 1.3 and split < 8 and k_steps // (split * 2) >= 8:
         split *= 2
-    return ComputeConfig("tc", bm, bn, 0, split, num_warps=warps, num_stages=stages, swap=swap)
+    return ComputeConfig("tc", bm, bn, 0, split, num_warps=warps, num_stages=stages)
 
 
 @dataclass(frozen=True)

@@ -337,25 +337,27 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
                   group_m: int = 8) -> torch.Tensor:
     """x2 [M, K] contiguous (already permuted for act-order) -> y [M, N] in x2's dtype. `fmt` is the format
     constexpr dict of gemm_wna16. cfg.block_k is the K step in planar blocks' elements (0 = one block).
-    SWAP (W as the wgmma A operand) defaults to cfg.swap or block_m < 64 (a wgmma M of 64 would idle rows)."""
+    swap (W as the wgmma A operand, x^T as B) defaults to cfg.swap."""
     m, _ = x2.shape
     n, k = qw.shape
     pb = fmt["R"] * fmt["EPW"]
     kb = max(1, cfg.block_k // pb)
-    swap = (cfg.swap or cfg.block_m < 64) if swap is None else swap
+    swap = cfg.swap if swap is None else swap
     split = cfg.split_k
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
     z = qw.zeros if qw.zeros is not None else qw.scales
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
     # packed-asm decode: GPU only (the interpreter runs no PTX), symmetric int4 or (bf16) fp4 e2m1 with grouped
-    # scales; dec 2 pairs adjacent registers that share a field, which holds when n is contiguous per thread
+    # scales. dec 2 assumes the two registers of a pair share a field; bench/wna16_tc_sass.py (and a test) read
+    # that off the compiled layout: it holds for 8-warp 128-wide tiles, one planar block per step, even N; it
+    # does not for e.g. 4-warp or 256-wide tiles, which use the robust dec 1
     int4 = fmt["IS_INT"] and fmt["BITS"] == 4 and not fmt["HAS_ZERO"]
     fp4 = (not fmt["IS_INT"] and (fmt["EXP_BITS"], fmt["MAN_BITS"]) == (2, 1) and x2.dtype == torch.bfloat16)
     if not (x2.device.type == "cuda" and layout == 0 and (int4 or fp4) and not fmt["PER_CHANNEL"]):
         dec = 0
-    elif dec is None or (dec == 2 and n % cfg.block_n):
-        dec = 1  # dec 2 (~20% fewer decode instructions) becomes the default once checked on the GPU (sweep --check)
+    elif dec is None:
+        dec = 2 if (cfg.block_n == 128 and cfg.num_warps == 8 and kb == 1 and n % 128 == 0) else 1
     tile_exp = 64 if (x2.dtype == torch.bfloat16 and not fmt["IS_INT"]) else 0
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     LAST_LAUNCH["kernel"] = _tc_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, m, n, k, x2.stride(0),

@@ -32,14 +32,14 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     out = []
     if m <= 16:
         out += small_m_candidates(layer, m)
-    if m > 16:  # tensor-core "tc" kernel; 8-warp tiles keep the decoded tile's smem stores vectorised
+    if m > 16:  # tensor-core "tc" kernel; 8-warp 128-wide tiles: vector smem stores, paired packed decode
         C = ComputeConfig
         if m <= 64:
-            base = [C("tc", 32, 128, 0, 1, 8, 4), C("tc", 32, 64, 0, 1, 4, 4), C("tc", 64, 128, 0, 1, 8, 3),
-                    C("tc", 64, 128, 0, 1, 8, 3, swap=True), C("tc", 64, 64, 0, 1, 4, 4)]
+            base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 128, 0, 1, 8, 3, swap=True),
+                    C("tc", 32, 128, 0, 1, 8, 4, swap=True), C("tc", 64, 64, 0, 1, 4, 4)]
         elif m <= 256:
             base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
-                    C("tc", 128, 128, 0, 1, 8, 3, swap=True), C("tc", 256, 128, 0, 1, 8, 2, swap=True)]
+                    C("tc", 128, 128, 0, 1, 8, 3, swap=True), C("tc", 256, 128, 0, 1, 8, 2)]
         else:
             base = [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 256, 128, 0, 1, 8, 2),
                     C("tc", 256, 128, 0, 1, 8, 2, swap=True), C("tc", 128, 128, 0, 1, 8, 3, swap=True)]
