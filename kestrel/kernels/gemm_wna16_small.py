@@ -194,9 +194,9 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     q_ptrs = qw_ptr + offs_r[:, None] * N + offs_n[None, :]
     if NUM_STAGES == 1:
-        # manual prefetch instead of Triton's cp.async pipeline (whose wait, per the compiled SASS, also waits for
-        # the next step's word tile): the words (and scale row) of blocks b+1 and b+2 are loaded into registers
-        # before block b is computed, so two blocks per program stay in flight
+        # manual prefetch instead of Triton's cp.async pipeline (one step in flight, several CTA barriers per step):
+        # the words (and scale row) of blocks b+1 and b+2 are loaded into registers before block b is computed, so
+        # two blocks per program stay in flight
         PRE_S: tl.constexpr = not PER_CHANNEL and GROUP_SIZE >= PB
         m1 = n_mask & ((offs_n * 0 + b0) < b1)
         m2 = n_mask & ((offs_n * 0 + b0 + 1) < b1)
