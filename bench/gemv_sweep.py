@@ -223,7 +223,7 @@ def main():
                     except Exception as ex:
                         print(f"fail {v} {split} {n}x{k} M={m}: {ex!r}"[:300], flush=True)
                         continue
-                    rows.append(dict(N=n, K=k, M=m, kernel=v[0], bn=v[1], warps=v[2], stages=v[3], split=split,
+                    rows.append(dict(N=n, K=k, M=m, kernel=v[0], bn=v[1], warps=v[2], stages=v[3], block_k=v[4], split=split,
                                      us=round(us, 2), err=err))
             res += rows
             ok = [r for r in rows if r["err"] < 1e-2]
@@ -238,7 +238,7 @@ def main():
                 b = min(cand, key=lambda r: r["us"])
                 tb = wbytes / (b["us"] * 1e-6) / 1e12
                 line = (f"{n:6d}x{k:<6d} M={m:<3d} {fam:5s} best {b['kernel']} bn={b['bn']} w={b['warps']} "
-                        f"st={b['stages']} sk={b['split']}: {b['us']:8.2f} us {tb:5.2f} TB/s {100 * tb / copy_bw:4.0f}%"
+                        f"st={b['stages']} bk={b['block_k']} sk={b['split']}: {b['us']:8.2f} us {tb:5.2f} TB/s {100 * tb / copy_bw:4.0f}%"
                         + (f" | humming {h_us:7.2f} x{h_us / b['us']:.2f}" if h_us else "")
                         + (f" | old kestrel {old_us:7.2f} x{old_us / b['us']:.2f}" if old_us else ""))
                 print(line, flush=True)
