@@ -76,22 +76,22 @@ def analyse(kern, warps: int) -> dict:
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     smem = kern.metadata.shared
     ctas = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 232448 // (smem + 1024))
-    return {"pair_dim": pair_dim(kern.asm["ttgir"]), "regs": regs, "spill_bytes": int(re.search(r"STACK:(\d+)", res).group(1)), "smem_KB": smem // 1024,
+    return {"pair_dim": pair_dim(kern.asm["ttgir"]), "regs": regs,
+            "spill_bytes": int(re.search(r"STACK:(\d+)", res).group(1)), "smem_KB": smem // 1024,
             "ctas_per_sm": ctas, "loop_instrs": len(loop), "HGMMA": mix["HGMMA"], "MMA_waits": sum(
                 "WARPGROUP.DEPBAR" in t for t in loop),
             "STS": dict(collections.Counter(op(t) for t in loop if op(t).startswith("STS"))),
-            "decode_ops": {k: mix[k] for k in ("SHF", "LOP3", "PRMT", "HADD2", "HMUL2", "FFMA", "FMUL", "F2FP") if mix[k]}}
+            "decode_ops": {k: mix[k] for k in ("SHF", "LOP3", "PRMT", "HADD2", "HMUL2", "FFMA", "FMUL", "F2FP")
+                           if mix[k]}}
 
 
 def dec2_pairs() -> dict:
     """Pair dim of the packed-asm decode in the tiles gemm_wna16_tc gives dec 2 (8 warps, 128 wide, one block)."""
     out = {}
-    for fmt in ("int4", "mxfp4"):
-        for bm, stages in ((64, 3), (128, 2)):
-            const = dict(FMT[fmt], BLOCK_M=bm, BLOCK_N=128, KB=1, SPLIT_K=1, NUM_STAGES=stages, GROUP_M=8, SWAP=False,
-                         LAYOUT=0, PREFETCH=False, EVEN_K=True, EVEN_N=True, DEC=2,
-                         TILE_EXP=0 if fmt == "int4" else 64, DOT_F32=False)
-            out[f"{fmt} {bm}x128"] = pair_dim(compile_sm90(tc._tc_kernel, const, 8, stages).asm["ttgir"])
+    for fmt, bm, stages in (("int4", 64, 3), ("int4", 128, 2), ("mxfp4", 128, 2)):
+        const = dict(FMT[fmt], BLOCK_M=bm, BLOCK_N=128, KB=1, SPLIT_K=1, NUM_STAGES=stages, GROUP_M=8, SWAP=False,
+                     LAYOUT=0, EVEN_K=True, EVEN_N=True, DEC=2, TILE_EXP=0 if fmt == "int4" else 64, DOT_F32=False)
+        out[f"{fmt} {bm}x128"] = pair_dim(compile_sm90(tc._tc_kernel, const, 8, stages).asm["ttgir"])
     return out
 
 
@@ -111,14 +111,15 @@ def main():
         for cfg, dec in tiles if fmt == "int4" else [tiles[i] for i in (0, 2, 4)]:
             const = dict(FMT[fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=1, SPLIT_K=1,
                          NUM_STAGES=cfg.num_stages, GROUP_M=8, SWAP=cfg.swap or cfg.block_m < 64, LAYOUT=0,
-                         PREFETCH=False, EVEN_K=True, EVEN_N=True, DEC=dec, TILE_EXP=0 if fmt == "int4" else 64,
+                         EVEN_K=True, EVEN_N=True, DEC=dec, TILE_EXP=0 if fmt == "int4" else 64,
                          DOT_F32=False)
             a = analyse(compile_sm90(tc._tc_kernel, const, cfg.num_warps, cfg.num_stages), cfg.num_warps)
             rows.append((f"tc {fmt} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
                          f"{' swap' if const['SWAP'] else ''} dec{dec}", cfg.block_n * 128, a))
     for bm, bn in ((16, 64), (64, 64)):  # the old per-bit-plane kernel (K=16 MMAs), one 128-k planar block per step
         const = dict(FMT["int4"], BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, NUM_STAGES=3, DOT_F32=False)
-        rows.append((f"dot (old) int4 {bm}x{bn} w4 s3", bn * 128, analyse(compile_sm90(old._dot_kernel, const, 4, 3), 4)))
+        kern = compile_sm90(old._dot_kernel, const, 4, 3)
+        rows.append((f"dot (old) int4 {bm}x{bn} w4 s3", bn * 128, analyse(kern, 4)))
     print(f"triton {triton.__version__}, target sm_90; per K step of 128 (one planar block)")
     print("| kernel / tile | regs | spill B | smem KB | CTAs/SM | loop instrs | thread-instrs / W elem | HGMMA | "
           "MMA waits | smem stores | decode ops | asm pair dim |")
@@ -126,7 +127,8 @@ def main():
     for name, elems, a in rows:
         warps = int(re.search(r" w(\d+)", name).group(1))
         per = a["loop_instrs"] * warps * 32 / elems  # issue cost of the decode (+ loads, MMA issue) per weight
-        print(f"| {name} | {a['regs']} | {a['spill_bytes']} | {a['smem_KB']} | {a['ctas_per_sm']} | {a['loop_instrs']} | "
+        print(f"| {name} | {a['regs']} | {a['spill_bytes']} | {a['smem_KB']} | {a['ctas_per_sm']} | "
+              f"{a['loop_instrs']} | "
               f"{per:.2f} | {a['HGMMA']} | {a['MMA_waits']} | {a['STS']} | {a['decode_ops']} | {a['pair_dim']} |")
 
 

@@ -224,7 +224,7 @@ def main():
             print(f"ROW {name} M={m}: default {row.get('default_us', float('nan')):.1f}us "
                   f"({row['default_config']['kernel']}, x hum {row.get('default_x_humming', 0):.2f}, "
                   f"x cublas {row.get('default_x_cublas', 0):.2f}) | best sweep {b.get('us', float('nan')):.1f}us "
-                  f"x hum {row.get('best_x_humming', 0):.2f} {b.get('config')} {({k2: b[k2] for k2 in ('swap', 'layout') if k2 in b})} "
+                  f"x hum {row.get('best_x_humming', 0):.2f} {b.get('config') and _cfg_str(b['config'])} "
                   f"| cublas {row['cublas_us']:.1f} hum {hum_us}", flush=True)
         del ws, qws, deq0, hum
         torch.cuda.empty_cache()
@@ -234,8 +234,9 @@ def main():
         b = r.get("best_sweep")
         if b:
             lay = LayerConfig(spec, r["N"], r["K"])
+            h_us = r.get("default_us") and round(r["default_us"], 3)
             cache[cache_key(gpu, lay, m_bucket(r["M"]))] = {"config": b["config"], "us": round(b["us"], 3),
-                                                           "heuristic_us": r.get("default_us") and round(r["default_us"], 3)}
+                                                           "heuristic_us": h_us}
     with open(os.path.join(args.out, "tune_tc.json"), "w") as f:
         json.dump(cache, f, indent=1, sort_keys=True)
     write_markdown(meta, rows, os.path.join(args.out, "wna16_tc.md"))

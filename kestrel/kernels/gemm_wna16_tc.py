@@ -1,17 +1,21 @@
 """Tensor-core WNA16 GEMM for M > 16 ("tc" kernel): one wide tl.dot per K step so Triton emits wgmma on Hopper.
 
 Per K step the kernel loads KB planar word tiles (packing.py: block b = word rows b*R .. b*R+R-1, field i of row r
-holds k = b*R*EPW + i*R + r), decodes them with broadcast per-field shifts into [KB, R, EPW, BN], permutes to
-[KB, EPW, R, BN] (that is k order) and reshapes to one [BK, BN] tile, group scale/zero applied in the tile, then one
-dot with K = BK against x[BM, BK]. LAYOUT=1 instead gathers each k row's word (simple, more loads).
-SWAP computes y^T = W^T x^T so the decoded weight is the wgmma A operand and a small M is the wgmma N (>= 8).
+holds k = b*R*EPW + i*R + r) as [KB, R, 1, BN] (the decode keeps the coalesced load layout: consecutive n per
+thread, so the decoded tile goes to shared memory in vector stores), broadcasts over the EPW fields, permutes to
+[KB, EPW, R, BN] (k order) and reshapes to one [BK, BN] tile with the group scale/zero applied, then one dot with
+K = BK against x[BM, BK]. LAYOUT=1 instead gathers each k row's word (simple, more loads). SWAP computes
+y^T = W^T x^T (decoded W as the wgmma A operand). Grouped tile order for L2 reuse; split-K by fp32 atomics.
 
-Decode (fp32, then one rounding to the activation dtype):
-- ints: the field rotated into the fp32 mantissa top gives v = 1 + c/2^B exactly; (c - z) s = v*(2^B s) - (2^B+z) s,
-  one FFMA with per-column/group coefficients.
-- minifloats: exponent/mantissa/sign bits moved into fp32 (value * 2^(bias-127)); the 2^(127-bias) factor is folded
-  into the scale together with 2^-TILE_EXP (bf16 only: its fp32 range holds the shrunk tile), and the accumulator
-  gets 2^TILE_EXP back, so fp32 never overflows for large block scales (e8m0 / e4m3 NVFP4 scales).
+Decode:
+- DEC 1/2 (GPU, symmetric int4 and bf16 fp4 e2m1): inline PTX on register pairs, bf16x2/f16x2 math, no fp32 round
+  trip (_decode_int4_x2 / _decode_fp4_x2); DEC 2 shares one byte permute + shift per pair (needs the pair to lie in
+  one field: only on tiles whose compiled layout guarantees it, see gemm_wna16_tc and bench/wna16_tc_sass.py).
+- DEC 0 (every format, and the CPU interpreter), in fp32 then one rounding: ints: the field rotated into the fp32
+  mantissa top gives v = 1 + c/2^B exactly, (c - z) s = v*(2^B s) - (2^B+z) s in one FFMA; minifloats: their bits
+  moved into fp32 (value * 2^(bias-127)), the 2^(127-bias) factor folded into the scale with 2^-TILE_EXP (bf16
+  only: its fp32 range holds the shrunk tile) and 2^TILE_EXP put back on the accumulator, so no fp32 overflow for
+  large block scales (e8m0 / e4m3 NVFP4).
 """
 from __future__ import annotations
 
@@ -243,7 +247,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
                SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr,
-               LAYOUT: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               LAYOUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                DEC: tl.constexpr, TILE_EXP: tl.constexpr,
                DOT_F32: tl.constexpr, R: tl.constexpr):
     PB: tl.constexpr = R * EPW
@@ -283,10 +287,6 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:  # decode step s+1 right after issuing the MMA of step s
-        w = _w_tile(qw_ptr, s_ptr, z_ptr, s0, n_blocks, offs_n_ld, n_mask, N, a_pc, b_pc, BITS, EPW, IS_INT,
-                    EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, KB, BLOCK_N,
-                    LAYOUT, EVEN_K, TILE_EXP, R, DEC, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
     for step in tl.range(s0, s1, num_stages=NUM_STAGES):
         kx = step * BK + tl.arange(0, BK)
         x_ptrs = x_ptr + offs_m_ld[:, None] * stride_xm + kx[None, :]
@@ -294,22 +294,17 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
             x = tl.load(x_ptrs)
         else:
             x = tl.load(x_ptrs, mask=(kx < K)[None, :], other=0.0)
-        if not PREFETCH:
-            w = _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n_ld, n_mask, N, a_pc, b_pc, BITS, EPW, IS_INT,
-                        EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, KB,
-                        BLOCK_N, LAYOUT, EVEN_K, TILE_EXP, R, DEC, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
-        wd = w
+        # decode + MMA serialise inside a CTA (Triton waits on the wgmma right away); two CTAs per SM overlap them
+        w = _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n_ld, n_mask, N, a_pc, b_pc, BITS, EPW, IS_INT, EXP_BITS,
+                    MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, KB, BLOCK_N, LAYOUT, EVEN_K,
+                    TILE_EXP, R, DEC, x_ptr.dtype.element_ty)
         if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
-            wd = wd.to(tl.float32)
+            w = w.to(tl.float32)
             x = x.to(tl.float32)
         if SWAP:
-            acc = tl.dot(tl.trans(wd), tl.trans(x), acc)
+            acc = tl.dot(tl.trans(w), tl.trans(x), acc)
         else:
-            acc = tl.dot(x, wd, acc)
-        if PREFETCH:  # past the last step this decodes a clamped (valid, unused) step
-            w = _w_tile(qw_ptr, s_ptr, z_ptr, tl.minimum(step + 1, n_steps - 1), n_blocks, offs_n_ld, n_mask, N,
-                        a_pc, b_pc, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
-                        GROUP_SIZE, PER_CHANNEL, KB, BLOCK_N, LAYOUT, EVEN_K, TILE_EXP, R, DEC, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+            acc = tl.dot(x, w, acc)
     if SWAP:
         acc = tl.trans(acc)
     post = 1.0
@@ -333,7 +328,7 @@ LAST_LAUNCH: dict = {}  # the last compiled kernel, for benches that inspect PTX
 
 
 def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt: dict,
-                  swap: bool | None = None, layout: int = 0, prefetch: bool = False, dec: int | None = None,
+                  swap: bool | None = None, layout: int = 0, dec: int | None = None,
                   group_m: int = 8) -> torch.Tensor:
     """x2 [M, K] contiguous (already permuted for act-order) -> y [M, N] in x2's dtype. `fmt` is the format
     constexpr dict of gemm_wna16. cfg.block_k is the K step in planar blocks' elements (0 = one block).
@@ -363,7 +358,7 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
     LAST_LAUNCH["kernel"] = _tc_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, m, n, k, x2.stride(0),
                                              y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=kb,
                                              SPLIT_K=split, NUM_STAGES=cfg.num_stages,
-                                             GROUP_M=group_m, SWAP=swap, LAYOUT=layout, PREFETCH=prefetch,
+                                             GROUP_M=group_m, SWAP=swap, LAYOUT=layout,
                                              DEC=dec, EVEN_K=k % (kb * pb) == 0, EVEN_N=n % cfg.block_n == 0,
                                              TILE_EXP=tile_exp,
                                              DOT_F32=x2.device.type != "cuda", num_warps=cfg.num_warps,
