@@ -45,8 +45,8 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
                     C("tc", 256, 128, 0, 1, 8, 2, swap=True), C("tc", 128, 128, 0, 1, 8, 3, swap=True)]
         for c, sk in itertools.product(base, (1, 2, 4, 8) if m <= 256 else (1,)):
             out.append(ComputeConfig(**{**c.to_dict(), "split_k": sk}))
-    if m > 256:
-        for bn, bk in itertools.product((32, 64, 128), (64, 128, 256)):
+    if m > 256:  # few dequant_mm tiles (the pass is bandwidth-bound), so --max-candidates still reaches tc
+        for bn, bk in ((64, 128), (128, 128), (64, 256)):
             out.append(ComputeConfig("dequant_mm", 1, bn, bk, 1, 4, 1))
     h = heuristic(layer, m)
     seen, uniq = set(), []
