@@ -109,6 +109,84 @@ def test_packed_decode_pairs_share_a_field():
     assert pairs and all(d in (1, 3) for d in pairs.values()), pairs
 
 
+def _run_ptx(asm: str, ops: list[int]) -> int:
+    """Tiny emulator of the PTX the packed decode uses (b32 registers; bf16x2/f16x2 math rounded like the GPU: the
+    products of two 8/11-bit significands are exact in fp32, so one torch rounding is the PTX .rn rounding)."""
+    regs = {f"${i}": v & 0xFFFFFFFF for i, v in enumerate(ops, start=1)}
+    val = lambda t: regs[t] if t in regs else int(t, 0)
+
+    def halves(v, dt):
+        return torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16).view(dt).float()
+
+    def pack(x, dt):
+        h = x.to(dt).view(torch.int16).to(torch.int32) & 0xFFFF
+        return int(h[0]) | (int(h[1]) << 16)
+
+    for ins in asm.strip("{} ").split(";"):
+        if not ins.strip() or ins.strip().startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        d, *src = [t.strip() for t in args.split(",")]
+        v = [val(t) for t in src]
+        if op == "shr.u32":
+            r = v[0] >> v[1]
+        elif op == "shl.b32":
+            r = (v[0] << v[1]) & 0xFFFFFFFF
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "or.b32":
+            r = v[0] | v[1]
+        elif op == "prmt.b32":  # default mode, selectors < 8: byte k of d = byte sel_k of {b, a}
+            both = v[0] | (v[1] << 32)
+            r = sum(((both >> (8 * ((v[2] >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4))
+        elif op == "lop3.b32":
+            r = sum((((v[3] >> (((v[0] >> i) & 1) << 2 | ((v[1] >> i) & 1) << 1 | ((v[2] >> i) & 1))) & 1) << i)
+                    for i in range(32))
+        else:
+            dt = torch.bfloat16 if op.endswith("bf16x2") else torch.float16
+            a_, b_ = halves(v[0], dt), halves(v[1], dt)
+            r = pack(a_ - b_ if op.startswith("sub") else a_ * b_, dt)
+        regs[d] = r
+    return regs["$0"]
+
+
+@pytest.mark.parametrize("kind", ["int4-bf16", "int4-fp16", "fp4-bf16"])
+def test_packed_decode_ptx_semantics(kind):
+    # the inline PTX of the packed decode (run only on GPUs) against the reference element decode, every field
+    from kestrel.kernels import gemm_wna16_tc as tc
+    from kestrel.quant.formats import decode_minifloat
+    g = torch.Generator().manual_seed(7)
+    dt = torch.float16 if kind == "int4-fp16" else torch.bfloat16
+    half = lambda x: int(torch.tensor([x]).to(dt).view(torch.int16)) & 0xFFFF
+    for _ in range(40):
+        w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+        s0, s1 = (float(v) for v in torch.rand(2, generator=g) * 0.1 + 0.01)
+        for f0 in range(8):
+            for f1, shared in ((f0, True), ((f0 + 3) % 8, False)):
+                c0, c1 = (w0 >> 4 * f0) & 15, (w1 >> 4 * f1) & 15
+                if kind.startswith("int4"):
+                    sc = half(s0) | (half(s1) << 16)
+                    zb = half((1024 if dt == torch.float16 else 128) + 8) * 0x10001
+                    want = [torch.tensor([(c - 8) * float(torch.tensor(s).to(dt))]).to(dt)
+                            for c, s in ((c0, s0), (c1, s1))]
+                    asm = (tc._ASM_SH_F16 if dt == torch.float16 else tc._ASM_SH_BF16) if shared else (
+                        tc._ASM_F16 if dt == torch.float16 else tc._ASM_BF16)
+                else:
+                    sc = half(s0 * 2.0 ** 62) | (half(s1 * 2.0 ** 62) << 16)  # * 2^(126 - TILE_EXP)
+                    want = [(decode_minifloat(torch.tensor([c]), 2, 1) * float(torch.tensor(s * 2.0 ** 62).to(dt))
+                             * 2.0 ** -126).to(dt) for c, s in ((c0, s0), (c1, s1))]
+                    asm = tc._ASM_FP4_SH if shared else tc._ASM_FP4
+                if shared:
+                    j = f0 // 2
+                    sel = j | ((j + 4) << 8)
+                    ops = [w0, w1, sel, sel, (f0 % 2) * 4, (f0 % 2) * 4, *([zb] if kind.startswith("int4") else []), sc]
+                else:
+                    ops = [w0, w1, 4 * f0, 4 * f1, *([zb] if kind.startswith("int4") else []), sc]
+                out = _run_ptx(asm.value, ops)
+                got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dt)
+                assert got[0] == want[0][0] and got[1] == want[1][0], (kind, shared, f0, f1, c0, c1, got, want)
+
+
 def test_configs_valid_for_llama_shapes():
     # the heuristic and the tuner's m > 16 candidates must be runnable configs on every shape and format
     for spec in (FORMATS["int4"], FORMATS["mxfp4"], FORMATS["nvfp4"], FORMATS["int8"]):
