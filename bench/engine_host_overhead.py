@@ -14,7 +14,8 @@ realistic. Each batch size: B requests (prompt --prompt-tokens, ignore_eos, gree
 All phases are CPU time of the thread that ran them (time.thread_time), so other load on the box does not count;
 "step ms" is wall time.
 
-The server path (--sse): per-token cost of turning one RequestOutput into an SSE chunk, as serving does.
+The server path (--server-batch): the server's engine thread (AsyncLLMEngine) and bs concurrent streams on an
+event loop that turn each output into an SSE chunk as kestrel/server/completions.py does (no socket).
 
     python bench/engine_host_overhead.py --out bench/results/engine_host_overhead.md --label after
 """
@@ -111,26 +112,57 @@ def measure(eng, timer, bs, prompt_tokens, steps, vocab, seed):
     return ph
 
 
-def sse_cost(eng, n_tokens=2000):
-    """us per streamed token of the server's chunk encoding (completions path), on real RequestOutputs."""
-    from kestrel.server import completions
+def server_path(eng, timer, bs, prompt_tokens, new_tokens, vocab):
+    """AsyncLLMEngine (the server's engine thread) + bs concurrent streams on one event loop, each turning every
+    output into an SSE chunk as kestrel/server/completions.py does (no HTTP socket). Returns (engine-thread host
+    ms per step, event-loop CPU us per streamed token)."""
+    import asyncio
+    import threading
 
-    fn = getattr(completions, "stream_chunk_cost_probe", None)
-    if fn is not None:
-        return fn(eng, n_tokens)
-    import json
-    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
-    eng.add_request("sse", [1, 504, 3108, 314], params)
-    outs = []
-    while eng.has_unfinished():
-        outs.extend(eng.step())
-    eng.drain()
-    t0 = time.perf_counter()
-    for out in outs:  # what completions.py yields per token
-        json.dumps({"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "m",
+    from kestrel.engine.async_engine import AsyncLLMEngine
+    from kestrel.server.serving import sse
+
+    g = torch.Generator().manual_seed(bs + 1)
+    prompts = [torch.randint(300, vocab, (prompt_tokens,), generator=g).tolist() for _ in range(bs)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    aeng = AsyncLLMEngine(eng)
+    engine_cpu = [0.0]
+    inner = aeng._step
+
+    def timed_step(*a):  # the engine thread's whole iteration work: step + handing outputs to the streams
+        t0 = time.thread_time()
+        try:
+            return inner(*a)
+        finally:
+            engine_cpu[0] += time.thread_time() - t0
+    aeng._step = timed_step
+
+    async def stream(i):
+        n = 0
+        async for out in aeng.generate(f"s{bs}-{i}", prompts[i], params):
+            body = {"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "m",
                     "choices": [{"index": 0, "text": out.new_text, "logprobs": None,
-                                 "finish_reason": out.finish_reason}]})
-    return 1e6 * (time.perf_counter() - t0) / len(outs)
+                                 "finish_reason": out.finish_reason if out.finished else None}]}
+            sse(body)
+            n += 1
+        return n
+
+    async def run_all():
+        return sum(await asyncio.gather(*(stream(i) for i in range(bs))))
+
+    assert threading.current_thread() is threading.main_thread()
+    steps0 = eng.num_steps
+    timer.t.clear()
+    timer.on = True
+    c0 = time.thread_time()
+    tokens = asyncio.run(run_all())
+    loop_cpu = time.thread_time() - c0
+    timer.on = False
+    aeng.shutdown()
+    eng.block_manager.reset_prefix_cache()
+    steps = eng.num_steps - steps0
+    host = engine_cpu[0] - timer.t.get("forward", 0.0) - timer.t.get("sample", 0.0)
+    return 1e3 * host / steps, 1e6 * loop_cpu / tokens, steps
 
 
 def main():
@@ -140,6 +172,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--async", dest="async_modes", type=int, nargs="+", default=[0, 1],
                     help="async scheduling off (0) / on (1)")
+    ap.add_argument("--server-batch", type=int, default=256, help="streams for the server-path measurement (0: skip)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", default=None, help="append a markdown section to this file")
@@ -172,9 +205,21 @@ def main():
             print(f"async={mode} batch {bs:4d}: host {ph['host']:7.2f} ms/step  (schedule {ph.get('schedule', 0):.2f}"
                   f" prepare {ph.get('prepare', 0):.2f} commit {ph.get('commit', 0):.2f} | forward "
                   f"{ph.get('forward', 0):.2f} sample {ph.get('sample', 0):.2f} step {ph['step']:.2f})", flush=True)
-        if mode == args.async_modes[0]:
-            sse = sse_cost(eng)
-            print(f"SSE chunk encoding: {sse:.1f} us/token", flush=True)
+    server_rows = []
+    if args.server_batch:  # the server's engine thread + event loop (sync engine: phases on the engine thread)
+        eng = LLMEngine(EngineConfig(load_format="dummy", model_shape=dict(TINY), progress=False,
+                                     max_num_seqs=args.server_batch, max_num_batched_tokens=8192,
+                                     num_kv_blocks=args.server_batch * ((args.prompt_tokens + 80) // 16 + 2),
+                                     async_scheduling=False))
+        timer = PhaseTimer()
+        timer.wrap(eng.runner, "execute", "forward")
+        timer.wrap(eng.runner, "sampler", "sample")
+        server_path(eng, timer, 16, 32, 4, eng.model_config.vocab_size)  # warm-up
+        host, loop_us, steps = server_path(eng, timer, args.server_batch, args.prompt_tokens, 64,
+                                           eng.model_config.vocab_size)
+        server_rows.append((args.server_batch, host, loop_us, steps))
+        print(f"server path, {args.server_batch} streams x 64 tokens: engine thread host {host:.2f} ms/step over "
+              f"{steps} steps, event loop {loop_us:.1f} us CPU per streamed token", flush=True)
     if args.out:
         lines = [f"## {args.label}", "",
                  f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
@@ -182,13 +227,18 @@ def main():
                  f"torch {torch.__version__}",
                  f"- command: `python {' '.join(sys.argv)}`",
                  f"- prompt {args.prompt_tokens} tokens, {args.steps} timed decode steps per batch size",
-                 f"- SSE chunk encoding (server completions path): {sse:.1f} us/token", "",
+                 "",
                  "| async | batch | host ms/step | schedule | prepare | commit | forward (device) | sample (device) "
                  "| step ms |", "|---|---|---|---|---|---|---|---|---|"]
         for mode, bs, ph in rows:
             lines.append(f"| {'on' if mode else 'off'} | {bs} | **{ph['host']:.2f}** | {ph.get('schedule', 0):.2f} | "
                          f"{ph.get('prepare', 0):.2f} | {ph.get('commit', 0):.2f} | {ph.get('forward', 0):.2f} | "
                          f"{ph.get('sample', 0):.2f} | {ph['step']:.2f} |")
+        for b, host, loop_us, steps in server_rows:
+            lines += ["", f"Server path ({b} concurrent streams x 64 tokens, prompt {args.prompt_tokens}, sync engine, "
+                      f"AsyncLLMEngine + completions-style SSE chunks on one event loop, no socket): engine thread "
+                      f"host **{host:.2f} ms/step** ({steps} steps, forward/sample excluded), event loop "
+                      f"**{loop_us:.1f} us CPU per streamed token**"]
         with open(args.out, "a") as f:
             f.write("\n".join(lines) + "\n\n")
 

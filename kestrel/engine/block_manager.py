@@ -40,8 +40,8 @@ class BlockManager:
         return 1.0 - len(self.free) / self.num_blocks
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
-        return max(0, need - len(seq.block_table))
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        return need if need > 0 else 0
 
     # ---- prefix cache ----
     @staticmethod
@@ -94,8 +94,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         hashes = seq.block_hashes
+        if seq.num_computed_tokens < (len(hashes) + 1) * bs:  # no newly full block (most decode steps)
+            return
+        n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         if len(hashes) >= n_full:
             return
         prev = hashes[-1] if hashes else None

@@ -13,6 +13,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self._prefix: str | None = None  # decoded ids[prefix_offset:read_offset], valid until the offsets move
         self.emitted = 0
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
@@ -32,13 +33,22 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> bool:
         """Append tokens; returns True if a stop string was found (text is then trimmed before it)."""
-        self.ids.extend(new_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        ids = self.ids
+        ids.extend(new_ids)
+        window = ids[self.prefix_offset:]
+        if self._prefix is None:  # the context's text changes only when the offsets move: decode it once
+            self._prefix = self._decode(window[:self.read_offset - self.prefix_offset])
+        prefix = self._prefix
+        full = self._decode(window)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             old_len = len(self.text)
             self.text += full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            self._prefix = None
+            if self.prefix_offset > 64:  # keep the id list short (only the window is ever read)
+                del ids[:self.prefix_offset]
+                self.read_offset -= self.prefix_offset
+                self.prefix_offset = 0
             if self.stop:
                 start = max(0, old_len - self.holdback)
                 hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]

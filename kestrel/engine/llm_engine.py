@@ -148,54 +148,45 @@ class LLMEngine:
         order, logits = self.runner.forward_step(batch)
         tokens, logprobs = self.runner.sample(batch, order, logits) if order else ([], [])
         self.num_steps += 1
+        register = self.block_manager.register_full_blocks
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            if seq.num_output_tokens == 0:
+            if len(seq.token_ids) == seq.prompt_len:
                 self.num_prompt_tokens += n
-            self.block_manager.register_full_blocks(seq)
-        outputs = []
+            register(seq)
         now = time.monotonic()
-        for j, i in enumerate(order):
-            seq = batch.seqs[i]
-            outputs.append(self._append_token(seq, tokens[j], logprobs[j], now))
-        return outputs
+        seqs, append = batch.seqs, self._append_token
+        return [append(seqs[i], t, lp, now) for i, t, lp in zip(order, tokens, logprobs)]
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict | None, now: float,
                       index: int | None = None) -> RequestOutput:
         """Append a sampled token (or, with async scheduling, commit it at `index`, where a placeholder was
         reserved) and run the stop checks."""
+        tids = seq.token_ids
         if index is None:
-            seq.token_ids.append(token)
-            index = seq.num_tokens - 1
-        n_tokens = index + 1  # async: a later placeholder may follow; it does not count
+            tids.append(token)
+            n_tokens = len(tids)
+        else:
+            n_tokens = index + 1  # async: a later placeholder may follow; it does not count
         self.num_generated_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
-        p = seq.params
+        p, detok, prompt_len = seq.params, seq.detok, seq.prompt_len
         reason = None
-        is_stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
-        if is_stop_token:
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
-        elif seq.detok.add([token]):
+        elif detok.add((token,)):
             reason = "stop"
-        elif n_tokens - seq.prompt_len >= p.max_tokens or n_tokens >= self.max_model_len:
+        elif n_tokens - prompt_len >= p.max_tokens or n_tokens >= self.max_model_len:
             reason = "length"
-        if reason is not None:
+        finished = reason is not None
+        if finished:
             self.scheduler.finish(seq, reason)
             self.seqs.pop(seq.request_id, None)
-        out = RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[token],
-            output_token_ids=seq.token_ids[seq.prompt_len:n_tokens],
-            new_text=seq.detok.take_delta(reason is not None),
-            finished=reason is not None,
-            finish_reason=reason,
-            prompt_len=seq.prompt_len,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=[logprob] if logprob is not None else None,
-        )
-        out.text = seq.detok.text
-        if reason is not None:
+        out = RequestOutput(seq.request_id, [token], tids[prompt_len:n_tokens], detok.take_delta(finished), finished,
+                            reason, prompt_len, seq.num_cached_tokens, [logprob] if logprob is not None else None)
+        out.text = detok.text
+        if finished:
             out.metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
                            "finished_time": now}
         return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one is built per request per step
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]  # tokens produced by this step (can be >1 with speculative decoding)

@@ -61,19 +61,24 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if self._done_on_length(seq):
+        running, mml = self.running, self.max_model_len
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            ntok = len(seq.token_ids)
+            # _done_on_length, inlined (this loop runs once per running sequence per step)
+            if ntok - seq.prompt_len >= seq.params.max_tokens or (mml is not None and ntok >= mml):
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = ntok - seq.num_computed_tokens
+            if n > budget:
+                n = budget
             while not self.bm.allocate(seq, n):
                 preempted = True
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq.status != SeqStatus.RUNNING:
+            if seq.status is not SeqStatus.RUNNING:
                 break
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
