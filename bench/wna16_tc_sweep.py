@@ -62,17 +62,17 @@ def sweep_configs(m: int, n: int, k: int, variants: bool = False) -> list[tuple[
     return out
 
 
-def gpu_check():
+def gpu_check(dev: str = "cuda", k: int = 1024):
     """Every packed-asm decode path (int4 / fp4, paired or robust, swapped or not, bf16/fp16) vs dequant-matmul."""
     C = ComputeConfig
     for fmt in ("int4", "mxfp4", "nvfp4", "uint4-zp"):
-        for n, cfg, kw, dt in ((1024, C("tc", 64, 128, 0, 1, 8, 3), {}, torch.bfloat16),
-                               (1024, C("tc", 64, 128, 0, 2, 8, 3), {"swap": True}, torch.bfloat16),
-                               (1000, C("tc", 32, 128, 0, 1, 8, 3), {}, torch.bfloat16),
-                               (1024, C("tc", 64, 64, 0, 1, 4, 3), {"swap": False}, torch.float16)):
+        for n, cfg, kw, dt in ((k, C("tc", 64, 128, 0, 1, 8, 3), {}, torch.bfloat16),
+                               (k, C("tc", 128, 128, 0, 2, 8, 2), {"swap": True}, torch.bfloat16),
+                               (k - 24, C("tc", 32, 128, 0, 1, 8, 3), {}, torch.bfloat16),
+                               (k, C("tc", 64, 64, 0, 1, 4, 3), {"swap": False}, torch.float16)):
             try:
-                qw = quantize(torch.randn(n, 1024, device="cuda") * 0.02, FORMATS[fmt])
-                x = torch.randn(77, 1024, device="cuda", dtype=dt)
+                qw = quantize(torch.randn(n, k, device=dev) * 0.02, FORMATS[fmt])
+                x = torch.randn(77, k, device=dev, dtype=dt)
                 ref = x.float() @ dequantize(qw).t()
                 y = tcmod.gemm_wna16_tc(x, qw, cfg, _format_args(qw), **kw)
                 err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -80,6 +80,12 @@ def gpu_check():
                       f"rel err {err:.2e} {'OK' if err < 1e-2 else 'FAIL'}", flush=True)
             except Exception as ex:
                 print(f"CHECK {fmt} n={n} {cfg} {kw}: ERROR {ex!r}"[:300], flush=True)
+
+
+def _wall_us(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e6
 
 
 def last_humming():
@@ -97,7 +103,8 @@ def last_humming():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES) + " or NxK")
+    ap.add_argument("--device", default="cuda", help="cpu: smoke-test this script under TRITON_INTERPRET=1")
     ap.add_argument("--ms", default="32,64,128,256,1024,4096")
     ap.add_argument("--format", default="int4", choices=sorted(FORMATS))
     ap.add_argument("--sweep", action="store_true", help="time every candidate tc config, not only the default")
@@ -109,7 +116,11 @@ def main():
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     import triton
-    gpu = torch.cuda.get_device_name()
+    dev = args.device
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    if dev != "cuda":  # interpreter smoke test: one timed call instead of CUDA graphs, no Humming
+        args.humming = False
+        globals()["graph_us"] = lambda fns, reps=1: _wall_us(fns[0])
     meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": "python " + " ".join(sys.argv)}
     if args.humming:
@@ -122,7 +133,7 @@ def main():
             args.humming = False
     print(meta, flush=True)
     if args.check:
-        gpu_check()
+        gpu_check(dev, 1024 if dev == "cuda" else 256)
     old_hum = last_humming()
     spec = FORMATS[args.format]
     ms = [int(v) for v in args.ms.split(",")]
@@ -134,9 +145,11 @@ def main():
         if time.time() - t0 > args.budget_s:
             print(f"budget reached, skipping {name}", flush=True)
             continue
-        n, k = SHAPES[name]
+        n, k = SHAPES[name] if name in SHAPES else (int(v) for v in name.split("x"))
         ncop = min(12, max(3, -(-200_000_000 // (n * k // 2))))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ncop)]
+        if dev != "cuda":
+            ncop = 1
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(ncop)]
         qws = [quantize(w, spec) for w in ws]
         deq0 = dequantize(qws[0])
         fmt = _format_args(qws[0])
@@ -156,7 +169,7 @@ def main():
                 print(f"humming failed: {ex!r}"[:300], flush=True)
                 hum = None
         for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ deq0.t()
             flop = 2.0 * m * n * k
             row = {"shape": name, "M": m, "N": n, "K": k}
@@ -189,7 +202,8 @@ def main():
                         tc = time.time()
                         tcmod.LAST_LAUNCH.clear()
                         y = call(qws[0])
-                        torch.cuda.synchronize()
+                        if dev == "cuda":
+                            torch.cuda.synchronize()
                         e["first_call_s"] = round(time.time() - tc, 2)
                         e["err"] = ((y.float() - ref).norm() / ref.norm()).item()
                         kern = tcmod.LAST_LAUNCH.get("kernel")
@@ -227,7 +241,8 @@ def main():
                   f"x hum {row.get('best_x_humming', 0):.2f} {b.get('config') and _cfg_str(b['config'])} "
                   f"| cublas {row['cublas_us']:.1f} hum {hum_us}", flush=True)
         del ws, qws, deq0, hum
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
     meta["wall_s"] = round(time.time() - t0, 1)
     cache = {}
     for r in rows:  # the fastest measured config per (shape, M bucket), in kestrel's tune-cache format
