@@ -86,12 +86,14 @@ def analyse(kern, warps: int) -> dict:
 
 
 def dec2_pairs() -> dict:
-    """Pair dim of the packed-asm decode in the tiles gemm_wna16_tc gives dec 2 (8 warps, 128 wide, one block)."""
+    """Pair dim of the packed-asm decode in the tiles gemm_wna16_tc gives dec 2 (8 warps, 128-wide halves)."""
     out = {}
-    for fmt, bm, stages in (("int4", 64, 3), ("int4", 128, 2), ("mxfp4", 128, 2)):
-        const = dict(FMT[fmt], BLOCK_M=bm, BLOCK_N=128, KB=1, SPLIT_K=1, NUM_STAGES=stages, GROUP_M=8, SWAP=False,
-                     LAYOUT=0, EVEN_K=True, EVEN_N=True, DEC=2, TILE_EXP=0 if fmt == "int4" else 64, DOT_F32=False)
-        out[f"{fmt} {bm}x128"] = pair_dim(compile_sm90(tc._tc_kernel, const, 8, stages).asm["ttgir"])
+    for fmt, bm, bn, stages in (("int4", 64, 128, 3), ("int4", 128, 128, 2), ("int4", 128, 256, 2),
+                                ("mxfp4", 128, 128, 2)):
+        const = dict(FMT[fmt], BLOCK_M=bm, BLOCK_N=bn, KB=1, SPLIT_K=1, NUM_STAGES=stages, GROUP_M=8, SWAP=False,
+                     LAYOUT=0, EVEN_K=True, EVEN_N=True, NH=bn // 128, DEC=2, TILE_EXP=0 if fmt == "int4" else 64,
+                     DOT_F32=False)
+        out[f"{fmt} {bm}x{bn}"] = pair_dim(compile_sm90(tc._tc_kernel, const, 8, stages).asm["ttgir"])
     return out
 
 
@@ -110,7 +112,8 @@ def main():
     for fmt in ("int4", "mxfp4"):
         for cfg, dec in tiles if fmt == "int4" else [tiles[i] for i in (0, 2, 4)]:
             const = dict(FMT[fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=1, SPLIT_K=1,
-                         NUM_STAGES=cfg.num_stages, GROUP_M=8, SWAP=cfg.swap or cfg.block_m < 64, LAYOUT=0,
+                         NUM_STAGES=cfg.num_stages, GROUP_M=8, SWAP=cfg.swap, LAYOUT=0,
+                         NH=2 if cfg.block_n == 256 and not cfg.swap else 1,
                          EVEN_K=True, EVEN_N=True, DEC=dec, TILE_EXP=0 if fmt == "int4" else 64,
                          DOT_F32=False)
             a = analyse(compile_sm90(tc._tc_kernel, const, cfg.num_warps, cfg.num_stages), cfg.num_warps)

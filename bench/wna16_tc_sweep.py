@@ -39,11 +39,10 @@ def sweep_configs(m: int, n: int, k: int, variants: bool = False) -> list[tuple[
                 C("tc", 32, 128, 0, 1, 8, 4, swap=True), C("tc", 64, 64, 0, 1, 4, 4)]
     elif m <= 256:
         base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
-                C("tc", 128, 128, 0, 1, 8, 3, swap=True)] + ([C("tc", 256, 128, 0, 1, 8, 2)] if m > 128 else [])
+                C("tc", 128, 128, 0, 1, 8, 3, swap=True)] + ([C("tc", 128, 256, 0, 1, 8, 2)] if m > 128 else [])
     else:
-        base = [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 256, 128, 0, 1, 8, 2),
-                C("tc", 256, 128, 0, 1, 8, 2, swap=True), C("tc", 128, 128, 0, 1, 8, 3, swap=True),
-                C("dequant_mm", 1, 64, 128, 1, 4, 1)]
+        base = [C("tc", 128, 256, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
+                C("tc", 256, 128, 0, 1, 8, 2), C("tc", 128, 256, 0, 1, 8, 3), C("dequant_mm", 1, 64, 128, 1, 4, 1)]
     out = []
     for cfg in base:
         out.append((cfg, {}))

@@ -67,6 +67,13 @@ def test_variants(spec, cfg, m, kw):
     _check(_weight(spec, seed=2), m, cfg, **kw)
 
 
+@pytest.mark.parametrize("spec", [FORMATS["int4"], FORMATS["mxfp4"], QuantSpec("int8", group_size=-1)],
+                         ids=lambda s: s.name)
+def test_two_half_tile(spec):
+    # block_n 256 runs as two 128-wide halves sharing the x tile; N = 300: full first half, ragged second half
+    _check(_weight(spec, n=300, seed=6), 33, ComputeConfig("tc", 32, 256, 0, 1, 8, 2))
+
+
 @pytest.mark.parametrize("spec", [FORMATS["int4"], FORMATS["mxfp4"], FORMATS["fp8"]], ids=lambda s: s.name)
 def test_fp16_activations(spec):
     _check(_weight(spec, seed=3), 21, ComputeConfig("tc", 32, 32, 0, 1, 4, 2), dtype=torch.float16)

@@ -241,17 +241,40 @@ def _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n, n_mask, N, a_pc, b_pc,
 
 
 @triton.jit
+def _epilogue(acc, y_ptr, s_ptr, gs_ptr, offs_m, offs_n, offs_n_ld, M, N, stride_ym, IS_INT: tl.constexpr,
+              SCALE_KIND: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_GSCALE: tl.constexpr,
+              TILE_EXP: tl.constexpr, SPLIT_K: tl.constexpr):
+    post = 1.0
+    if not IS_INT:
+        post = 2.0 ** TILE_EXP
+    if HAS_GSCALE:
+        post = post * tl.load(gs_ptr)
+    if PER_CHANNEL:
+        acc = acc * (decode_scale(tl.load(s_ptr + offs_n_ld), SCALE_KIND) * post)[None, :]
+    elif HAS_GSCALE or not IS_INT:
+        acc = acc * post
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=mask)
+
+
+@triton.jit
 def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
                MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
                SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr,
-               LAYOUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               DEC: tl.constexpr, TILE_EXP: tl.constexpr,
-               DOT_F32: tl.constexpr, R: tl.constexpr):
+               LAYOUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NH: tl.constexpr,
+               DEC: tl.constexpr, TILE_EXP: tl.constexpr, DOT_F32: tl.constexpr, R: tl.constexpr):
+    """NH = 2 runs a BLOCK_N tile as two halves (two decodes, two dots, two accumulators) sharing each x tile:
+    half the x traffic of two CTAs, while each half keeps the 128-wide layout (vector stores, paired decode)."""
     PB: tl.constexpr = R * EPW
     BK: tl.constexpr = KB * PB
+    HN: tl.constexpr = BLOCK_N // NH
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # grouped ordering: GROUP_M row tiles walk the N tiles together, so each decoded W tile's words stay in L2
@@ -263,16 +286,18 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
     pid_m = first_m + (pid % in_group) % size_m
     pid_n = (pid % in_group) // size_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_n = pid_n * BLOCK_N + tl.arange(0, HN)  # first half; the second is offs_n + HN
     # x loads use clamped rows instead of masks (fewer predicates in the loop; the store is masked); W columns
     # are clamped only when N is ragged (tl.minimum would hide their contiguity from the vectoriser)
     offs_m_ld = tl.minimum(offs_m, M - 1)
     if EVEN_N:
         offs_n_ld = offs_n
+        offs_n_ld2 = offs_n + HN
     else:
         offs_n_ld = tl.minimum(offs_n, N - 1)
+        offs_n_ld2 = tl.minimum(offs_n + HN, N - 1)
+    n_mask = offs_n < N
+    n_mask2 = offs_n + HN < N
     n_blocks = tl.cdiv(K, PB)  # packed K is padded to whole planar blocks; x is masked to K
     n_steps = tl.cdiv(n_blocks, KB)
     per_split = tl.cdiv(n_steps, SPLIT_K)
@@ -280,13 +305,19 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
     s1 = tl.minimum(s0 + per_split, n_steps)
     a_pc = None
     b_pc = None
+    a_pc2 = None
+    b_pc2 = None
     if PER_CHANNEL:  # coefficients are constant over K
         a_pc, b_pc = _coeffs(s_ptr, z_ptr, 0, None, offs_n_ld, N, BITS, IS_INT, EXP_BITS, HAS_ZERO, CODE_OFFSET,
                              SCALE_KIND, False, TILE_EXP)
+        if NH == 2:
+            a_pc2, b_pc2 = _coeffs(s_ptr, z_ptr, 0, None, offs_n_ld2, N, BITS, IS_INT, EXP_BITS, HAS_ZERO,
+                                   CODE_OFFSET, SCALE_KIND, False, TILE_EXP)
     if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc = tl.zeros((HN, BLOCK_M), dtype=tl.float32)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, HN), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, HN), dtype=tl.float32)
     for step in tl.range(s0, s1, num_stages=NUM_STAGES):
         kx = step * BK + tl.arange(0, BK)
         x_ptrs = x_ptr + offs_m_ld[:, None] * stride_xm + kx[None, :]
@@ -294,34 +325,32 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
             x = tl.load(x_ptrs)
         else:
             x = tl.load(x_ptrs, mask=(kx < K)[None, :], other=0.0)
-        # decode + MMA serialise inside a CTA (Triton waits on the wgmma right away); two CTAs per SM overlap them
-        w = _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n_ld, n_mask, N, a_pc, b_pc, BITS, EPW, IS_INT, EXP_BITS,
-                    MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, KB, BLOCK_N, LAYOUT, EVEN_K,
-                    TILE_EXP, R, DEC, x_ptr.dtype.element_ty)
         if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
-            w = w.to(tl.float32)
             x = x.to(tl.float32)
+        # decode + MMA serialise inside a CTA (Triton waits on the wgmma right away); two CTAs per SM overlap them
+        w = _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n_ld, n_mask, N, a_pc, b_pc, BITS, EPW, IS_INT,
+                    EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, KB, HN, LAYOUT,
+                    EVEN_K, TILE_EXP, R, DEC, x_ptr.dtype.element_ty)
+        if DOT_F32:
+            w = w.to(tl.float32)
         if SWAP:
             acc = tl.dot(tl.trans(w), tl.trans(x), acc)
         else:
             acc = tl.dot(x, w, acc)
+        if NH == 2:
+            w2 = _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n_ld2, n_mask2, N, a_pc2, b_pc2, BITS, EPW,
+                         IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, KB,
+                         HN, LAYOUT, EVEN_K, TILE_EXP, R, DEC, x_ptr.dtype.element_ty)
+            if DOT_F32:
+                w2 = w2.to(tl.float32)
+            acc2 = tl.dot(x, w2, acc2)
     if SWAP:
         acc = tl.trans(acc)
-    post = 1.0
-    if not IS_INT:
-        post = 2.0 ** TILE_EXP
-    if HAS_GSCALE:
-        post = post * tl.load(gs_ptr)
-    if PER_CHANNEL:
-        acc = acc * (decode_scale(tl.load(s_ptr + offs_n_ld), SCALE_KIND) * post)[None, :]
-    elif HAS_GSCALE or not IS_INT:
-        acc = acc * post
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
+    _epilogue(acc, y_ptr, s_ptr, gs_ptr, offs_m, offs_n, offs_n_ld, M, N, stride_ym, IS_INT, SCALE_KIND,
+              PER_CHANNEL, HAS_GSCALE, TILE_EXP, SPLIT_K)
+    if NH == 2:
+        _epilogue(acc2, y_ptr, s_ptr, gs_ptr, offs_m, offs_n + HN, offs_n_ld2, M, N, stride_ym, IS_INT,
+                  SCALE_KIND, PER_CHANNEL, HAS_GSCALE, TILE_EXP, SPLIT_K)
 
 
 LAST_LAUNCH: dict = {}  # the last compiled kernel, for benches that inspect PTX / registers
@@ -343,6 +372,8 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
     z = qw.zeros if qw.zeros is not None else qw.scales
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
+    # 256-wide tiles (not swapped) run as two 128-wide halves: a single 256-wide decode loses the vector layout
+    nh = 2 if (cfg.block_n == 256 and not swap and layout == 0) else 1
     # packed-asm decode: GPU only (the interpreter runs no PTX), symmetric int4 or (bf16) fp4 e2m1 with grouped
     # scales. dec 2 assumes the two registers of a pair share a field; bench/wna16_tc_sass.py (and a test) read
     # that off the compiled layout: it holds for 8-warp 128-wide tiles, one planar block per step, even N; it
@@ -352,14 +383,14 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
     if not (x2.device.type == "cuda" and layout == 0 and (int4 or fp4) and not fmt["PER_CHANNEL"]):
         dec = 0
     elif dec is None:
-        dec = 2 if (cfg.block_n == 128 and cfg.num_warps == 8 and kb == 1 and n % 128 == 0) else 1
+        dec = 2 if (cfg.block_n // nh == 128 and cfg.num_warps == 8 and kb == 1 and n % 128 == 0) else 1
     tile_exp = 64 if (x2.dtype == torch.bfloat16 and not fmt["IS_INT"]) else 0
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     LAST_LAUNCH["kernel"] = _tc_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, m, n, k, x2.stride(0),
                                              y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=kb,
                                              SPLIT_K=split, NUM_STAGES=cfg.num_stages,
                                              GROUP_M=group_m, SWAP=swap, LAYOUT=layout,
-                                             DEC=dec, EVEN_K=k % (kb * pb) == 0, EVEN_N=n % cfg.block_n == 0,
+                                             DEC=dec, EVEN_K=k % (kb * pb) == 0, EVEN_N=n % cfg.block_n == 0, NH=nh,
                                              TILE_EXP=tile_exp,
                                              DOT_F32=x2.device.type != "cuda", num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages, **fmt)

@@ -39,10 +39,10 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
                     C("tc", 32, 128, 0, 1, 8, 4, swap=True), C("tc", 64, 64, 0, 1, 4, 4)]
         elif m <= 256:
             base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
-                    C("tc", 128, 128, 0, 1, 8, 3, swap=True), C("tc", 256, 128, 0, 1, 8, 2)]
+                    C("tc", 128, 128, 0, 1, 8, 3, swap=True), C("tc", 128, 256, 0, 1, 8, 2)]
         else:
-            base = [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 256, 128, 0, 1, 8, 2),
-                    C("tc", 256, 128, 0, 1, 8, 2, swap=True), C("tc", 128, 128, 0, 1, 8, 3, swap=True)]
+            base = [C("tc", 128, 256, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
+                    C("tc", 256, 128, 0, 1, 8, 2), C("tc", 128, 256, 0, 1, 8, 3)]
         for c, sk in itertools.product(base, (1, 2, 4, 8) if m <= 256 else (1,)):
             out.append(ComputeConfig(**{**c.to_dict(), "split_k": sk}))
     if m > 256:  # few dequant_mm tiles (the pass is bandwidth-bound), so --max-candidates still reaches tc
