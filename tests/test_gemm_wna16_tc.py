@@ -74,6 +74,12 @@ def test_two_half_tile(spec):
     _check(_weight(spec, n=300, seed=6), 33, ComputeConfig("tc", 32, 256, 0, 1, 8, 2))
 
 
+@pytest.mark.parametrize("spec", [FORMATS["int4"], FORMATS["nvfp4"]], ids=lambda s: s.name)
+def test_heuristic_tile(spec):
+    # the heuristic's 8-warp 64x128 tile with N % 128 == 0: on a GPU this runs the paired packed decode (dec 2)
+    _check(_weight(spec, n=256, seed=8), 65, ComputeConfig("tc", 64, 128, 0, 1, 8, 3))
+
+
 @pytest.mark.parametrize("spec", [FORMATS["int4"], FORMATS["mxfp4"], FORMATS["fp8"]], ids=lambda s: s.name)
 def test_fp16_activations(spec):
     _check(_weight(spec, seed=3), 21, ComputeConfig("tc", 32, 32, 0, 1, 4, 2), dtype=torch.float16)
