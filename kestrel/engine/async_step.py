@@ -8,8 +8,8 @@ checks stop conditions. Two ways to run a step off the main thread's critical pa
   tensor, so launching needs nothing from the host; step n's ids go to pinned host memory (non_blocking) with a
   CUDA event, and only the commit of step n waits on that event, while the device already runs step n+1. Host
   copies into the device use pinned memory (attention.to_device): a plain `.to("cuda")` waits for the queued steps.
-  Rows whose sampling needs the host (temperature > 0, penalties, logprobs) are sampled at launch, which waits for
-  that step (correct, just no overlap for such steps).
+  Rows whose sampling needs the host (temperature > 0, penalties) are sampled at launch, which waits for that step
+  (correct, just no overlap for such steps); greedy logprobs are computed on the device and copied like the ids.
 - "thread" (CPU): there is no device queue, so one worker thread runs each step's forward + sample (torch
   releases the GIL inside its kernels) while the main thread schedules the next step and commits the previous one.
   The worker patches placeholder inputs from the previous step's host token ids (it runs steps in order).
@@ -31,6 +31,7 @@ import torch
 
 from .attention import to_device
 from .model_runner import output_ids_if_penalized
+from .sampler import logprob_entries, logprob_tensors
 from .sequence import Sequence
 
 PLACEHOLDER = -1
@@ -50,13 +51,18 @@ class _Done:
 
 
 class _DeviceTokens:
-    """Greedy ids still on the device: copied to pinned host memory behind the step; result() waits only for it."""
+    """Greedy ids (and the logprobs asked for) still on the device: copied to pinned host memory behind the step;
+    result() waits only for those copies."""
 
-    def __init__(self, tokens: torch.Tensor):
+    def __init__(self, tokens: torch.Tensor, logprob_parts=None):
         self.event = None
+        self.lp = logprob_parts
         if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
+            pin = lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            self.host = pin(tokens)
+            if self.lp is not None:
+                want, chosen, tops = self.lp
+                self.lp = (want, pin(chosen), [(sel, pin(v), pin(i)) for sel, v, i in tops])
             self.event = torch.cuda.Event()
             self.event.record()
         else:
@@ -66,7 +72,7 @@ class _DeviceTokens:
         if self.event is not None:
             self.event.synchronize()
         ids = self.host.tolist()
-        return ids, [None] * len(ids)
+        return ids, logprob_entries(self.lp, len(ids), ids)
 
     def exception(self):
         return None
@@ -82,9 +88,8 @@ class _InFlight:
 
 
 def _device_greedy(params) -> bool:
-    """Rows the sampler would answer with a plain argmax of the logits (no host work)."""
-    return all(p.temperature == 0.0 and not (p.presence_penalty or p.frequency_penalty) and p.logprobs is None
-               for p in params)
+    """Rows the sampler would answer with a plain argmax of the logits (no host work; logprobs are device ops)."""
+    return all(p.temperature == 0.0 and not (p.presence_penalty or p.frequency_penalty) for p in params)
 
 
 class AsyncStepper:
@@ -174,8 +179,8 @@ class AsyncStepper:
         if not order:
             return _Done([], []), None
         if _device_greedy(params):
-            tokens = logits.argmax(-1)
-            return _DeviceTokens(tokens), tokens
+            tokens = logits.argmax(-1)  # as the Sampler's all-greedy path, and its logprobs' device half
+            return _DeviceTokens(tokens, logprob_tensors(logits, tokens, params)), tokens
         ids, logprobs = runner.sampler(logits, params, outs, gens)  # waits for this step
         return _Done(ids, logprobs), to_device(ids, torch.long, logits.device)
 

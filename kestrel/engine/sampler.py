@@ -72,16 +72,38 @@ class Sampler:
                 g = generators[i] or self.generator
                 tokens[i] = int(torch.multinomial(probs[j], 1, generator=g)[0])
         token_list = tokens.tolist()
-        logprobs: list[dict | None] = [None] * len(params)
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            lp = raw[want].float().log_softmax(-1)
-            for j, i in enumerate(want):
-                t = token_list[i]
-                entry = {"token_id": t, "logprob": lp[j, t].item(), "top": {}}
-                n = params[i].logprobs
-                if n:
-                    vals, idx = lp[j].topk(n)
-                    entry["top"] = dict(zip(idx.tolist(), vals.tolist()))
-                logprobs[i] = entry
-        return token_list, logprobs
+        return token_list, logprob_entries(logprob_tensors(raw, tokens, params), len(params), token_list)
+
+
+def logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]):
+    """The device half of the logprobs: for the rows that asked (want), the sampled token's logprob and each
+    top-n, batched (one gather and one topk per distinct n, not a .item() per row: on a GPU each of those was a
+    sync, ~256 a step with `logprobs=0` streaming). None when no row asked. Tensors may still be on the device."""
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return None
+    lp = raw[want].float().log_softmax(-1)
+    chosen = lp.gather(1, tokens[want].to(lp.device, torch.long)[:, None])[:, 0]
+    tops = []
+    for n in sorted({params[i].logprobs for i in want} - {0}):
+        sel = [j for j, i in enumerate(want) if params[i].logprobs == n]
+        vals, idx = lp[sel].topk(n, dim=-1)
+        tops.append((sel, vals, idx))
+    return want, chosen, tops
+
+
+def logprob_entries(parts, num_rows: int, tokens: list[int] | None = None) -> list[dict | None]:
+    """The host half: per row {"token_id", "logprob", "top": {id: logprob}} or None (one .tolist() per tensor).
+    `parts` as logprob_tensors returns them (tensors on the host or the device); tokens: the sampled ids."""
+    out: list[dict | None] = [None] * num_rows
+    if parts is None:
+        return out
+    want, chosen, tops = parts
+    chosen = chosen.tolist()
+    top_of: dict[int, dict] = {}
+    for sel, vals, idx in tops:
+        for j, v, k in zip(sel, vals.tolist(), idx.tolist()):
+            top_of[j] = dict(zip(k, v))
+    for j, i in enumerate(want):
+        out[i] = {"token_id": tokens[i], "logprob": chosen[j], "top": top_of.get(j, {})}
+    return out
