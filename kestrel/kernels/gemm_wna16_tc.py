@@ -30,7 +30,8 @@ from kestrel.quant.weight import QuantizedWeight
 
 @triton.jit
 def _rotl(u, sh):
-    """Rotate uint32 u left by sh (0..31, tensor or scalar); LLVM turns the idiom into one funnel shift."""
+    """Rotate uint32 u left by sh (0..31). The field index sits in registers, so sh folds to a constant per
+    register and the compiler emits one plain shift (seen in the sm_90 SASS)."""
     return (u << sh) | (u >> ((32 - sh) & 31))
 
 
@@ -112,7 +113,8 @@ def _decode_int4_x2(q, f, s, zb, SHARED: tl.constexpr, DT: tl.constexpr):
     """Symmetric int4 fields -> (c - offset) * s in the activation dtype, two elements per PTX block (packed
     bf16x2/f16x2 math, no fp32 round trip): codes are OR-ed under the exponent of 128 (bf16) / 1024 (fp16), so
     the subtraction of (magic + offset) is exact and the scale multiply rounds once. SHARED assumes the two
-    elements of a pair (adjacent registers: adjacent n) share a field: one byte permute then one shift."""
+    elements of a pair (adjacent registers) share a field: one byte permute then one shift; the host enables it
+    only on tiles whose compiled layout pairs along n or r (bench/wna16_tc_sass.py --pairs)."""
     if SHARED:
         j = f // 2
         sel = tl.broadcast_to(j | ((j + 4) << 8), q.shape)
