@@ -2,7 +2,8 @@
 
 The engine is the real one (scheduler, block manager, model runner, sampler, detokenizer, async step); the model is
 a random 1-layer Llama with hidden 64 and SmolLM2's vocabulary (49152) and tokenizer, so detokenization is
-realistic. Each batch size: B requests (prompt --prompt-tokens, ignore_eos, greedy) are prefilled, then
+realistic. Each batch size: B requests (prompt --prompt-tokens, ignore_eos, greedy, logprobs=0 as
+bench/serve_throughput.py sends) are prefilled, then
 --steps decode steps are timed. Phases are timed with perf_counter wrappers around the engine's own methods:
 
   schedule   Scheduler.schedule
@@ -73,9 +74,9 @@ def cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def measure(eng, timer, bs, prompt_tokens, steps, vocab, seed):
+def measure(eng, timer, bs, prompt_tokens, steps, vocab, seed, logprobs):
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     for i in range(bs):
         eng.add_request(f"b{bs}-{i}", torch.randint(300, vocab, (prompt_tokens,), generator=g).tolist(), params)
     while any(s.num_computed_tokens < s.prompt_len for s in eng.seqs.values()):  # prefill (untimed)
@@ -112,7 +113,7 @@ def measure(eng, timer, bs, prompt_tokens, steps, vocab, seed):
     return ph
 
 
-def server_path(eng, timer, bs, prompt_tokens, new_tokens, vocab):
+def server_path(eng, timer, bs, prompt_tokens, new_tokens, vocab, logprobs):
     """AsyncLLMEngine (the server's engine thread) + bs concurrent streams on one event loop, each turning every
     output into an SSE chunk as kestrel/server/completions.py does (no HTTP socket). Returns (engine-thread host
     ms per step, event-loop CPU us per streamed token)."""
@@ -120,11 +121,12 @@ def server_path(eng, timer, bs, prompt_tokens, new_tokens, vocab):
     import threading
 
     from kestrel.engine.async_engine import AsyncLLMEngine
+    from kestrel.server.completions import _logprobs
     from kestrel.server.serving import sse
 
     g = torch.Generator().manual_seed(bs + 1)
     prompts = [torch.randint(300, vocab, (prompt_tokens,), generator=g).tolist() for _ in range(bs)]
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     aeng = AsyncLLMEngine(eng)
     engine_cpu = [0.0]
     inner = aeng._step
@@ -138,10 +140,12 @@ def server_path(eng, timer, bs, prompt_tokens, new_tokens, vocab):
     aeng._step = timed_step
 
     async def stream(i):
-        n = 0
+        n = offset = 0
         async for out in aeng.generate(f"s{bs}-{i}", prompts[i], params):
+            lp = _logprobs(eng.tokenizer, out.logprobs, offset)
+            offset += len(out.new_text)
             body = {"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "m",
-                    "choices": [{"index": 0, "text": out.new_text, "logprobs": None,
+                    "choices": [{"index": 0, "text": out.new_text, "logprobs": lp,
                                  "finish_reason": out.finish_reason if out.finished else None}]}
             sse(body)
             n += 1
@@ -172,11 +176,14 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--async", dest="async_modes", type=int, nargs="+", default=[0, 1],
                     help="async scheduling off (0) / on (1)")
+    ap.add_argument("--logprobs", type=int, default=0,
+                    help="logprobs per request (bench/serve_throughput.py sends 0: one chunk per token); -1: none")
     ap.add_argument("--server-batch", type=int, default=256, help="streams for the server-path measurement (0: skip)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", default=None, help="append a markdown section to this file")
     args = ap.parse_args()
+    args.logprobs = None if args.logprobs < 0 else args.logprobs
     if os.environ.get("MALLOC_MMAP_MAX_") is None:
         # glibc hands the ~50 MB [256, 49152] logits back to the OS each step (munmap) and page-faults them in
         # again: a CPU-allocator artifact a GPU caching allocator does not have, ~10 ms that would land in "commit".
@@ -200,7 +207,7 @@ def main():
             timer.wrap(eng.async_stepper, "_commit", "commit")
         vocab = eng.model_config.vocab_size
         for bs in args.batch_sizes:
-            ph = measure(eng, timer, bs, args.prompt_tokens, args.steps, vocab, bs)
+            ph = measure(eng, timer, bs, args.prompt_tokens, args.steps, vocab, bs, args.logprobs)
             rows.append((mode, bs, ph))
             print(f"async={mode} batch {bs:4d}: host {ph['host']:7.2f} ms/step  (schedule {ph.get('schedule', 0):.2f}"
                   f" prepare {ph.get('prepare', 0):.2f} commit {ph.get('commit', 0):.2f} | forward "
@@ -214,9 +221,9 @@ def main():
         timer = PhaseTimer()
         timer.wrap(eng.runner, "execute", "forward")
         timer.wrap(eng.runner, "sampler", "sample")
-        server_path(eng, timer, 16, 32, 4, eng.model_config.vocab_size)  # warm-up
+        server_path(eng, timer, 16, 32, 4, eng.model_config.vocab_size, args.logprobs)  # warm-up
         host, loop_us, steps = server_path(eng, timer, args.server_batch, args.prompt_tokens, 64,
-                                           eng.model_config.vocab_size)
+                                           eng.model_config.vocab_size, args.logprobs)
         server_rows.append((args.server_batch, host, loop_us, steps))
         print(f"server path, {args.server_batch} streams x 64 tokens: engine thread host {host:.2f} ms/step over "
               f"{steps} steps, event loop {loop_us:.1f} us CPU per streamed token", flush=True)
@@ -226,7 +233,8 @@ def main():
                  f"- CPU: {cpu_name()} ({os.cpu_count()} cores visible), torch threads {torch.get_num_threads()}, "
                  f"torch {torch.__version__}",
                  f"- command: `python {' '.join(sys.argv)}`",
-                 f"- prompt {args.prompt_tokens} tokens, {args.steps} timed decode steps per batch size",
+                 f"- prompt {args.prompt_tokens} tokens, {args.steps} timed decode steps per batch size, greedy, "
+                 f"logprobs={args.logprobs}",
                  "",
                  "| async | batch | host ms/step | schedule | prepare | commit | forward (device) | sample (device) "
                  "| step ms |", "|---|---|---|---|---|---|---|---|---|"]
