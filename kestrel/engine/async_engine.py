@@ -163,6 +163,7 @@ class AsyncLLMEngine:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout=30)
+        gc.unfreeze()  # let interpreter shutdown see (and free) them again
 
     # ---- engine thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
