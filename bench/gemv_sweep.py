@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gpu_timing import copy_bandwidth  # noqa: E402
+from kestrel.kernels.timing import graph_time_us  # noqa: E402
 
 def _variants():
     """(kernel, block_n, warps, stages, block_k) of every small-M tuning candidate (tuning.small_m_candidates)."""
@@ -107,25 +108,9 @@ def _check(job):
         return job, None, repr(ex)[:300]
 
 
-def graph_us(fns, reps=10, replays=10) -> float:
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for f in fns[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(replays):
-        s.record(); g.replay(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e))
-    del g
-    return sorted(ts)[len(ts) // 2] * 1e3 / reps
+def graph_us(fns) -> float:
+    """median µs per call of a CUDA graph of 10 calls rotating over fns, 10 replays."""
+    return graph_time_us(fns, calls=10, replays=10)
 
 
 def main():

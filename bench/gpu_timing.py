@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.kernels.timing import graph_time_us
+
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> dict:
     """Device-to-device copy of `nbytes` (median of 10): the ceiling every memory-bound kernel is held against.
@@ -22,25 +24,6 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> dict:
 
 
 def graph_us(fns, reps=20) -> float:
-    """Median µs per call: `reps` calls rotating over fns (distinct weight copies, so L2 stays cold), captured in
-    one CUDA graph to hide launch gaps, 20 replays."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(20):
-        s.record(); g.replay(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e))
-    del g
-    return sorted(ts)[len(ts) // 2] * 1e3 / reps
+    """Median µs per call: `reps` calls rotating over fns (distinct weight copies, so L2 stays cold) in one CUDA
+    graph, 20 replays after 3 warm-up ones."""
+    return graph_time_us(fns, calls=reps, replays=20, warmup=3)

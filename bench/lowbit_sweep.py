@@ -27,6 +27,7 @@ from kestrel.kernels import act_quant as aq  # noqa: E402
 from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4  # noqa: E402
 from kestrel.kernels.gemm_w8a8 import gemm_w8a8, quantize_weight_w8a8  # noqa: E402
 from kestrel.kernels.lowbit_gemm import A_FP8, A_INT8, GemmConfig, heuristic_config  # noqa: E402
+from kestrel.kernels.timing import graph_time_us  # noqa: E402
 
 T0 = time.time()
 SHAPES = [(8192, 8192), (28672, 8192), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192),
@@ -91,28 +92,9 @@ def act(kernel, x):
     return aq.quant_int8(x) if kernel.endswith("int8") else aq.quant_fp8(x)
 
 
-def graph_us(fns, min_calls=4, replays=7) -> float:
-    """median µs per call of a CUDA graph of calls rotating over fns."""
-    reps = max(min_calls, len(fns))
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(st)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(replays):
-        s.record(); g.replay(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e))
-    del g
-    return sorted(ts)[len(ts) // 2] * 1e3 / reps
+def graph_us(fns) -> float:
+    """median µs per call of a CUDA graph of calls rotating over fns (>= 4 calls, 7 replays)."""
+    return graph_time_us(fns, calls=max(4, len(fns)), replays=7)
 
 
 def compile_part(part: int, jobs: int, ms, shapes):

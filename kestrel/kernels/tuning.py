@@ -7,6 +7,7 @@ import math
 import torch
 
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, cache_key, heuristic, m_bucket
+from kestrel.kernels.timing import graph_time_us
 from kestrel.quant.rtn import quantize
 from kestrel.quant.spec import QuantSpec
 
@@ -103,22 +104,7 @@ def time_config(fn_for_copy, n_copies: int, rep_ms: int = 40) -> float:
 def time_config_graph(fn_for_copy, n_copies: int, calls: int = 20, replays: int = 10) -> float:
     """Median µs per call inside a CUDA graph of `calls` calls rotating over the weight copies: what decode
     (graph mode) sees; do_bench would time the Python launch of these few-µs kernels instead."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        fn_for_copy(0)
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn_for_copy(i % n_copies)
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(replays):
-        s.record(); g.replay(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2] * 1e3 / calls
+    return graph_time_us([lambda i=i: fn_for_copy(i) for i in range(n_copies)], calls=calls, replays=replays)
 
 
 def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progress=None,
