@@ -167,27 +167,10 @@ class TuningConfig:
     def _lookup(self, layer: LayerConfig, m: int) -> ComputeConfig:
         """Exact (GPU, format, N, K, M bucket) entry; else the tuned entry of the nearest shape of the same
         GPU/format/M bucket (shape class); else the heuristic. The user cache wins over the packaged one."""
-        bucket = m_bucket(m)
-        key = cache_key(self.gpu, layer, bucket)
         caches = [load_cache(p) for p in (user_cache_path(), PACKAGED_CACHE)]
-        for cache in caches:
-            cfg = _config_of(cache.get(key), layer)
-            if cfg is not None:
-                return cfg
-        best, best_d = None, float("inf")
-        prefix, suffix = f"{self.gpu}|{layer.spec.name}|", f"|m{bucket}"
-        for cache in caches:
-            for k2, v in cache.items():
-                if k2.startswith(prefix) and k2.endswith(suffix):
-                    try:
-                        n2, kk2 = (int(t[1:]) for t in k2[len(prefix):-len(suffix)].split("|"))
-                    except ValueError:
-                        continue
-                    d = abs(math.log2(n2 / layer.n)) + abs(math.log2(kk2 / layer.k))
-                    cfg = _config_of(v, layer)
-                    if cfg is not None and d < best_d:
-                        best, best_d = cfg, d
-        return best if best is not None and best_d <= 2.0 else heuristic(layer, m)
+        entry = nearest_shape_entry(caches, self.gpu, layer.spec.name, layer.n, layer.k, m_bucket(m),
+                                    accept=lambda e: _config_of(e, layer) is not None)
+        return heuristic(layer, m) if entry is None else _config_of(entry, layer)
 
 
 _MEMO: dict = {}
