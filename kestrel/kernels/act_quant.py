@@ -123,6 +123,18 @@ def dequant_8bit(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- MXFP4 (OCP MX: e2m1 elements, e8m0 scale per 32)
 
 @triton.jit
+def _store_fp4_block(q_row, s_row, y, scale, K, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """one program's BLOCK columns: y [BLOCK // GROUP, GROUP] (already scaled and clamped to e2m1's range) as packed
+    e2m1 nibbles (low nibble = even column) and its per-GROUP scales, both masked to the row's K columns."""
+    codes = tl.reshape(fp4_encode(y), (BLOCK // 2, 2))
+    lo, hi = tl.split(codes)
+    pcols = tl.program_id(1) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    tl.store(q_row + pcols, (lo | (hi << 4)).to(tl.uint8), mask=pcols < K // 2)
+    scols = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+    tl.store(s_row + scols, scale, mask=scols < K // GROUP)
+
+
+@triton.jit
 def _quant_mxfp4_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -135,12 +147,7 @@ def _quant_mxfp4_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, BL
     e = tl.minimum(tl.maximum(e, 1), 253)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 2^(127 - e): exact power of two
     y = tl.minimum(tl.maximum(xb * inv[:, None], -6.0), 6.0)
-    codes = tl.reshape(fp4_encode(y), (BLOCK // 2, 2))
-    lo, hi = tl.split(codes)
-    pcols = tl.program_id(1) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
-    tl.store(q_ptr + row * stride_q + pcols, (lo | (hi << 4)).to(tl.uint8), mask=pcols < K // 2)
-    scols = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-    tl.store(s_ptr + row * stride_s + scols, e.to(tl.uint8), mask=scols < K // 32)
+    _store_fp4_block(q_ptr + row * stride_q, s_ptr + row * stride_s, y, e.to(tl.uint8), K, BLOCK, 32)
 
 
 def quant_mxfp4(x: torch.Tensor):
@@ -190,12 +197,7 @@ def _quant_nvfp4_kernel(x_ptr, q_ptr, s_ptr, gs_ptr, K, stride_x, stride_q, stri
     denom = sb * gs
     y = tl.where(denom[:, None] > 0, tl.math.div_rn(xb, tl.where(denom > 0, denom, 1.0)[:, None]), 0.0)
     y = tl.minimum(tl.maximum(y, -6.0), 6.0)
-    codes = tl.reshape(fp4_encode(y), (BLOCK // 2, 2))
-    lo, hi = tl.split(codes)
-    pcols = tl.program_id(1) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
-    tl.store(q_ptr + row * stride_q + pcols, (lo | (hi << 4)).to(tl.uint8), mask=pcols < K // 2)
-    scols = tl.program_id(1) * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
-    tl.store(s_ptr + row * stride_s + scols, sb.to(tl.float8e4nv), mask=scols < K // 16)
+    _store_fp4_block(q_ptr + row * stride_q, s_ptr + row * stride_s, y, sb.to(tl.float8e4nv), K, BLOCK, 16)
 
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
