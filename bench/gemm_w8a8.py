@@ -81,6 +81,46 @@ def humming_layer(N, K, wcfg, icfg, W):
     return layer
 
 
+def humming_build(what: str, build, budget: float):
+    """build() (Humming JITs for seconds per layer) unless `budget` seconds have passed; None if skipped or failed."""
+    if time.time() - T0 >= budget:
+        return None
+    try:
+        t = time.time()
+        out = build()
+        log(f"  humming {what} ready ({time.time() - t:.1f}s)")
+        return out
+    except Exception:
+        traceback.print_exc()
+        return None
+
+
+def add_run_args(p: argparse.ArgumentParser, budget_s: float) -> None:
+    """the options gemm_w8a8.py and moe.py share (Humming budget, deadline, output folder, warm-only)."""
+    p.add_argument("--budget-s", type=float, default=budget_s, help="skip Humming (slow JIT) once this much time has passed")
+    p.add_argument("--deadline-s", type=float, default=float("inf"), help="start no new case after this many seconds")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder")
+    p.add_argument("--warm-only", action="store_true", help="run each call once to fill the JIT caches; no timing")
+
+
+def start_run(args, script: str) -> dict:
+    """apply add_run_args' options, seed torch; -> the run's metadata (GPU, date, versions, command)."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU")
+    DEADLINE[0] = args.deadline_s
+    WARM_ONLY[0] = args.warm_only
+    import triton
+    meta = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv)}
+    try:
+        import humming
+        meta["humming"] = humming.__version__
+    except Exception as ex:
+        meta["humming"] = f"unavailable: {ex!r}"
+    torch.manual_seed(0)
+    return meta
+
+
 def scaled_mm(a, s, wq, ws_row, fast=False):
     return torch._scaled_mm(a, wq.t(), scale_a=s, scale_b=ws_row, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
@@ -90,15 +130,8 @@ def run_fp8(N, K, ms, rows, budget):
     Ws = [torch.randn(N, K, device="cuda") * 0.02 for _ in range(nc)]
     q = [quantize_weight_w8a8(W, "fp8") for W in Ws]
     ws_row = [s.view(1, N).contiguous() for _, s in q]
-    hum = None
-    if time.time() - T0 < budget:
-        try:
-            t = time.time()
-            hum = [humming_layer(N, K, {"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}, W.to(torch.bfloat16))
-                   for W in Ws]
-            log(f"  humming fp8 layers ready ({time.time() - t:.1f}s)")
-        except Exception:
-            traceback.print_exc()
+    hum = humming_build("fp8 layers", lambda: [humming_layer(N, K, {"dtype": "float8e4m3"}, {"dtype": "float8e4m3"},
+                                                             W.to(torch.bfloat16)) for W in Ws], budget)
     for M in ms:
         if past_deadline():
             break
@@ -187,14 +220,9 @@ def run_w4(N, K, ms, rows, budget, sections):
         except Exception:
             traceback.print_exc()
     Wb = [W.to(torch.bfloat16) for W in Ws]
-    hum = None
-    if w4 and time.time() - T0 < budget:
-        try:
-            t = time.time()
-            hum = [humming_layer(N, K, {"dtype": "int4", "group_size": 128}, {"dtype": "float8e4m3"}, W) for W in Wb]
-            log(f"  humming w4a8 layers ready ({time.time() - t:.1f}s)")
-        except Exception:
-            traceback.print_exc()
+    hum = humming_build("w4a8 layers", lambda: [
+        humming_layer(N, K, {"dtype": "int4", "group_size": 128}, {"dtype": "float8e4m3"}, W) for W in Wb],
+        budget) if w4 else None
     for M in ms:
         if past_deadline():
             break
@@ -339,27 +367,12 @@ def main():
     p.add_argument("--sections", default="fp8,int8,w4a8,w4a4", help="comma list of fp8,int8,w4a8,w4a4")
     p.add_argument("--shapes", default="8192x8192,28672x8192", help="comma list of NxK weight shapes")
     p.add_argument("--ms", default="1,16,64,256,1024,4096", help="comma list of batch sizes M")
-    p.add_argument("--budget-s", type=float, default=200, help="skip Humming (slow JIT) once this much time has passed")
-    p.add_argument("--deadline-s", type=float, default=float("inf"), help="start no new case after this many seconds")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder")
-    p.add_argument("--warm-only", action="store_true", help="run each call once to fill the JIT caches; no timing")
+    add_run_args(p, budget_s=200)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/gemm_w8a8.py needs a CUDA GPU")
-    DEADLINE[0] = args.deadline_s
-    WARM_ONLY[0] = args.warm_only
+    meta = start_run(args, "bench/gemm_w8a8.py")
     secs = args.sections.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
-    torch.manual_seed(0)
-    import triton
-    meta = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv)}
-    try:
-        import humming
-        meta["humming"] = humming.__version__
-    except Exception as ex:
-        meta["humming"] = f"unavailable: {ex!r}"
     meta["act_quant_gpu_vs_cpu_ref"] = check_act_quant()
     log(meta)
     rows = []

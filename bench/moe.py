@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 
 import torch
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from gemm_w8a8 import DEADLINE, T0, WARM_ONLY, log, past_deadline, rel, safe_us, write_report  # noqa: E402
+from gemm_w8a8 import add_run_args, humming_build, log, past_deadline, rel, safe_us, start_run, write_report  # noqa: E402
 
 from kestrel.kernels.moe_align import route_topk  # noqa: E402
 from kestrel.kernels.moe_gemm import quantize_experts  # noqa: E402
@@ -125,13 +124,9 @@ def run_model(name, ms, fmts, rows, budget):
                            k, af)
     hum = {}
     for f in fmts:
-        if f in HUMMING and time.time() - T0 < budget:
-            try:
-                t = time.time()
-                hum[f] = humming_moe(f, w13, w2, E, k)
-                log(f"  humming {f} MoE layers ready ({time.time() - t:.1f}s)")
-            except Exception:
-                traceback.print_exc()
+        layers = humming_build(f"{f} MoE layers", lambda: humming_moe(f, w13, w2, E, k), budget) if f in HUMMING else None
+        if layers is not None:
+            hum[f] = layers
     check = E * 2 * I * H < 1.5e9  # the fp32 reference loop needs the dequantized weights in memory
     for M in ms:
         if past_deadline():
@@ -177,25 +172,10 @@ def main():
     p.add_argument("--formats", default="bf16,fp8,int4", help="comma list of bf16,fp8,int4 (int4 = W4A16 g128)")
     p.add_argument("--humming-models", default="qwen3-30b-a3b,mixtral-8x7b",
                    help="models on which Humming runs too (its JIT costs ~10 s per layer and format)")
-    p.add_argument("--budget-s", type=float, default=240, help="skip Humming once this much time has passed")
-    p.add_argument("--deadline-s", type=float, default=float("inf"), help="start no new case after this many seconds")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder")
-    p.add_argument("--warm-only", action="store_true", help="run each call once to fill the JIT caches; no timing")
+    add_run_args(p, budget_s=240)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/moe.py needs a CUDA GPU")
-    DEADLINE[0] = args.deadline_s
-    WARM_ONLY[0] = args.warm_only
-    import triton
-    meta = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv)}
-    try:
-        import humming
-        meta["humming"] = humming.__version__
-    except Exception as ex:
-        meta["humming"] = f"unavailable: {ex!r}"
+    meta = start_run(args, "bench/moe.py")
     log(meta)
-    torch.manual_seed(0)
     ms = [int(v) for v in args.ms.split(",")]
     fmts = args.formats.split(",")
     hm = set(args.humming_models.split(","))
