@@ -1,4 +1,5 @@
-"""Helpers for the tensor/expert-parallel tests: tiny HF Llama checkpoints and forked gloo ranks on loopback."""
+"""Helpers for the engine and tensor/expert-parallel tests: tiny random HF checkpoints, recording the engine's
+logits, forked gloo ranks on loopback."""
 from __future__ import annotations
 
 import io
@@ -20,20 +21,39 @@ def make_tiny_llama(path: str, seed: int = 0, **overrides) -> None:
     is the tokenizer's first 1000 ids, enough for token-id prompts and small, fast shards)."""
     import transformers
 
-    from kestrel.model.loader import load_tokenizer, resolve
-
     kw = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-5,
               bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
     kw.update(overrides)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    save_tiny(transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval(), path)
+
+
+def save_tiny(model, path: str) -> None:
+    """Perturb a freshly initialised HF model's biases and norm weights (zeros / ones at init would hide bugs in
+    them; uses torch's global RNG), then save it with the embedded tokenizer as a loadable checkpoint."""
+    from kestrel.model.loader import load_tokenizer, resolve
+
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith(".bias") or "norm" in n:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path, safe_serialization=True)
     load_tokenizer(*resolve(None)[:2]).save_pretrained(path)
+
+
+def record_logits(engine) -> list:
+    """Wrap engine.runner.forward_step so every step's logits [rows, vocab] are kept, in order (only the
+    synchronous loop calls forward_step: build the engine with async_scheduling=False)."""
+    seen, inner = [], engine.runner.forward_step
+
+    def forward_step(batch):
+        order, logits = inner(batch)
+        if logits is not None:
+            seen.append(logits.clone())
+        return order, logits
+    engine.runner.forward_step = forward_step
+    return seen
 
 
 def _child(fn, rank, world, init_method, args, q):

@@ -10,9 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from parallel_helpers import record_logits, save_tiny  # noqa: E402
+
 from kestrel.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from kestrel.model import load_model  # noqa: E402
-from kestrel.model.loader import load_tokenizer, resolve  # noqa: E402
 
 W, BS = 8, 4
 BASE = dict(vocab_size=512,  # ids below 512 are valid for the embedded tokenizer saved alongside
@@ -35,12 +36,7 @@ def tiny(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
     torch.manual_seed(0)
     hf = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**{**BASE, **extra})).eval()
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if n.endswith(".bias") or "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(path, safe_serialization=True)
-    load_tokenizer(*resolve(None)[:2]).save_pretrained(path)
+    save_tiny(hf, path)
     return path, hf, swa
 
 
@@ -50,18 +46,10 @@ def _engine(path, **kw):
 
 
 def _capture(eng):
-    """Logits rows the engine samples from, in order, and the token count of every model call."""
-    rows, calls = [], []
-    fwd = eng.runner.forward_step
-
-    def wrapped(batch):
-        order, logits = fwd(batch)
-        if logits is not None:
-            rows.extend(logits.clone())
-        return order, logits
-    eng.runner.forward_step = wrapped
+    """Logits of every engine step ([rows, vocab] each, in order) and the token count of every model call."""
+    steps, calls = record_logits(eng), []
     eng.model.register_forward_pre_hook(lambda m, args: calls.append(args[0].numel()))
-    return rows, calls
+    return steps, calls
 
 
 def _hf_logits(hf, ids):
@@ -105,7 +93,7 @@ def test_prefix_hit_with_bounded_replay_is_exact(tiny):
     assert out.num_cached_tokens == S > 0
     assert calls[0] == len(B) - S  # the prefill step ran the replay (P - S tokens) plus B's own tokens
     assert eng.stats()["swa_replayed_tokens"] == P - S
-    got = torch.stack(rows)
+    got = torch.cat(rows)
 
     full = B + out.output_token_ids
     ref = _hf_logits(hf, full)[len(B) - 1:len(full) - 1]
@@ -116,7 +104,7 @@ def test_prefix_hit_with_bounded_replay_is_exact(tiny):
     rows_c, _ = _capture(cold)
     out_c = cold.generate([B], SamplingParams(max_tokens=n_new, **GREEDY))[0]
     assert out_c.num_cached_tokens == 0 and out_c.output_token_ids == out.output_token_ids
-    torch.testing.assert_close(got, torch.stack(rows_c), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, torch.cat(rows_c), atol=1e-5, rtol=1e-5)
 
 
 def test_swa_blocks_bounded_on_long_sequence(tiny):
@@ -147,7 +135,7 @@ def test_short_replay_warns_and_is_not_exact(tiny, caplog):
     rows, calls = _capture(eng)
     eng.generate([B], SamplingParams(max_tokens=1, **GREEDY))
     assert calls[0] == len(B) - len(PREFIX) + W  # replayed W tokens (P - W is block-aligned)
-    assert (rows[0] - _hf_logits(hf, B)[-1]).abs().max() > 1e-3  # the receptive field was cut: it drifts
+    assert (rows[0][0] - _hf_logits(hf, B)[-1]).abs().max() > 1e-3  # the receptive field was cut: it drifts
 
 
 def test_preemption_and_chunked_replay_stay_exact(tiny):

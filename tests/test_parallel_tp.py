@@ -3,7 +3,7 @@ random Llama checkpoints. Greedy output must be token-identical and every step's
 themselves are checked against the unsharded layers (column slices, row partial sums, packed QuantLinear)."""
 import pytest
 import torch
-from parallel_helpers import make_tiny_llama, run_ranks
+from parallel_helpers import make_tiny_llama, record_logits, run_ranks
 from torch import nn
 
 from kestrel.engine import EngineConfig, LLMEngine, SamplingParams
@@ -27,21 +27,8 @@ def _config(path, **kw):
                         async_scheduling=False, **kw)
 
 
-def _record_logits(engine):
-    """Wrap the runner so each step's logits are kept (rank 0 / the TP=1 engine)."""
-    seen, inner = [], engine.runner.forward_step
-
-    def forward_step(batch):
-        order, logits = inner(batch)
-        if logits is not None:
-            seen.append(logits.clone())
-        return order, logits
-    engine.runner.forward_step = forward_step
-    return seen
-
-
 def _generate(engine):
-    seen = _record_logits(engine)
+    seen = record_logits(engine)  # rank 0 / the TP=1 engine
     outs = engine.generate(PROMPTS, GREEDY)
     return [o.output_token_ids for o in outs], seen
 
