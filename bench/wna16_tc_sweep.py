@@ -23,7 +23,7 @@ from gpu_timing import graph_us  # noqa: E402
 from kestrel.kernels import gemm_wna16_tc as tcmod  # noqa: E402
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig, cache_key, m_bucket  # noqa: E402
 from kestrel.kernels.gemm_wna16 import _format_args, gemm_wna16  # noqa: E402
-from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES  # noqa: E402
+from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES, tc_configs  # noqa: E402
 from kestrel.quant import dequantize, quantize  # noqa: E402
 
 NAMES = ["qkv", "o", "gate_up", "down"]
@@ -33,16 +33,10 @@ SHAPES = {f"{m[7:]}:{NAMES[i]}": nk for m in MODEL_SHAPES for i, nk in enumerate
 def sweep_configs(m: int, n: int, k: int, variants: bool = False) -> list[tuple[ComputeConfig, dict]]:
     """(config, extra kwargs of gemm_wna16_tc) candidates for this M; split-K where the tiles can't fill 132 SMs.
     variants adds decode comparisons (dec 0: fp32 decode, 1: robust packed asm; default 2: paired packed asm)."""
-    C = ComputeConfig
-    if m <= 64:
-        base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 128, 0, 1, 8, 3, swap=True),
-                C("tc", 32, 128, 0, 1, 8, 4, swap=True), C("tc", 64, 64, 0, 1, 4, 4)]
-    elif m <= 256:
-        base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
-                C("tc", 128, 128, 0, 1, 8, 3, swap=True)] + ([C("tc", 128, 256, 0, 1, 8, 2)] if m > 128 else [])
-    else:
-        base = [C("tc", 128, 256, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
-                C("tc", 256, 128, 0, 1, 8, 2), C("tc", 128, 256, 0, 1, 8, 3), C("dequant_mm", 1, 64, 128, 1, 4, 1)]
+    # the tuner's tc tiles (128x256 only past M=128 here), plus the dequant_mm path beside them at large M
+    base = [c for c in tc_configs(m) if m > 128 or c.block_n < 256]
+    if m > 256:
+        base.append(ComputeConfig("dequant_mm", 1, 64, 128, 1, 4, 1))
     out = []
     for cfg in base:
         out.append((cfg, {}))

@@ -33,18 +33,8 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     out = []
     if m <= 16:
         out += small_m_candidates(layer, m)
-    if m > 16:  # tensor-core "tc" kernel; 8-warp 128-wide tiles: vector smem stores, paired packed decode
-        C = ComputeConfig
-        if m <= 64:
-            base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 128, 0, 1, 8, 3, swap=True),
-                    C("tc", 32, 128, 0, 1, 8, 4, swap=True), C("tc", 64, 64, 0, 1, 4, 4)]
-        elif m <= 256:
-            base = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
-                    C("tc", 128, 128, 0, 1, 8, 3, swap=True), C("tc", 128, 256, 0, 1, 8, 2)]
-        else:
-            base = [C("tc", 128, 256, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
-                    C("tc", 256, 128, 0, 1, 8, 2), C("tc", 128, 256, 0, 1, 8, 3)]
-        for c, sk in itertools.product(base, (1, 2, 4, 8) if m <= 256 else (1,)):
+    if m > 16:
+        for c, sk in itertools.product(tc_configs(m), (1, 2, 4, 8) if m <= 256 else (1,)):
             out.append(ComputeConfig(**{**c.to_dict(), "split_k": sk}))
     if m > 256:  # few dequant_mm tiles (the pass is bandwidth-bound), so --max-candidates still reaches tc
         for bn, bk in ((64, 128), (128, 128), (64, 256)):
@@ -58,6 +48,20 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     # nearest neighbours of the heuristic first, so --max-candidates does a local search around it
     dist = lambda c: sum(a != b for a, b in zip(c.to_dict().values(), h.to_dict().values()))
     return sorted(uniq, key=dist)
+
+
+def tc_configs(m: int) -> list[ComputeConfig]:
+    """tensor-core "tc" tiles tried at this M (> 16), before split-K; 8-warp 128-wide tiles: vector smem stores,
+    paired packed decode. Also the base of bench/wna16_tc_sweep.py."""
+    C = ComputeConfig
+    if m <= 64:
+        return [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 128, 0, 1, 8, 3, swap=True),
+                C("tc", 32, 128, 0, 1, 8, 4, swap=True), C("tc", 64, 64, 0, 1, 4, 4)]
+    if m <= 256:
+        return [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
+                C("tc", 128, 128, 0, 1, 8, 3, swap=True), C("tc", 128, 256, 0, 1, 8, 2)]
+    return [C("tc", 128, 256, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
+            C("tc", 256, 128, 0, 1, 8, 2), C("tc", 128, 256, 0, 1, 8, 3)]
 
 
 def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
