@@ -10,6 +10,7 @@ from kestrel.kernels.configs import m_bucket
 from kestrel.kernels.lowbit_gemm import (A_FP8, A_INT8, A_MXFP4, A_NVFP4, W_FP4, W_FP8, W_INT4, W_INT8, GemmConfig,
                                          candidate_configs, heuristic_config)
 from kestrel.kernels.lowbit_tune import store
+from kestrel.kernels.tuning import fastest
 
 # kernel name -> (activation format, weight format); the names are the cache keys the kernels look up
 LOWBIT_KERNELS = {
@@ -73,18 +74,9 @@ def tune_lowbit(kernel: str, shapes: list[tuple[int, int]], ms: list[int], progr
     for N, K in shapes:
         for M in ms:
             run = make_case(kernel, M, N, K, device)
-            best, best_t, heur_t = None, float("inf"), None
-            for i, cfg in enumerate(candidates(kernel, M, N, K, max_candidates)):
-                try:
-                    t = timer(lambda cfg=cfg: run(cfg))
-                except Exception:  # rejected by the compiler (shared memory, registers): skip
-                    t = float("inf")
-                if i == 0:
-                    heur_t = t
-                if t < best_t:
-                    best, best_t = cfg, t
-                if progress is not None:
-                    progress.update(1)
+            best, best_t, times = fastest(candidates(kernel, M, N, K, max_candidates),
+                                          lambda cfg: timer(lambda: run(cfg)), progress)
+            heur_t = times[0] if times else None  # candidates() puts the kernel's heuristic first
             if best is not None:
                 if save:
                     store(kernel, M, N, K, best, best_t, heur_t)

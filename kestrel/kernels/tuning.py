@@ -111,6 +111,23 @@ def time_config_graph(fn_for_copy, n_copies: int, calls: int = 20, replays: int 
     return graph_time_us([lambda i=i: fn_for_copy(i) for i in range(n_copies)], calls=calls, replays=replays)
 
 
+def fastest(configs, measure, progress=None):
+    """-> (fastest config or None, its time, every config's time in order); a config whose measure(cfg) raises
+    (the compiler rejects it: shared memory, registers; or it computes something else) counts as inf."""
+    best, best_t, times = None, float("inf"), []
+    for cfg in configs:
+        try:
+            t = measure(cfg)
+        except Exception:
+            t = float("inf")
+        times.append(t)
+        if t < best_t:
+            best, best_t = cfg, t
+        if progress is not None:
+            progress.update(1)
+    return best, best_t, times
+
+
 def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progress=None,
                max_candidates: int | None = None) -> dict:
     """-> {cache_key: {"config": {...}, "us": t, "heuristic_us": t_h}} for each M bucket."""
@@ -122,24 +139,17 @@ def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progr
         cands = candidates(layer, m)
         if max_candidates:
             cands = cands[:max_candidates]
-        best, best_t, heur_t = None, float("inf"), None
         ref = gemm_wna16(x, weights[0], heuristic(layer, m)).float() if m <= 16 else None
-        for cfg in cands:
-            try:
-                if ref is not None:  # never store a config that computes something else
-                    y = gemm_wna16(x, weights[0], cfg).float()
-                    if not ((y - ref).norm() <= 1e-2 * ref.norm()):
-                        raise ValueError(f"{cfg} disagrees with the heuristic config")
-                timer = time_config_graph if m <= 16 else time_config
-                t = timer(lambda i, cfg=cfg: gemm_wna16(x, weights[i], cfg), len(weights))
-            except Exception:  # a config the compiler rejects (shared memory, registers) is simply skipped
-                t = float("inf")
-            if cfg == heuristic(layer, m):
-                heur_t = t
-            if t < best_t:
-                best, best_t = cfg, t
-            if progress is not None:
-                progress.update(1)
+
+        def measure(cfg):
+            if ref is not None:  # never store a config that computes something else
+                y = gemm_wna16(x, weights[0], cfg).float()
+                if not ((y - ref).norm() <= 1e-2 * ref.norm()):
+                    raise ValueError(f"{cfg} disagrees with the heuristic config")
+            timer = time_config_graph if m <= 16 else time_config
+            return timer(lambda i: gemm_wna16(x, weights[i], cfg), len(weights))
+        best, best_t, times = fastest(cands, measure, progress)
+        heur_t = next((t for c, t in zip(cands, times) if c == heuristic(layer, m)), None)
         if best is not None:
             results[cache_key(gpu, layer, m_bucket(m))] = {"config": best.to_dict(), "us": round(best_t, 3),
                                                           "heuristic_us": heur_t and round(heur_t, 3)}
