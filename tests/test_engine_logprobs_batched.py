@@ -66,3 +66,15 @@ def test_async_greedy_logprobs_equal_sync(ckpt, mode):
             assert a[0]["token_id"] == b[0]["token_id"] and list(a[0]["top"]) == list(b[0]["top"])
             assert abs(a[0]["logprob"] - b[0]["logprob"]) < 1e-5
     assert all(o[1] is not None for o in sync["r0"]) and all(o[1] is None for o in sync["r2"])
+
+
+def test_batched_logprobs_all_rows_no_index_copy_path():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 30) * 2
+    ps = [SamplingParams(temperature=0, logprobs=2) for _ in range(4)]
+    toks, lps = Sampler(0)(logits.clone(), ps, None, [None] * 4)
+    ref = logits.double().log_softmax(-1)
+    for r in range(4):
+        assert toks[r] == int(logits[r].argmax())
+        assert abs(lps[r]["logprob"] - ref[r, toks[r]].item()) < 1e-5
+        assert list(lps[r]["top"]) == ref[r].topk(2).indices.tolist()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import to_device
 from .sampling_params import SamplingParams
 
 
@@ -82,14 +83,22 @@ def logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, params: list[Sampli
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:
         return None
-    lp = raw[want].float().log_softmax(-1)
-    chosen = lp.gather(1, tokens[want].to(lp.device, torch.long)[:, None])[:, 0]
+    lp = _rows(raw, want).float().log_softmax(-1)
+    chosen = lp.gather(1, _rows(tokens.to(lp.device, torch.long), want)[:, None])[:, 0]
     tops = []
     for n in sorted({params[i].logprobs for i in want} - {0}):
         sel = [j for j, i in enumerate(want) if params[i].logprobs == n]
-        vals, idx = lp[sel].topk(n, dim=-1)
+        vals, idx = _rows(lp, sel).topk(n, dim=-1)
         tops.append((sel, vals, idx))
     return want, chosen, tops
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] without a pageable host-to-device index copy (on CUDA that waits for the queued step, which would
+    undo async scheduling's overlap); all rows (the usual case) need no copy at all."""
+    if len(rows) == t.shape[0]:
+        return t
+    return t.index_select(0, to_device(rows, torch.long, t.device))
 
 
 def logprob_entries(parts, num_rows: int, tokens: list[int] | None = None) -> list[dict | None]:
