@@ -174,11 +174,7 @@ def _qgemm_kernel(
         c_rows = tok.to(tl.int64)
     else:
         num_pid_m = tl.cdiv(M, BM)
-        group = GROUP_M * num_pid_n
-        first_m = (pid // group) * GROUP_M
-        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % gsize
-        pid_n = (pid % group) // gsize
+        pid_m, pid_n = tl.swizzle2d(pid // num_pid_n, pid % num_pid_n, num_pid_m, num_pid_n, GROUP_M)
         expert = 0
         rows = pid_m * BM + offs_bm
         row_ok = rows < M

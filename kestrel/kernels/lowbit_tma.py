@@ -29,11 +29,7 @@ def _w8a8_tma_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, M, N, K, num_progs,
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BK)
     for tile in range(tl.program_id(0), num_tiles, num_progs):
-        group = GROUP_M * num_pid_n
-        first_m = (tile // group) * GROUP_M
-        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % group) % gsize
-        pid_n = (tile % group) // gsize
+        pid_m, pid_n = tl.swizzle2d(tile // num_pid_n, tile % num_pid_n, num_pid_m, num_pid_n, GROUP_M)
         om = pid_m * BM
         on = pid_n * BN
         rm = om + tl.arange(0, BM)
