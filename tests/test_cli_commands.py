@@ -50,6 +50,8 @@ def test_every_engine_config_field_is_a_serve_flag():
     ["serve", "--model-shape", "{oops"],
     ["generate", "--prompt", "hi", "--temperature", "-1"],
     ["generate", "--prompt", ""],
+    ["generate", "--prompt", "hi", "--device", "tpu9"],
+    ["generate", "--prompt", "hi", "--device", "cuda:99"],
     ["generate"],
     ["nonsense"],
 ])

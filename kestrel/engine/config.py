@@ -76,6 +76,19 @@ class EngineConfig:
             raise ValueError("swa_replay_tokens must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        self._check_device()
+
+    def _check_device(self) -> None:
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {self.device!r}") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} asked for, but no CUDA GPU is available to this torch build "
+                                 f"({torch.__version__}); use --device cpu")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.device!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
