@@ -128,7 +128,8 @@ def server_path(eng, timer, bs, prompt_tokens, new_tokens, vocab, logprobs):
 
     from kestrel.engine.async_engine import AsyncLLMEngine
     from kestrel.server.completions import _logprobs
-    from kestrel.server.serving import sse
+    from kestrel.server.serving import TokenStrings, sse
+    token_str = TokenStrings(eng.tokenizer)
 
     g = torch.Generator().manual_seed(bs + 1)
     prompts = [torch.randint(300, vocab, (prompt_tokens,), generator=g).tolist() for _ in range(bs)]
@@ -148,7 +149,7 @@ def server_path(eng, timer, bs, prompt_tokens, new_tokens, vocab, logprobs):
     async def stream(i):
         n = offset = 0
         async for out in aeng.generate(f"s{bs}-{i}", prompts[i], params):
-            lp = _logprobs(eng.tokenizer, out.logprobs, offset)
+            lp = _logprobs(token_str, out.logprobs, offset)
             offset += len(out.new_text)
             body = {"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "m",
                     "choices": [{"index": 0, "text": out.new_text, "logprobs": lp,

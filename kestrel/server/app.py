@@ -34,6 +34,25 @@ async def parse_body(request: Request, model: type[BaseModel]):
         raise RequestValidationError(e.errors()) from None
 
 
+class _APIKeyGuard:
+    """Bearer-key check on /v1/ as a plain ASGI middleware. Not @app.middleware("http"): that BaseHTTPMiddleware
+    re-streams every response body through an anyio memory stream, ~80 us of event-loop CPU per SSE chunk.
+    Probes and scrapers (/health, /metrics, /stats) stay open."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and Request(scope).url.path.startswith("/v1/"):
+            auth = Request(scope).headers.get("authorization", "")
+            if not secrets.compare_digest(auth.encode(), self.expected):
+                response = error_response("Incorrect or missing API key (send 'Authorization: Bearer <key>').",
+                                          401, "invalid_request_error", code="invalid_api_key")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
     name = served_model_name or engine.model_name
     state = ServerState(engine=engine, metrics=Metrics(engine.stats, name), served_model_name=name, api_key=api_key)
@@ -43,15 +62,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None, api
     install_kv_transfer(app, state)  # /kv/prefill, /kv/import: prefill/decode disaggregation
 
     if api_key:
-        @app.middleware("http")
-        async def check_key(request: Request, call_next):
-            # Only the API is guarded; probes and scrapers (/health, /metrics, /stats) stay open.
-            if request.url.path.startswith("/v1/"):
-                auth = request.headers.get("authorization", "")
-                if not secrets.compare_digest(auth.encode(), f"Bearer {api_key}".encode()):
-                    return error_response("Incorrect or missing API key (send 'Authorization: Bearer <key>').",
-                                          401, "invalid_request_error", code="invalid_api_key")
-            return await call_next(request)
+        app.add_middleware(_APIKeyGuard, api_key=api_key)
 
     @app.get("/health")
     async def health():

@@ -6,23 +6,24 @@ from fastapi.responses import Response
 
 from kestrel.server.errors import APIError
 from kestrel.server.protocol import ChatCompletionRequest
-from kestrel.server.serving import (ServerState, check_common, check_model, check_prompt, new_id, now, outputs,
-                                    respond, sampling_params, token_str, usage)
+from kestrel.server.serving import (Events, ServerState, SSETemplate, check_common, check_model, check_prompt,
+                                    new_id, now, outputs, respond, sampling_params, sse, usage)
 
 
-def _entry(tok, tid: int, logprob: float) -> dict:
-    s = token_str(tok, tid)
+def _entry(token_str, tid: int, logprob: float) -> dict:
+    s = token_str(tid)
     return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
 
 
-def _logprobs(tok, entries: list[dict] | None) -> dict | None:
+def _logprobs(token_str, entries: list[dict] | None) -> dict | None:
+    """token_str: token id -> its text (ServerState.token_str, cached)."""
     if entries is None:
         return None
     content = []
     for e in entries:
         top = sorted((e.get("top") or {}).items(), key=lambda kv: -kv[1])
-        content.append({**_entry(tok, e["token_id"], e["logprob"]),
-                        "top_logprobs": [_entry(tok, k, v) for k, v in top]})
+        content.append({**_entry(token_str, e["token_id"], e["logprob"]),
+                        "top_logprobs": [_entry(token_str, k, v) for k, v in top]})
     return {"content": content}
 
 
@@ -54,34 +55,40 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(state, req, len(ids), max_tokens, None, logprobs)
     rid, created = new_id("chatcmpl"), now()
-    tok = state.tokenizer
+    token_str = state.token_str
 
     def body(obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
 
     gen = outputs(state, rid, ids, params)
 
-    async def chunks(outs, include_usage: bool):
+    def events(include_usage: bool) -> Events:
         extra = {"usage": None} if include_usage else {}
-        chunk, last = "chat.completion.chunk", None
-        yield body(chunk, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}], **extra)
-        async for out in outs:
-            last = out
+        chunk = "chat.completion.chunk"
+        delta = SSETemplate(lambda text, lp: body(chunk, [{"index": 0, "delta": {"content": text}, "logprobs": lp,
+                                                           "finish_reason": None}], **extra), 2)
+
+        def event(out) -> str:
+            text = ""
             if out.new_text or out.logprobs:
-                yield body(chunk, [{"index": 0, "delta": {"content": out.new_text},
-                                    "logprobs": _logprobs(tok, out.logprobs), "finish_reason": None}], **extra)
+                lp = None if out.logprobs is None else _logprobs(token_str, out.logprobs)
+                text = delta.render(out.new_text, lp)
             if out.finished:
-                yield body(chunk, [{"index": 0, "delta": {}, "logprobs": None,
-                                    "finish_reason": out.finish_reason}], **extra)
-        if include_usage:
-            yield body(chunk, [], usage=usage(len(ids), last))
+                text += sse(body(chunk, [{"index": 0, "delta": {}, "logprobs": None,
+                                          "finish_reason": out.finish_reason}], **extra))
+            return text
+
+        return Events(
+            head=lambda: sse(body(chunk, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}], **extra)),
+            event=event,
+            tail=lambda last: sse(body(chunk, [], usage=usage(len(ids), last))) if include_usage else "")
 
     async def collect():
         text, content, last = "", None, None
         async for out in gen:
             text += out.new_text
-            lp = _logprobs(tok, out.logprobs)
+            lp = _logprobs(token_str, out.logprobs)
             if lp is not None:
                 content = (content or []) + lp["content"]
             last = out
@@ -89,4 +96,4 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                   "logprobs": None if content is None else {"content": content}, "finish_reason": last.finish_reason}
         return body("chat.completion", [choice], usage=usage(len(ids), last))
 
-    return await respond(request, req, gen, chunks, collect)
+    return await respond(request, req, gen, events, collect)

@@ -4,9 +4,11 @@ own registry so several servers can live in one process (tests)."""
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -46,6 +48,36 @@ class _EngineCollector:
                                     value=s["spec_mean_accepted_length"])
 
 
+class _PerTokenMetrics:
+    """The two per-token series (ITL histogram, generated-token counter) as plain numbers: prometheus_client's
+    Histogram.observe walks its buckets in Python and takes a lock per value, several us a token at hundreds of
+    streams. Only the server's event loop writes these and the /metrics handler reads them on the same loop."""
+
+    def __init__(self, model_name: str):
+        self.labels = [model_name]
+        self.bounds = list(_LATENCY_BUCKETS)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.itl_sum = 0.0
+        self.tokens = 0
+
+    def observe_itl(self, gap: float, n: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, gap)] += n  # le is inclusive, as in prometheus_client
+        self.itl_sum += gap * n
+
+    def collect(self):
+        h = HistogramMetricFamily("kestrel_inter_token_latency_seconds", "Time between output tokens",
+                                  labels=["model_name"])
+        cum, buckets = 0, []
+        for b, c in zip(self.bounds + [float("inf")], self.counts):
+            cum += c
+            buckets.append((floatToGoString(b), cum))
+        h.add_metric(self.labels, buckets, self.itl_sum)
+        yield h
+        c = CounterMetricFamily("kestrel_generation_tokens", "Tokens generated", labels=["model_name"])
+        c.add_metric(self.labels, self.tokens)
+        yield c
+
+
 class Metrics:
     def __init__(self, stats_fn, model_name: str):
         self.registry = CollectorRegistry()
@@ -54,14 +86,12 @@ class Metrics:
         r = self.registry
         self.ttft = Histogram("kestrel_time_to_first_token_seconds", "Time to first token", lbl,
                               buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("kestrel_inter_token_latency_seconds", "Time between output tokens", lbl,
-                             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.per_token = _PerTokenMetrics(model_name)
+        r.register(self.per_token)
         self.e2e = Histogram("kestrel_e2e_request_latency_seconds", "Request latency, arrival to finish", lbl,
                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
         self.prompt_tokens = Counter("kestrel_prompt_tokens", "Prompt tokens processed", lbl,
                                      registry=r).labels(model_name)
-        self.generation_tokens = Counter("kestrel_generation_tokens", "Tokens generated", lbl,
-                                         registry=r).labels(model_name)
         self._finished = Counter("kestrel_request_finished", "Finished requests by reason (stop|length|abort|error)",
                                  lbl + ["finished_reason"], registry=r)
         self.model_name = model_name
@@ -86,14 +116,14 @@ class RequestTimer:
         if n <= 0:
             return
         now = time.perf_counter()
-        self.m.generation_tokens.inc(n)
+        pt = self.m.per_token
+        pt.tokens += n
         gaps = n
         if self.first:  # the first token's latency is TTFT, not ITL
             self.m.ttft.observe(now - self.start)
             self.first, gaps = False, n - 1
-        # Several tokens in one step (speculative decoding) share the interval evenly.
-        for _ in range(gaps):
-            self.m.itl.observe((now - self.last) / n)
+        if gaps:  # several tokens in one step (speculative decoding) share the interval evenly
+            pt.observe_itl((now - self.last) / n, gaps)
         self.last = now
 
     def on_finish(self, reason: str | None) -> None:

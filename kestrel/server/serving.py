@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, fields
-from typing import AsyncIterator
+from functools import cached_property
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +33,10 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @cached_property
+    def token_str(self) -> "TokenStrings":
+        return TokenStrings(self.tokenizer)
 
     @property
     def max_model_len(self) -> int:
@@ -153,32 +159,46 @@ async def until_disconnect(request: Request, coro):
     return True, task.result()
 
 
-async def respond(request: Request, req: _Sampling, gen: AsyncIterator[RequestOutput], chunks, collect) -> Response:
+@dataclass(slots=True)
+class Events:
+    """How one streaming request turns into SSE text: head() before the first output, event(out) per output
+    ("" to send nothing), tail(last) before [DONE]."""
+    head: Callable[[], str]
+    event: Callable[[RequestOutput], str]
+    tail: Callable[[RequestOutput], str]
+
+
+async def respond(request: Request, req: _Sampling, gen: AsyncIterator[RequestOutput], events, collect) -> Response:
     """Answer one request either way. Streaming: wait for the first output (so a refused request still gets a
-    proper status code), then SSE objects from `chunks(outputs, include_usage)`. Otherwise: JSON from `collect()`.
-    A client that goes away while waiting gets its request aborted (499)."""
+    proper status code), then the SSE text of `events(include_usage)` (an object with head(), event(out) and
+    tail(last), each returning ready SSE text). Otherwise: JSON from `collect()`. A client that goes away while
+    waiting gets its request aborted (499)."""
     if req.stream:
         ok, first = await until_disconnect(request, first_output(gen))
         if not ok:  # gave up while queued: until_disconnect already aborted it
             return Response(status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse_stream(first, gen, chunks, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_sse_stream(first, gen, events(include_usage)), media_type="text/event-stream")
     finished, result = await until_disconnect(request, collect())
     if not finished:
         return Response(status_code=499)
     return JSONResponse(result)
 
 
-async def _sse_stream(first: RequestOutput, gen: AsyncIterator[RequestOutput], chunks, include_usage: bool):
-    """SSE framing: an engine error ends the stream with an error event; [DONE] always closes it."""
-    async def all_outputs():
-        yield first
-        async for o in gen:
-            yield o
-
+async def _sse_stream(first: RequestOutput, gen: AsyncIterator[RequestOutput], events):
+    """SSE framing: an engine error ends the stream with an error event; [DONE] always closes it. The builder
+    returns finished SSE text per output (one generator hop and one ASGI send per output, nothing nested)."""
     try:
-        async for obj in chunks(all_outputs(), include_usage):
-            yield sse(obj)
+        last = first
+        text = events.head() + events.event(first)
+        if text:
+            yield text
+        async for last in gen:
+            text = events.event(last)
+            if text:
+                yield text
+        yield events.tail(last) + SSE_DONE
+        return
     except (ValueError, EngineError) as e:
         yield sse_error(e)
     finally:
@@ -186,8 +206,12 @@ async def _sse_stream(first: RequestOutput, gen: AsyncIterator[RequestOutput], c
     yield SSE_DONE
 
 
+# One shared encoder: json.dumps(obj, ensure_ascii=False) builds a new JSONEncoder on every call. Same output.
+encode = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {encode(obj)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -198,6 +222,58 @@ def sse_error(e: Exception) -> str:
     return sse(error_body(str(e), kind))
 
 
+_SLOT = "\ue000kestrel-slot-{}\ue000"  # a private-use marker: never in an id or model name in practice
+_SLOT_RE = re.compile('"\ue000kestrel-slot-(\\d+)\ue000"')
+
+
+class SSETemplate:
+    """An SSE event whose JSON body is fixed but for a few values (a stream's chunks differ only in text,
+    logprobs and finish_reason): the fixed parts are encoded once per request, each event encodes only its
+    values. render(*values) == sse(build(*values)) byte for byte."""
+
+    __slots__ = ("lits", "order")
+
+    def __init__(self, build, n: int):
+        pieces = _SLOT_RE.split(sse(build(*(_SLOT.format(i) for i in range(n)))))
+        self.lits = pieces[0::2]
+        self.order = [int(i) for i in pieces[1::2]]
+        assert sorted(self.order) == list(range(n)), "each value must appear exactly once"
+
+    def render(self, *values) -> str:
+        lits = self.lits
+        out = [lits[0]]
+        for k, i in enumerate(self.order, 1):
+            out.append(_encode_value(values[i]))
+            out.append(lits[k])
+        return "".join(out)
+
+
+_encode_str = json.encoder.encode_basestring  # what `encode` does for a str (ensure_ascii=False); C when available
+
+
+class RawJSON(str):
+    """Already-encoded JSON for an SSETemplate value (inserted as is)."""
+
+
+def _encode_value(v) -> str:
+    # JSONEncoder.encode takes a fast path only for str: None and numbers would build a C encoder per call
+    if v is None:
+        return "null"
+    cls = v.__class__
+    if cls is str:
+        return _encode_str(v)
+    if cls is RawJSON:
+        return v
+    return encode(v)
+
+
+def encode_number(v) -> str:
+    """encode(v) for an int or float, without the encoder's per-call setup."""
+    if v.__class__ is float and v - v == 0:  # finite (json writes nan/inf its own way)
+        return float.__repr__(v)
+    return encode(v)
+
+
 def usage(prompt_len: int, out: RequestOutput | None) -> dict:
     n = len(out.output_token_ids) if out else 0
     u = {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
@@ -206,8 +282,19 @@ def usage(prompt_len: int, out: RequestOutput | None) -> dict:
     return u
 
 
-def token_str(tokenizer, tid: int) -> str:
-    return tokenizer.decode([int(tid)])
+class TokenStrings:
+    """Token id -> its text alone (what logprobs report), cached: the tokenizer call costs ~10 us and a stream
+    with logprobs asks for one or more per token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, tid: int) -> str:
+        s = self.cache.get(tid)
+        if s is None:
+            s = self.cache[tid] = self.tokenizer.decode([int(tid)])
+        return s
 
 
 def now() -> int:
