@@ -144,3 +144,32 @@ def test_padded_verify_sampling_and_logprobs(reference):
     assert outs[1].output_token_ids == reference[1]
     assert all(0 <= t < SHAPE["vocab_size"] for o in outs for t in o.output_token_ids)
     assert e.stats()["num_free_kv_blocks"] == e.stats()["num_kv_blocks"]
+
+
+def _stream_logprobs(e, params):
+    for i, p in enumerate(params):
+        e.add_request(f"r{i}", PROMPTS[i], p)
+    got: dict[str, list] = {}
+    while e.has_unfinished():
+        for o in e.step():
+            got.setdefault(o.request_id, []).extend(o.logprobs or [])
+    return [got[f"r{i}"] for i in range(len(params))]
+
+
+@interp
+@pytest.mark.parametrize("padded", [True, False])
+def test_spec_logprobs_match_plain_values(padded):
+    """Batched logprobs of verified rows (one gather + one topk per distinct n) against the plain engine's sampler:
+    same chosen-token logprob and top-n per emitted token, rows with logprobs=0 and =2 in one step."""
+    params = [SamplingParams(max_tokens=12, temperature=0, logprobs=n, ignore_eos=True) for n in (2, 0, 2)]
+    ref = _stream_logprobs(_engine(None), params)
+    e = _engine("drafter=ngram,k=4")
+    calls = _padded(e) if padded else []
+    outs = _stream_logprobs(e, params)
+    assert e.stats()["spec_num_accepted_tokens"] > 0 and bool(calls) == padded
+    for o, r, p in zip(outs, ref, params):
+        assert len(o) == len(r) == p.max_tokens
+        for got, want in zip(o, r):
+            assert got["token_id"] == want["token_id"] and abs(got["logprob"] - want["logprob"]) < 1e-4
+            assert list(got["top"]) == list(want["top"]) and len(got["top"]) == p.logprobs
+            assert all(abs(got["top"][t] - v) < 1e-4 for t, v in want["top"].items())

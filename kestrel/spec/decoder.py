@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from kestrel.engine.attention import build_metadata
@@ -19,6 +20,7 @@ from kestrel.spec.config import SpeculativeConfig
 from kestrel.spec.drafter import DraftInput, Drafter
 from kestrel.spec.scheduler import make_scheduler
 from kestrel.spec.verify import verify_greedy, verify_sampling
+from kestrel.spec.verify_graph import pad_rows
 
 
 def _can_speculate(seq) -> bool:
@@ -132,7 +134,8 @@ class SpecDecoder:
                 engine.num_prompt_tokens += n
             if i in drafts:
                 keep = -(-s.num_computed_tokens // bs)
-                bm.free_tail(s, keep)
+                if len(s.block_table) > keep:  # blocks past keep hold only rejected drafts (no hashes either)
+                    bm.free_tail(s, keep)
         outputs = []
         now = time.monotonic()
         for i, (toks, lps) in emitted.items():
@@ -160,7 +163,8 @@ class SpecDecoder:
     def _eager_forward(self, runner, seqs, ns, decode_idx, drafts):
         """Mixed step (plain decodes, prefill chunks, verifications) in one eager forward: any batch."""
         plain_dec = [i for i in decode_idx if i not in drafts]
-        chunks = [i for i in range(len(seqs)) if i not in drafts and i not in set(plain_dec)]
+        plain_set = set(plain_dec)
+        chunks = [i for i in range(len(seqs)) if i not in drafts and i not in plain_set]
         spec = list(drafts)
         ids: list[int] = [seqs[i].token_ids[-1] for i in plain_dec]
         prefill_meta = []
@@ -206,16 +210,25 @@ class SpecDecoder:
 
     def _graph_forward(self, runner, seqs, drafts):
         """All-decode step through a captured verify graph: every request is a (1 + k)-token chunk padded to K + 1
-        (k = 0 for requests without a draft). Greedy verification runs on the host from one copy of the argmax;
-        rows that sample, want logprobs or do not speculate take the general paths on the logits."""
+        (k = 0 for requests without a draft). Greedy rows without logprobs (drafted or not) are decided on the host
+        from one copy of the argmax, acceptance vectorised over the batch; rows that sample, want logprobs or have
+        penalties take the general paths on the logits."""
         rows = [(s.token_ids[-1], drafts[i][0] if i in drafts else [], s.num_computed_tokens, s.block_table)
                 for i, s in enumerate(seqs)]
         logits, top, hid = self.graphs.run(rows)
         S, V, H = logits.shape[1], logits.shape[2], hid.shape[2]
-        top_l = top.tolist()  # the step's one device sync
+        top_np = top.cpu().numpy()  # the step's one device sync
         emitted: dict[int, tuple[list[int], list]] = {}
         hid_rows: dict[int, int] = {}
-        plain = [i for i in range(len(seqs)) if i not in drafts]
+        fast, plain, rest = [], [], []
+        for i, s in enumerate(seqs):
+            p = s.params
+            if p.temperature == 0.0 and p.logprobs is None and (i in drafts or _can_speculate(s)):
+                fast.append(i)  # greedy: the target's argmax is the token (no penalties: those rows never draft)
+            elif i in drafts:
+                rest.append(i)
+            else:
+                plain.append(i)
         if plain:
             idx = torch.tensor([i * S for i in plain], device=logits.device)
             lg = logits.reshape(-1, V).index_select(0, idx).float()
@@ -224,25 +237,25 @@ class SpecDecoder:
             for j, i in enumerate(plain):
                 emitted[i] = ([toks[j]], [lps[j]])
                 hid_rows[i] = i * S
-        fast = [i for i in drafts if seqs[i].params.temperature == 0.0 and seqs[i].params.logprobs is None]
-        acc_fast = []
-        for i in fast:
-            d, t = drafts[i][0], top_l[i]
-            a = 0
-            while a < len(d) and d[a] == t[a]:
-                a += 1
-            emitted[i] = (d[:a] + [t[a]], [None] * (a + 1))
-            hid_rows[i] = i * S + a
-            acc_fast.append(a)
         if fast:
-            self._record(seqs, fast, drafts, acc_fast)
-        rest = [i for i in drafts if i not in set(fast)]
+            d_lists = [drafts[i][0] if i in drafts else [] for i in fast]
+            d, lens = pad_rows(d_lists, S - 1)
+            t = top_np[fast]
+            match = (d == t[:, :S - 1]) & (np.arange(S - 1)[None, :] < lens[:, None])
+            acc = np.cumprod(match, axis=1).sum(axis=1)  # longest accepted prefix
+            last = t[np.arange(len(fast)), acc].tolist()
+            acc = acc.tolist()
+            for i, dl, a, tok in zip(fast, d_lists, acc, last):
+                emitted[i] = (dl[:a] + [tok], [None] * (a + 1))
+                hid_rows[i] = i * S + a
+            spec = [(i, a) for i, a in zip(fast, acc) if i in drafts]
+            if spec:
+                self._record(seqs, [i for i, _ in spec], drafts, [a for _, a in spec])
         if rest:  # sampled rows / logprobs: the general verification on the padded logits
             flat = [i * S + j for i in rest for j in range(len(drafts[i][0]) + 1)]
             lg = logits.reshape(-1, V).index_select(0, torch.tensor(flat, device=logits.device)).float()
             spec_rows = [(i * S, i * S + len(drafts[i][0]) + 1) for i in rest]
-            out_h: dict[int, torch.Tensor] = {}
-            self._verify(seqs, rest, drafts, spec_rows, lg, None, emitted, out_h, hid_rows)
+            self._verify(seqs, rest, drafts, spec_rows, lg, None, emitted, {}, hid_rows)
         if not self.drafter.needs_hidden:
             return emitted, {}
         order = list(hid_rows)
@@ -251,18 +264,21 @@ class SpecDecoder:
         return emitted, {i: h[j] for j, i in enumerate(order)}
 
     def _verify(self, seqs, spec, drafts, spec_rows, logits, hidden, emitted, out_hidden, hid_rows=None):
-        K = max(len(drafts[i][0]) for i in spec)
+        """General verification (any mix of greedy / sampled rows, logprobs). `logits` holds each request's
+        1 + k rows back to back; spec_rows[r] are request r's rows in `hidden`. One copy of the results to the host."""
+        d_lists = [drafts[i][0] for i in spec]
         B, V = len(spec), logits.shape[-1]
         dev = logits.device
-        tl = torch.zeros(B, K + 1, V, device=dev)  # padded target logits per verification
-        dt = torch.zeros(B, K, dtype=torch.long, device=dev)
-        lens = torch.tensor([len(drafts[i][0]) for i in spec], device=dev)
-        off = 0
-        for r, i in enumerate(spec):
-            n = len(drafts[i][0]) + 1
-            tl[r, :n] = logits[off:off + n]
-            dt[r, :n - 1] = torch.tensor(drafts[i][0], device=dev)
-            off += n
+        K = max(map(len, d_lists))
+        d_np, lens_np = pad_rows(d_lists, K)
+        # padded target logits [B, K+1, V] in one gather: positions past a row's draft repeat its first row (they
+        # are never read: acceptance masks them, the bonus/resample index is <= the draft length)
+        off = np.cumsum(lens_np + 1) - (lens_np + 1)
+        j = np.arange(K + 1)[None, :]
+        src = off[:, None] + np.where(j <= lens_np[:, None], j, 0)
+        tl = logits.index_select(0, torch.from_numpy(src.ravel()).to(dev)).view(B, K + 1, V)
+        dt = torch.from_numpy(d_np).to(dev)
+        lens = torch.from_numpy(lens_np).to(dev)
         out = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)
         acc = torch.zeros(B, dtype=torch.long, device=dev)
         greedy = [r for r, i in enumerate(spec) if seqs[i].params.temperature == 0.0]
@@ -292,36 +308,56 @@ class SpecDecoder:
             else:
                 o, a = verify_sampling(dt[g], lens[g], probs, q, gen)
             out[g], acc[g] = o.to(dev), a.to(dev)
-        out_l, acc_l = out.tolist(), acc.tolist()
-        lp_raw = None
+        res = torch.cat([acc[:, None], out], dim=1).tolist()  # one copy of the results
+        acc_l = [r[0] for r in res]
+        toks_l = [r[1:a + 2] for r, a in zip(res, acc_l)]
+        lps_l = self._logprobs(seqs, spec, tl, toks_l)
         for r, i in enumerate(spec):
+            toks = toks_l[r]
+            lps = lps_l[r] if lps_l is not None else None
+            emitted[i] = (toks, lps if lps is not None else [None] * len(toks))
             a = acc_l[r]
-            toks = out_l[r][:a + 1]
-            lps = [None] * len(toks)
-            n_top = seqs[i].params.logprobs
-            if n_top is not None:  # logprobs of the raw target distribution at each emitted position
-                if lp_raw is None:
-                    lp_raw = tl.log_softmax(-1)
-                lps = []
-                for j, t in enumerate(toks):
-                    e = {"token_id": t, "logprob": lp_raw[r, j, t].item(), "top": {}}
-                    if n_top:
-                        vals, idx = lp_raw[r, j].topk(n_top)
-                        e["top"] = dict(zip(idx.tolist(), vals.tolist()))
-                    lps.append(e)
-            emitted[i] = (toks, lps)
             if hid_rows is not None:  # graph path: the caller gathers hidden rows at once
                 hid_rows[i] = spec_rows[r][0] + a
             else:
                 out_hidden[i] = hidden[spec_rows[r][0] + a]
         self._record(seqs, spec, drafts, acc_l)
 
+    @staticmethod
+    def _logprobs(seqs, spec, tl, toks_l):
+        """Logprob entries of the raw target distribution at each emitted position, batched over the rows that
+        asked (one gather + one topk per distinct n, not a .item() per token: each is a device sync on a GPU)."""
+        want = [r for r, i in enumerate(spec) if seqs[i].params.logprobs is not None]
+        if not want:
+            return None
+        rr = [r for r in want for _ in toks_l[r]]
+        jj = [j for r in want for j in range(len(toks_l[r]))]
+        tt = [t for r in want for t in toks_l[r]]
+        dev = tl.device
+        sel = tl[torch.tensor(rr, device=dev), torch.tensor(jj, device=dev)].log_softmax(-1)  # [M, V]
+        chosen = sel.gather(1, torch.tensor(tt, device=dev)[:, None])[:, 0].tolist()
+        ns = [seqs[spec[r]].params.logprobs for r in rr]
+        tops: list[dict] = [{} for _ in rr]
+        for n in set(ns) - {0}:
+            m = [x for x, nn in enumerate(ns) if nn == n]
+            vals, idx = sel[torch.tensor(m, device=dev)].topk(n)
+            for x, iv, vv in zip(m, idx.tolist(), vals.tolist()):
+                tops[x] = dict(zip(iv, vv))
+        out: list = [None] * len(spec)
+        x = 0
+        for r in want:
+            out[r] = []
+            for t in toks_l[r]:
+                out[r].append({"token_id": t, "logprob": chosen[x], "top": tops[x]})
+                x += 1
+        return out
+
     def _record(self, seqs, spec, drafts, acc):
-        for i, a in zip(spec, acc):
-            self.num_verifies += 1
-            self.num_draft_tokens += len(drafts[i][0])
-            self.num_accepted_tokens += a
-        self.drafter.observe([seqs[i].request_id for i in spec], [len(drafts[i][0]) for i in spec], list(acc))
+        nprop = [len(drafts[i][0]) for i in spec]
+        self.num_verifies += len(spec)
+        self.num_draft_tokens += sum(nprop)
+        self.num_accepted_tokens += sum(acc)
+        self.drafter.observe([seqs[i].request_id for i in spec], nprop, list(acc))
 
 
 def _merge(a, b):

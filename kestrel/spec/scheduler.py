@@ -8,6 +8,7 @@ shrinks to zero and speculation switches itself off smoothly instead of making e
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -47,18 +48,20 @@ class ConfidenceScheduler:
         budget = min(self.spare_budget(B), B * min(K, self.k_max))
         if K == 0 or budget == 0:
             return torch.zeros(B, dtype=torch.long)
-        pos = torch.arange(K)[None, :]
+        # numpy on the host: a dozen torch ops on [B, K] cost ~0.1 ms a step in dispatch alone
+        conf = confidence.detach().cpu().float().numpy()
+        lens = lens.detach().cpu().numpy()
+        pos = np.arange(K)[None, :]
         valid = (pos < lens[:, None]) & (pos < self.k_max)
-        survival = torch.where(valid, confidence.float().clamp(0, 1).cumprod(dim=1), torch.zeros(()))
+        survival = np.where(valid, np.cumprod(np.clip(conf, 0, 1), axis=1), np.float32(0))
         eligible = survival >= self.threshold(B)
-        flat = torch.where(eligible, survival, torch.full_like(survival, -1.0)).flatten()
         n = min(budget, int(eligible.sum()))
         if n == 0:
             return torch.zeros(B, dtype=torch.long)
-        chosen = torch.zeros_like(flat, dtype=torch.bool)
-        chosen[torch.sort(flat, descending=True, stable=True).indices[:n]] = True  # ties: earlier rows first
+        flat = np.where(eligible, survival, np.float32(-1)).ravel()
+        chosen = np.argsort(-flat, kind="stable")[:n]  # ties: earlier rows first
         # survival is non-increasing along a row, so counting a row's chosen tokens gives a verifiable prefix
-        return chosen.view(B, K).sum(dim=1)
+        return torch.from_numpy(np.bincount(chosen // K, minlength=B).astype(np.int64))
 
 
 DEFAULT_TOKEN_BUDGET = {"cpu": 8, "cuda": 256}

@@ -15,6 +15,9 @@ buffers and graphs and, on a CPU (tests, under TRITON_INTERPRET=1), runs the sam
 """
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 
 from kestrel.kernels.attention import paged_prefill_attention, store_kvcache
@@ -25,35 +28,45 @@ def default_k_buckets(k_max: int) -> list[int]:
     return sorted({k for k in (1, 2, 4) if k < k_max} | {k_max})
 
 
+def pad_rows(lists, width: int, fill: int = 0):
+    """Ragged int lists -> ([len(lists), width] int64 array padded with `fill`, lengths [len(lists)]): one flat
+    fill through a mask, no per-row array writes."""
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
+    out = np.full((len(lists), width), fill, np.int64)
+    if lens.size and lens.max() > 0:
+        out[np.arange(width)[None, :] < lens[:, None]] = np.fromiter(chain.from_iterable(lists), np.int64,
+                                                                     int(lens.sum()))
+    return out, lens
+
+
 def pack_verify_inputs(rows, K: int, bs: int, block_size: int):
     """rows: [(last_token, drafts list (len <= K), context_len = tokens already cached, block_table list)].
     Returns host tensors for a (bs, K) step: input_ids, positions, slot_mapping [bs*(K+1)] int64,
     seq_lens [bs] int32 and block_tables [len(rows), longest table] int32 (rows past len(rows) are padding).
-    Plain lists, one tensor each at the end: this runs every step, per-row tensor ops would cost more than the
-    graph replay."""
+    A few numpy ops over the batch: this runs every step, per-row work would cost more than the graph replay."""
     n, S = len(rows), K + 1
     if n > bs:
         raise ValueError(f"{n} rows do not fit a verify batch of {bs}")
-    pad = (bs - n) * S
-    ids, pos, slots, seq_lens, tables = [], [], [], [], []
-    nb = max([len(r[3]) for r in rows] + [1])
-    for last, drafts, ctx, table in rows:
-        k = len(drafts)
-        if k > K:
-            raise ValueError(f"{k} draft tokens exceed the verify shape K={K}")
-        ids += [last, *drafts] + [0] * (K - k)
-        p = range(ctx, ctx + k + 1)
-        pos += [*p] + [ctx + k] * (K - k)  # padding tokens: any valid rope position
-        slots += [table[q // block_size] * block_size + q % block_size for q in p] + [-1] * (K - k)
-        seq_lens.append(ctx + S)  # query j then sits at position ctx + j
-        tables.append(list(table) + [0] * (nb - len(table)))
-    ids += [0] * pad
-    pos += [0] * pad
-    slots += [-1] * pad
-    seq_lens += [0] * (bs - n)
-    return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
-            torch.tensor(slots, dtype=torch.long), torch.tensor(seq_lens, dtype=torch.int32),
-            torch.tensor(tables, dtype=torch.int32).view(n, nb))
+    last, drafts, ctx, tables = zip(*rows) if rows else ((), (), (), ())
+    d, k = pad_rows(drafts, K)
+    if n and k.max() > K:
+        raise ValueError(f"{int(k.max())} draft tokens exceed the verify shape K={K}")
+    bt, _ = pad_rows(tables, max([len(t) for t in tables] + [1]))
+    ctx = np.fromiter(ctx, np.int64, n)
+    ids = np.zeros((bs, S), np.int64)
+    ids[:n, 0] = np.fromiter(last, np.int64, n)
+    ids[:n, 1:] = d
+    j = np.arange(S)[None, :]
+    real = j <= k[:, None]
+    p = ctx[:, None] + np.minimum(j, k[:, None])  # padding tokens: any valid rope position (the last real one)
+    pos = np.zeros((bs, S), np.int64)
+    pos[:n] = p
+    slots = np.full((bs, S), -1, np.int64)
+    slots[:n] = np.where(real, np.take_along_axis(bt, p // block_size, 1) * block_size + p % block_size, -1)
+    seq_lens = np.zeros(bs, np.int32)
+    seq_lens[:n] = ctx + S  # query j then sits at position ctx + j
+    return (torch.from_numpy(ids.ravel()), torch.from_numpy(pos.ravel()), torch.from_numpy(slots.ravel()),
+            torch.from_numpy(seq_lens), torch.from_numpy(bt.astype(np.int32)))
 
 
 class _VerifyCtx:
