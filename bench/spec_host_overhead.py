@@ -81,15 +81,22 @@ def stub_verify_graphs(eng, k: int, batch_sizes):
                                   verify_graph.default_k_buckets(max(k, 4)), -(-eng.max_model_len // runner.block_size),
                                   capture=False)
     V, H = runner.model.embed_tokens.weight.shape
-    zl, zh = torch.zeros(1, V), torch.zeros(1, H)
+    # one-hot logits in a buffer kept across steps: only the previous step's ones are cleared, so the step costs
+    # ~nothing (a [T, V] matmul or memset, 60 MB, would evict the caches and inflate every host phase after it;
+    # a GPU does that work off the host). Rows read by a sampler then agree with `top`.
+    buf = torch.zeros(max(batch_sizes) * (g.k_sizes[-1] + 1), V)
+    zh = torch.zeros(1, H)
+    prev = [torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)]
 
     def step(bs, K):
-        # the free model's argmax without its [T, V] logits: a 60 MB matmul per step would evict the caches and
-        # inflate every host phase after it (a GPU does that work off the host). The greedy path reads only `top`.
         T = bs * (K + 1)
         ids, pos = g.input_ids[:T], g.positions[:T]
         top = torch.where(pos % 7 == 6, (ids + 1) % V, ids)
-        return zl.expand(T, V), top, zh.expand(T, H)
+        buf[prev[0], prev[1]] = 0.0
+        rows = torch.arange(T)
+        buf[rows, top] = 1.0
+        prev[:] = [rows, top]
+        return buf[:T], top, zh.expand(T, H)
     g._step = step
     return g
 
