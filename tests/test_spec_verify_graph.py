@@ -173,3 +173,27 @@ def test_spec_logprobs_match_plain_values(padded):
             assert got["token_id"] == want["token_id"] and abs(got["logprob"] - want["logprob"]) < 1e-4
             assert list(got["top"]) == list(want["top"]) and len(got["top"]) == p.logprobs
             assert all(abs(got["top"][t] - v) < 1e-4 for t, v in want["top"].items())
+
+
+def test_pack_verify_inputs_numpy_path_matches_row_path():
+    """Past 16 rows the packing is vectorised: same tensors as packing the same rows in chunks of <= 16 (the
+    per-row path, checked against the layout contract above), ragged drafts and block tables."""
+    import random
+    rnd = random.Random(0)
+    for K, n in [(1, 17), (4, 40), (4, 64)]:
+        rows = []
+        for _ in range(n):
+            k, ctx = rnd.randint(0, K), rnd.randint(1, 90)
+            table = [rnd.randint(0, 60) for _ in range(-(-(ctx + k + 1) // 4) + rnd.randint(0, 2))]
+            rows.append((rnd.randint(0, 255), [rnd.randint(0, 255) for _ in range(k)], ctx, table))
+        ids, pos, slots, seq_lens, bt = pack_verify_inputs(rows, K, n + 3, 4)
+        S, nb = K + 1, bt.shape[1]
+        for a in range(0, n, 16):
+            part = rows[a:a + 16]
+            p_ids, p_pos, p_slots, p_lens, p_bt = pack_verify_inputs(part, K, len(part), 4)
+            sl = slice(a * S, (a + len(part)) * S)
+            assert torch.equal(ids[sl], p_ids) and torch.equal(pos[sl], p_pos) and torch.equal(slots[sl], p_slots)
+            assert torch.equal(seq_lens[a:a + len(part)], p_lens)
+            assert torch.equal(bt[a:a + len(part), :p_bt.shape[1]], p_bt) and not bt[a:a + len(part), p_bt.shape[1]:].any()
+        assert ids.dtype == pos.dtype == slots.dtype == torch.long and seq_lens.dtype == bt.dtype == torch.int32
+        assert not ids[n * S:].any() and (slots[n * S:] == -1).all() and not seq_lens[n:].any() and nb >= 1

@@ -43,11 +43,14 @@ def pack_verify_inputs(rows, K: int, bs: int, block_size: int):
     """rows: [(last_token, drafts list (len <= K), context_len = tokens already cached, block_table list)].
     Returns host tensors for a (bs, K) step: input_ids, positions, slot_mapping [bs*(K+1)] int64,
     seq_lens [bs] int32 and block_tables [len(rows), longest table] int32 (rows past len(rows) are padding).
-    A few numpy ops over the batch: this runs every step, per-row work would cost more than the graph replay."""
+    This runs every step: lists for a few rows, a few numpy ops over the batch beyond (per-row work there would
+    cost more than the graph replay)."""
     n, S = len(rows), K + 1
     if n > bs:
         raise ValueError(f"{n} rows do not fit a verify batch of {bs}")
-    last, drafts, ctx, tables = zip(*rows) if rows else ((), (), (), ())
+    if n <= 16:
+        return _pack_lists(rows, K, bs, block_size)
+    last, drafts, ctx, tables = zip(*rows)
     d, k = pad_rows(drafts, K)
     if n and k.max() > K:
         raise ValueError(f"{int(k.max())} draft tokens exceed the verify shape K={K}")
@@ -67,6 +70,31 @@ def pack_verify_inputs(rows, K: int, bs: int, block_size: int):
     seq_lens[:n] = ctx + S  # query j then sits at position ctx + j
     return (torch.from_numpy(ids.ravel()), torch.from_numpy(pos.ravel()), torch.from_numpy(slots.ravel()),
             torch.from_numpy(seq_lens), torch.from_numpy(bt.astype(np.int32)))
+
+
+def _pack_lists(rows, K: int, bs: int, block_size: int):
+    """pack_verify_inputs for a few rows: plain lists beat numpy's fixed per-op cost there."""
+    n, S = len(rows), K + 1
+    pad = (bs - n) * S
+    ids, pos, slots, seq_lens, tables = [], [], [], [], []
+    nb = max([len(r[3]) for r in rows] + [1])
+    for last, drafts, ctx, table in rows:
+        k = len(drafts)
+        if k > K:
+            raise ValueError(f"{k} draft tokens exceed the verify shape K={K}")
+        ids += [last, *drafts] + [0] * (K - k)
+        p = range(ctx, ctx + k + 1)
+        pos += [*p] + [ctx + k] * (K - k)  # padding tokens: any valid rope position
+        slots += [table[q // block_size] * block_size + q % block_size for q in p] + [-1] * (K - k)
+        seq_lens.append(ctx + S)  # query j then sits at position ctx + j
+        tables.append(list(table) + [0] * (nb - len(table)))
+    ids += [0] * pad
+    pos += [0] * pad
+    slots += [-1] * pad
+    seq_lens += [0] * (bs - n)
+    return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+            torch.tensor(slots, dtype=torch.long), torch.tensor(seq_lens, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32).view(n, nb))
 
 
 class _VerifyCtx:
