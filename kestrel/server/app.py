@@ -6,8 +6,8 @@ import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
 from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 
 from kestrel.engine.async_engine import AsyncLLMEngine
 from kestrel.server.chat import create_chat_completion

@@ -35,7 +35,7 @@ class ServerState:
         return self.engine.tokenizer
 
     @cached_property
-    def token_str(self) -> "TokenStrings":
+    def token_str(self) -> TokenStrings:
         return TokenStrings(self.tokenizer)
 
     @property
