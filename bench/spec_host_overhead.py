@@ -35,11 +35,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_host_overhead import TINY, PhaseTimer, cpu_name  # noqa: E402
+from engine_host_overhead import TINY, PhaseTimer, cpu_name
 
-import kestrel.spec  # noqa: E402,F401  (registers the speculative step builder)
-from kestrel.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from kestrel.spec import verify_graph  # noqa: E402
+import kestrel.spec  # registers the speculative step builder
+from kestrel.engine import EngineConfig, LLMEngine, SamplingParams
+from kestrel.spec import verify_graph
 
 PHASES = ("schedule", "draft", "spec_sched", "inputs", "verify", "rollback", "commit")
 
@@ -207,11 +207,11 @@ def main():
                   flush=True)
     if args.out:
         lines = [f"### {args.label}", "",
-                 f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+                 f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
                  f"- CPU: {cpu_name()} ({os.cpu_count()} cores visible), torch threads 1, torch {torch.__version__}",
                  f"- command: `python {shlex.join(sys.argv)}`",
-                 f"- prompt {args.prompt_tokens}, best of {args.repeats} x {args.steps} steps, greedy, "
-                 f"logprobs={logprobs}, verify path: {'eager' if args.eager else 'graph (stand-in replay)'}", "",
+                 (f"- prompt {args.prompt_tokens}, best of {args.repeats} x {args.steps} steps, greedy, "
+                  f"logprobs={logprobs}, verify path: {'eager' if args.eager else 'graph (stand-in replay)'}"), "",
                  "| spec | batch | host ms/step | " + " | ".join(PHASES) + " | forward | sample | tokens/step |",
                  "|---" * (len(PHASES) + 6) + "|"]
         for spec, bs, ph in rows:

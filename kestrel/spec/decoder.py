@@ -17,7 +17,7 @@ from kestrel.engine.attention import build_metadata
 from kestrel.engine.model_runner import ForwardContext
 from kestrel.engine.sampler import top_k_top_p_min_p_mask
 from kestrel.spec.config import SpeculativeConfig
-from kestrel.spec.drafter import DraftInput, Drafter
+from kestrel.spec.drafter import Drafter, DraftInput
 from kestrel.spec.scheduler import make_scheduler
 from kestrel.spec.verify import verify_greedy, verify_sampling
 from kestrel.spec.verify_graph import pad_rows
