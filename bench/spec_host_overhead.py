@@ -37,9 +37,8 @@ sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 from engine_host_overhead import TINY, PhaseTimer, cpu_name
 
-import kestrel.spec  # registers the speculative step builder
 from kestrel.engine import EngineConfig, LLMEngine, SamplingParams
-from kestrel.spec import verify_graph
+from kestrel.spec import verify_graph  # kestrel.spec registers the spec step builder
 
 PHASES = ("schedule", "draft", "spec_sched", "inputs", "verify", "rollback", "commit")
 
