@@ -36,21 +36,7 @@ from kestrel.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from kestrel.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from kestrel.server.app import create_app  # noqa: E402
 
-TINY = dict(architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
-            eos_token_ids=[2])
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
+from engine_host_overhead import TINY, cpu_name  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 API_KEY = None  # --api-key: the app guards /v1/ and each request sends the key
 
