@@ -118,11 +118,11 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
 
     if m <= 16:  # decode (gemm_wna16_small.py); H200 sweep (bench/results/gemm_wna16.md): split-K up to 16
         k_steps = -(-layer.k // layer.spec.k_multiple)
-        bn = 256 if layer.n >= 2048 else 64
-        if m == 1:  # CUDA-core GEMV with many small programs won every M=1 shape but one
-            return ComputeConfig("gemv", 1, bn, 0, max(1, min(16, k_steps // 2)), num_warps=4, num_stages=3)
-        split = max(1, min(_pow2_floor(max(1, 2 * num_sms // -(-layer.n // bn))), k_steps // 2, 16))
-        return ComputeConfig("mv", 16, bn, 0, split, num_warps=4, num_stages=3)
+        # round-1 sweep 2026-12-02 ~20:50: mv with 128-wide tiles and 2 warps won all 16 (shape, M in {1, 16})
+        # points, M = 1 included (gemv 1.1-1.6x slower), at split 2-8 (~4 programs per SM)
+        bn = 128 if layer.n >= 2048 else 64
+        split = max(1, min(_pow2_floor(max(1, 4 * num_sms // -(-layer.n // bn))), k_steps // 2, 16))
+        return ComputeConfig("mv", 16, bn, 0, split, num_warps=2, num_stages=3)
     if 16 < m <= 256:
         return heuristic_tc(layer, m, num_sms)
     # M > 256: dequant pass + cuBLAS, measured on H200 at 0.78-1.09x Humming (bench/results/gemm_wna16.md); the tc
