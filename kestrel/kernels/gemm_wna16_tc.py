@@ -393,3 +393,93 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
                                              DOT_F32=x2.device.type != "cuda", num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages, **fmt)
     return y.to(x2.dtype) if split > 1 else y
+
+
+@triton.jit
+def _dequant_tc_kernel(qw_ptr, s_ptr, z_ptr, gs_ptr, w_ptr, N, K, N0, N1,
+                       BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
+                       MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                       HAS_GSCALE: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, EVEN_K: tl.constexpr,
+                       EVEN_N: tl.constexpr, DEC: tl.constexpr, TILE_EXP: tl.constexpr, R: tl.constexpr):
+    """W[N, K] in w's dtype, one [BK, BN] planar tile per program, decoded by the GEMM's own _w_tile (each word
+    loaded once, packed decode where the format has one), stored transposed (k contiguous). Columns N0 .. N1-1
+    of the weight (row stride N) go to rows 0 .. N1-N0-1 of w."""
+    PB: tl.constexpr = R * EPW
+    BK: tl.constexpr = KB * PB
+    step = tl.program_id(1)
+    offs_n = N0 + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N1
+    if EVEN_N:
+        offs_n_ld = offs_n
+    else:
+        offs_n_ld = tl.minimum(offs_n, N1 - 1)
+    n_blocks = tl.cdiv(K, PB)
+    a_pc = None
+    b_pc = None
+    if PER_CHANNEL:
+        a_pc, b_pc = _coeffs(s_ptr, z_ptr, 0, None, offs_n_ld, N, BITS, IS_INT, EXP_BITS, HAS_ZERO, CODE_OFFSET,
+                             SCALE_KIND, False, TILE_EXP)
+    DT: tl.constexpr = w_ptr.dtype.element_ty
+    w = _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n_ld, n_mask, N, a_pc, b_pc, BITS, EPW, IS_INT, EXP_BITS,
+                MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, KB, BLOCK_N, 0, EVEN_K,
+                TILE_EXP, R, DEC, DT)  # [BK, BN]
+    if PER_CHANNEL or HAS_GSCALE or TILE_EXP:  # what the GEMM epilogue would multiply in
+        post = tl.zeros((BLOCK_N,), dtype=tl.float32) + 2.0 ** TILE_EXP
+        if PER_CHANNEL:
+            post = post * decode_scale(tl.load(s_ptr + offs_n_ld), SCALE_KIND)
+        if HAS_GSCALE:
+            post = post * tl.load(gs_ptr)
+        w = (w.to(tl.float32) * post[None, :]).to(DT)
+    k = step * BK + tl.arange(0, BK)
+    ptrs = w_ptr + (offs_n - N0)[None, :] * K + k[:, None]
+    if EVEN_K and EVEN_N:
+        tl.store(ptrs, w)
+    else:
+        tl.store(ptrs, w, mask=(k < K)[:, None] & n_mask[None, :])
+
+
+def _dec_for(x_device, fmt: dict, dtype, block_n: int, num_warps: int, n: int, kb: int = 1) -> int:
+    int4 = fmt["IS_INT"] and fmt["BITS"] == 4 and not fmt["HAS_ZERO"]
+    fp4 = (not fmt["IS_INT"] and (fmt["EXP_BITS"], fmt["MAN_BITS"]) == (2, 1) and dtype == torch.bfloat16)
+    if not (x_device.type == "cuda" and (int4 or fp4) and not fmt["PER_CHANNEL"]):
+        return 0
+    return 2 if (block_n == 128 and num_warps == 8 and kb == 1 and n % 128 == 0) else 1
+
+
+def dequantize_tc(qw: QuantizedWeight, fmt: dict, dtype=torch.bfloat16, block_n: int = 128, num_warps: int = 8,
+                  out: torch.Tensor | None = None, dec: int | None = None, n0: int = 0,
+                  n1: int | None = None) -> torch.Tensor:
+    """W[n0:n1, K] in `dtype` (the dequant half of the large-M dequant + cuBLAS path) with the tc kernel's decode."""
+    n, k = qw.shape
+    n1 = n if n1 is None else n1
+    pb = fmt["R"] * fmt["EPW"]
+    w = torch.empty((n1 - n0, k), device=qw.qweight.device, dtype=dtype) if out is None else out
+    z = qw.zeros if qw.zeros is not None else qw.scales
+    gsc = qw.global_scale if qw.global_scale is not None else qw.scales
+    if dec is None:
+        dec = _dec_for(qw.qweight.device, fmt, dtype, block_n, num_warps, n1 - n0)
+        if n0 % 128:  # dec 2 pairs along n from 128-aligned columns
+            dec = min(dec, 1)
+    tile_exp = 64 if (dtype == torch.bfloat16 and not fmt["IS_INT"]) else 0
+    grid = (triton.cdiv(n1 - n0, block_n), triton.cdiv(k, pb))
+    _dequant_tc_kernel[grid](qw.qweight, qw.scales, z, gsc, w, n, k, n0, n1, BLOCK_N=block_n, KB=1,
+                             EVEN_K=k % pb == 0, EVEN_N=(n1 - n0) % block_n == 0, DEC=dec, TILE_EXP=tile_exp, num_warps=num_warps, **fmt)
+    return w
+
+
+def dequant_matmul_chunked(x2: torch.Tensor, qw: QuantizedWeight, fmt: dict, chunk_n: int,
+                           block_n: int = 128, num_warps: int = 8) -> torch.Tensor:
+    """y = x2 @ dequant(W)^T, N cut into chunks: each chunk is dequantized into one reused scratch buffer and
+    multiplied by cuBLAS right away, so the bf16 chunk can be read back from L2 (50 MB) instead of HBM."""
+    n, k = qw.shape
+    m = x2.shape[0]
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    chunk_n = min(n, chunk_n)
+    scratch = torch.empty((chunk_n, k), device=x2.device, dtype=x2.dtype)
+    for n0 in range(0, n, chunk_n):
+        n1 = min(n, n0 + chunk_n)
+        w = scratch[: n1 - n0]
+        dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=w, n0=n0, n1=n1)
+        torch.matmul(x2, w.t(), out=y[:, n0:n1])
+    return y
