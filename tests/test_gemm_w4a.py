@@ -9,7 +9,7 @@ from kestrel.kernels import act_quant as aq
 from kestrel.kernels.gemm_w4a4 import gemm_w4a4, ref_dequant_act, w4a4_linear
 from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear
 from kestrel.kernels.lowbit import unpack_nibbles
-from kestrel.kernels.lowbit_gemm import GemmConfig, int4_to_e4m3
+from kestrel.kernels.lowbit_gemm import GemmConfig, int4_to_e4m3, int4_to_f32
 
 pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (or a GPU)")
 
@@ -103,6 +103,20 @@ def test_int4_to_e4m3_all_nibbles():
     assert torch.equal(out, want)
 
 
+@triton.jit
+def _int4_to_f32_kernel(src, dst):
+    i = tl.arange(0, 16)
+    tl.store(dst + i, int4_to_f32(tl.load(src + i)))
+
+
+def test_int4_to_f32_all_nibbles():
+    """the I2F-free nibble -> fp32 decode of the 16-bit-MMA (WNA16 / MoE int4) path: every code, exact."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    out = torch.empty(16, dtype=torch.float32)
+    _int4_to_f32_kernel[(1,)](codes, out)
+    assert torch.equal(out, ((codes.int() ^ 8) - 8).float())
+
+
 @pytest.mark.parametrize("group,tma", [(128, 1), (-1, 2), (256, 1)])
 def test_w4a8_large_m_path_expand_then_tma(group, tma):
     """large-M W4A8: int4 -> fp8 expansion (exact) + the TMA kernel with per-K-tile group scales, ragged M / N."""
@@ -133,3 +147,21 @@ def test_w4a8_halves_packing(group):
                 GemmConfig(BM=64, BN=32, TMA=1)):
         assert _rel(gemm_w4a8(a, s, kl, torch.float32, cfg), ref) < 1e-5
     assert quantize_weight_w4(w, "int4", 32).kernel_layout().layout == "pairs"  # groups < 128: unchanged
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX decode runs on the GPU only")
+def test_w4a8_asm_decode_matches_reference():
+    """DECODE_ASM (inline-PTX int4 -> e4m3 of the swapped halves path) vs float64 dequantize-then-matmul."""
+    from kestrel.kernels import act_quant, lowbit_gemm
+    from kestrel.kernels.gemm_w4a8 import gemm_w4a8
+    torch.manual_seed(0)
+    w = torch.randn(256, 512, device="cuda") * 0.02
+    qw = quantize_weight_w4(w, "int4", 128).kernel_layout()
+    a, s = act_quant.quant_fp8(torch.randn(24, 512, device="cuda"))
+    ref = act_quant.dequant_8bit(a, s).double() @ qw.dequantize().double().t()
+    old, lowbit_gemm.DECODE_ASM = lowbit_gemm.DECODE_ASM, 1
+    try:
+        y = gemm_w4a8(a, s, qw, out_dtype=torch.float32).double()
+    finally:
+        lowbit_gemm.DECODE_ASM = old
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-5

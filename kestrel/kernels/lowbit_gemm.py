@@ -46,6 +46,47 @@ def int4_to_e4m3(nibble):
     return (h - 1032.0).to(tl.float16).to(tl.float8e4nv)
 
 
+# int4 -> e4m3 for a whole 32-bit register (4 packed bytes, "halves" packing) in 15 integer / f16x2 instructions
+# instead of ~6 scalar ops per nibble: a LOP3 puts two nibbles (xor 8) into the mantissas of an f16x2 whose exponent is
+# 2^10, one f16x2 sub / fma removes the bias (the high nibble sits 4 bits up: x 1/16 in the same fma), one cvt packs
+# two e4m3, one PRMT restores the byte order. Exact (the integers -8..7 are f16 and e4m3 values). GPU only: the
+# interpreter has no PTX, it runs int4_to_e4m3 (same values). DECODE_ASM: 0 = Triton ops, 1 / 2 = asm (two byte
+# orders of the final PRMT; the bench checks both against the reference on the device, see lowbit_decode docs).
+DECODE_ASM = 0  # set to the variant the device check verified (bench/w4a8_decode_sweep.py); 0 until then
+_PRMT_SEL = {1: "0x3120", 2: "0x2031"}
+
+
+def _int4x4_asm(sel: str) -> str:
+    return ("{\n.reg .b32 s, t02, t13, u02, u13, k0, k1, k2, p, q;\n.reg .b16 c0, c1, c2, c3;\n"
+            "mov.b32 k0, 0x64086408;\nmov.b32 k1, 0x2C002C00;\nmov.b32 k2, 0xD480D480;\n"
+            "shr.b32 s, $2, 8;\n"
+            "lop3.b32 t02, $2, 0x000F000F, 0x64086408, 0x6a;\nlop3.b32 t13, s, 0x000F000F, 0x64086408, 0x6a;\n"
+            "lop3.b32 u02, $2, 0x00F000F0, 0x64806480, 0x6a;\nlop3.b32 u13, s, 0x00F000F0, 0x64806480, 0x6a;\n"
+            "sub.f16x2 t02, t02, k0;\nsub.f16x2 t13, t13, k0;\n"
+            "fma.rn.f16x2 u02, u02, k1, k2;\nfma.rn.f16x2 u13, u13, k1, k2;\n"
+            "cvt.rn.satfinite.e4m3x2.f16x2 c0, t02;\ncvt.rn.satfinite.e4m3x2.f16x2 c1, t13;\n"
+            "cvt.rn.satfinite.e4m3x2.f16x2 c2, u02;\ncvt.rn.satfinite.e4m3x2.f16x2 c3, u13;\n"
+            "mov.b32 p, {c0, c1};\nmov.b32 q, {c2, c3};\n"
+            f"prmt.b32 $0, p, 0, {sel};\nprmt.b32 $1, q, 0, {sel};\n}}")
+
+
+@triton.jit
+def int4_halves_to_e4m3(wp, ASM: tl.constexpr):
+    """packed int4 bytes (uint8 tile) -> (low nibbles, high nibbles) as float8e4nv tiles of the same shape."""
+    if ASM == 0:
+        return int4_to_e4m3(wp & 0xF), int4_to_e4m3(wp >> 4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_int4x4_asm("0x3120") if ASM == 1 else _int4x4_asm("0x2031"),
+                                           "=r,=r,r", [wp], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def int4_to_f32(nibble):
+    """two's complement int4 nibble -> fp32 without I2F (quarter rate): 0x4B000000 | m is 2^23 + m exactly."""
+    return ((nibble.to(tl.int32) ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0)
+
+
 @triton.jit
 def _qgemm_step(acc, a_ptr, as_ptr, w_base, ws_base, a_rows, offs_nc, k0, kk, kh, stride_am, stride_asm, stride_wn,
                 stride_wsn, A_FMT: tl.constexpr, A_G: tl.constexpr, W_FMT: tl.constexpr, W_SCALE: tl.constexpr,
@@ -100,7 +141,7 @@ def _qgemm_step(acc, a_ptr, as_ptr, w_base, ws_base, a_rows, offs_nc, k0, kk, kh
             wb = wr
         else:
             if W_FMT == 3:
-                wv = int4_value(wn).to(tl.float32)
+                wv = int4_to_f32(wn)
             elif W_FMT == 4:
                 wv = fp4_decode(wn)
             else:
@@ -132,8 +173,8 @@ def _qgemm_step_halves(acc, a_ptr, w_base, ws_base, a_rows, offs_nc, k0, kh, str
     if A_FMT == 1 or A_FMT == 2:
         a_lo = a_lo.to(tl.float32).to(tl.bfloat16)
         a_hi = a_hi.to(tl.float32).to(tl.bfloat16)
-    w_lo = int4_value(wp & 0xF).to(tl.float32)
-    w_hi = int4_value(wp >> 4).to(tl.float32)
+    w_lo = int4_to_f32(wp & 0xF)
+    w_hi = int4_to_f32(wp >> 4)
     if WG > 0:
         sc = _w_scale(ws_base, offs_nc, k0, WGN, stride_wsn, W_SCALE, WG)[None, :]
         w_lo = w_lo * sc
@@ -157,7 +198,7 @@ def _qgemm_kernel(
     WG: tl.constexpr, WGN: tl.constexpr, HAS_WGS: tl.constexpr,
     IS_MOE: tl.constexpr, MUL_ROUTED: tl.constexpr, SPLIT_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
-    MMA8: tl.constexpr, OUT_BF16: tl.constexpr, SWAP: tl.constexpr, HALVES: tl.constexpr,
+    MMA8: tl.constexpr, OUT_BF16: tl.constexpr, SWAP: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BN)
@@ -206,8 +247,9 @@ def _qgemm_kernel(
                 at_lo = tl.load(a_ptr + a_rows[None, :] * stride_am + (k0 + kh[:, None]))  # [BK/2, BM]
                 at_hi = tl.load(a_ptr + a_rows[None, :] * stride_am + (k0 + BK // 2 + kh[:, None]))
                 if A_FMT == 1:
-                    part = tl.dot(int4_to_e4m3(wp & 0xF), at_lo)
-                    part = tl.dot(int4_to_e4m3(wp >> 4), at_hi, part)
+                    w_lo, w_hi = int4_halves_to_e4m3(wp, ASM)
+                    part = tl.dot(w_lo, at_lo)
+                    part = tl.dot(w_hi, at_hi, part)
                 else:
                     part = tl.dot(int4_value(wp & 0xF).to(tl.int8), at_lo, out_dtype=tl.int32)
                     part = tl.dot(int4_value(wp >> 4).to(tl.int8), at_hi, part, out_dtype=tl.int32).to(tl.float32)
@@ -361,6 +403,7 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
         IS_MOE=moe is not None, MUL_ROUTED=mul_routed, SPLIT_K=cfg.SPLIT_K,
         BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M, DOT_F32=not out.is_cuda, MMA8=uses_mma8(a, w),
         OUT_BF16=out.dtype == torch.bfloat16, SWAP=bool(cfg.SWAP_AB or w.halves) and uses_mma8(a, w), HALVES=w.halves,
+        ASM=0 if not out.is_cuda else DECODE_ASM,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
