@@ -3,7 +3,9 @@
 Input: the target's final hidden state h_t (the vector its lm_head turns into logits for token t+1) and the token
 x_{t+1} just emitted. A parallel backbone maps (h_t, x_{t+1}) to k slot states at once, one per future position
 t+2 .. t+k+1; a light sequential refiner then corrects slot i >= 1 with the embedding of the token chosen at slot
-i-1 (low-rank, so k steps cost little). Each slot reads out through the target's own (frozen) lm_head and also
+i-1 (low-rank, so k steps cost little). With `recurrent` (the default for new heads) the refiner also reads the
+previous slot's refined state, so slot i sees the whole drafted chain x_{t+2} .. x_{t+i}, not just the last token
+(without it slot 3 never learns what was drafted at slot 1). Each slot reads out through the target's own (frozen) lm_head and also
 predicts its acceptance probability (the confidence the scheduler uses). The head stores only its own weights; the
 embedding and lm_head matrices come from the target at run time.
 """
@@ -28,16 +30,17 @@ class _MLPBlock(nn.Module):
 
 
 class DraftHead(nn.Module):
-    def __init__(self, hidden_size: int, k: int = 4, layers: int = 2, mult: int = 2, refine_rank: int = 128):
+    def __init__(self, hidden_size: int, k: int = 4, layers: int = 2, mult: int = 2, refine_rank: int = 128,
+                 recurrent: bool = False):
         super().__init__()
         H = hidden_size
-        self.cfg = dict(hidden_size=H, k=k, layers=layers, mult=mult, refine_rank=refine_rank)
-        self.k = k
+        self.cfg = dict(hidden_size=H, k=k, layers=layers, mult=mult, refine_rank=refine_rank, recurrent=recurrent)
+        self.k, self.recurrent = k, recurrent
         self.in_norm = nn.RMSNorm(2 * H)
         self.fuse = nn.Linear(2 * H, H)
         self.slot = nn.Parameter(torch.randn(k, H) * 0.02)
         self.backbone = nn.ModuleList(_MLPBlock(H, mult) for _ in range(layers))
-        self.refine_in = nn.Linear(2 * H, refine_rank)
+        self.refine_in = nn.Linear((3 if recurrent else 2) * H, refine_rank)
         self.refine_out = nn.Linear(refine_rank, H)
         self.out_norm = nn.RMSNorm(H)
         self.conf = nn.Linear(H, 1)
@@ -49,8 +52,19 @@ class DraftHead(nn.Module):
             z = blk(z)
         return z
 
-    def refine(self, z: torch.Tensor, e_prev: torch.Tensor) -> torch.Tensor:
-        return z + self.refine_out(F.silu(self.refine_in(torch.cat([z, e_prev], -1))))
+    def refine(self, z: torch.Tensor, e_prev: torch.Tensor, s_prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot state z corrected by the token drafted just before it (and, recurrent, the previous refined state)."""
+        x = torch.cat([z, e_prev] if not self.recurrent else [z, e_prev, s_prev], -1)
+        return z + self.refine_out(F.silu(self.refine_in(x)))
+
+    def chain(self, z: torch.Tensor, e_prev_slots: torch.Tensor) -> torch.Tensor:
+        """Refined states [N, k, H] of all slots given the tokens before each slot (teacher forcing)."""
+        if not self.recurrent:  # each slot only reads its own previous token: all slots at once
+            return torch.cat([z[:, :1], self.refine(z[:, 1:], e_prev_slots[:, 1:])], 1)
+        out = [z[:, 0]]
+        for i in range(1, z.shape[1]):
+            out.append(self.refine(z[:, i], e_prev_slots[:, i], out[-1]))
+        return torch.stack(out, 1)
 
     def readout(self, z: torch.Tensor, lm_head: torch.Tensor):
         """Slot states -> (logits over the target vocab, confidence logit)."""
@@ -60,18 +74,16 @@ class DraftHead(nn.Module):
         """Training: slot i >= 1 is refined with the true previous token (teacher forcing), all in parallel.
         e_prev_slots: [N, k, H] embedding of the token before each slot's target. Returns logits [N, k, V],
         confidence logits [N, k]."""
-        z = self.slots(h, e_next)
-        z = torch.cat([z[:, :1], self.refine(z[:, 1:], e_prev_slots[:, 1:])], 1)
-        return self.readout(z, lm_head)
+        return self.readout(self.chain(self.slots(h, e_next), e_prev_slots), lm_head)
 
     @torch.no_grad()
     def draft_greedy(self, h, x_next, embed, lm_head, k):
         """draft() for all-greedy rows with no host syncs (capturable in a CUDA graph): tokens [N, k] (argmax),
         confidence [N, k] float32."""
         z = self.slots(h, embed[x_next])
-        toks, confs, prev = [], [], x_next
+        toks, confs, prev, zi = [], [], x_next, None
         for i in range(min(k, self.k)):
-            zi = z[:, i] if i == 0 else self.refine(z[:, i], embed[prev])
+            zi = z[:, i] if i == 0 else self.refine(z[:, i], embed[prev], zi)
             logits, c = self.readout(zi, lm_head)
             prev = logits.argmax(-1)
             toks.append(prev)
@@ -90,9 +102,9 @@ class DraftHead(nn.Module):
         sample = temp > 0
         any_sample = bool(sample.any())
         toks, confs, qs = [], [], []
-        prev = x_next
+        prev, zi = x_next, None
         for i in range(k):
-            zi = z[:, i] if i == 0 else self.refine(z[:, i], embed[prev])
+            zi = z[:, i] if i == 0 else self.refine(z[:, i], embed[prev], zi)
             logits, c = self.readout(zi, lm_head)
             logits = logits.float()
             tok = logits.argmax(-1)
@@ -106,10 +118,12 @@ class DraftHead(nn.Module):
         return torch.stack(toks, 1), torch.stack(confs, 1), torch.stack(qs, 1) if qs else None
 
     # --- persistence: safetensors with the architecture in the metadata ---
-    def save(self, path: str, extra: dict | None = None) -> None:
+    def save(self, path: str, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:
+        """dtype: store the weights in e.g. bfloat16 (half the file; the head runs in the target's dtype anyway)."""
         from safetensors.torch import save_file
         meta = {"kestrel_draft_head": json.dumps(self.cfg), **{k: str(v) for k, v in (extra or {}).items()}}
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, path, metadata=meta)
+        save_file({k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}, path,
+                  metadata=meta)
 
     @classmethod
     def load(cls, path: str, device="cpu") -> "DraftHead":
@@ -123,6 +137,6 @@ class DraftHead(nn.Module):
         if "kestrel_draft_head" not in meta:
             raise ValueError(f"{path} is not a kestrel draft head (train one with `kestrel train-draft`)")
         head = cls(**json.loads(meta["kestrel_draft_head"]))
-        head.load_state_dict(load_file(path, device="cpu"))
+        head.load_state_dict({k: v.float() for k, v in load_file(path, device="cpu").items()})
         head.meta = meta
         return head.to(device).eval()

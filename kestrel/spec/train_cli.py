@@ -35,12 +35,23 @@ def add_parser(subparsers):
     p.add_argument("--out", default="draft_head.safetensors", help="output file (default: %(default)s)")
     p.add_argument("--k", type=int, default=4, help="draft tokens the head proposes (default: %(default)s)")
     p.add_argument("--layers", type=int, default=2, help="MLP blocks in the parallel backbone (default: %(default)s)")
-    p.add_argument("--prompts", default=None, help="text file, one prompt per line (default: a built-in set)")
+    p.add_argument("--prompts", default=None, help="text file, one prompt per line, or 'varied' = the generated "
+                   "topic x task set of kestrel/spec/prompt_set.py (~7k prompts; default: 32 built-in prompts)")
     p.add_argument("--num-prompts", type=int, default=64, help="generations to train on (prompts are cycled; "
                    "default: %(default)s)")
     p.add_argument("--gen-tokens", type=int, default=128, help="tokens the target generates per prompt (default: %(default)s)")
     p.add_argument("--gen-temperature", type=float, default=0.7,
                    help="sampling temperature of the target's generations (default: %(default)s)")
+    p.add_argument("--greedy-fraction", type=float, default=0.0,
+                   help="share of generations made greedily (greedy verification accepts the argmax chain; the "
+                        "rest use --gen-temperature for variety; default: %(default)s)")
+    p.add_argument("--gen-batch", type=int, default=64, help="concurrent generations (default: %(default)s)")
+    p.add_argument("--pack-tokens", type=int, default=4096,
+                   help="tokens per target forward when collecting hidden states (default: %(default)s)")
+    p.add_argument("--recurrent", action=argparse.BooleanOptionalAction, default=True,
+                   help="sequential refiner reads the previous slot's state (the whole drafted chain; default on)")
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the saved weights (default: %(default)s)")
     p.add_argument("--data", default=None, help="JSON file of generated token sequences: reused when it exists, "
                    "written after generating otherwise (skip regeneration when retraining)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not wrap prompts in the chat template")
@@ -69,7 +80,9 @@ def _check(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.lr <= 0:
         raise ValueError("--lr must be > 0")
-    if args.prompts and not os.path.isfile(args.prompts):
+    if not 0.0 <= args.greedy_fraction <= 1.0:
+        raise ValueError("--greedy-fraction must be in [0, 1]")
+    if args.prompts and args.prompts != "varied" and not os.path.isfile(args.prompts):
         raise ValueError(f"--prompts file {args.prompts!r} not found")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
@@ -81,7 +94,10 @@ def _generate(engine, args) -> list[list[int]]:
     from kestrel.engine.sampling_params import SamplingParams
 
     texts = DEFAULT_PROMPTS
-    if args.prompts:
+    if args.prompts == "varied":
+        from kestrel.spec.prompt_set import varied_prompts
+        texts = varied_prompts(seed=args.seed)
+    elif args.prompts:
         with open(args.prompts) as f:
             texts = [line.strip() for line in f if line.strip()]
         if not texts:
@@ -96,8 +112,10 @@ def _generate(engine, args) -> list[list[int]]:
         else:
             ids = engine.tokenizer.encode(t)
         prompts.append(ids)
-    params = [SamplingParams(max_tokens=args.gen_tokens, temperature=args.gen_temperature, seed=args.seed + i)
-              for i in range(len(prompts))]
+    n_greedy = round(args.greedy_fraction * len(prompts))  # every 1/fraction-th generation greedy, spread out
+    greedy = {int(i * len(prompts) / n_greedy) for i in range(n_greedy)} if n_greedy else set()
+    params = [SamplingParams(max_tokens=args.gen_tokens, temperature=0.0 if i in greedy else args.gen_temperature,
+                             seed=args.seed + i) for i in range(len(prompts))]
     outs = engine.generate(prompts, params, use_tqdm=args.progress)
     seqs = [p + o.output_token_ids for p, o in zip(prompts, outs)]
     return seqs
@@ -118,7 +136,7 @@ def run(args) -> int:
     t0 = time.time()
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
                                     load_format=args.load_format, model_shape=args.model_shape,
-                                    progress=args.progress, max_num_seqs=64))
+                                    progress=args.progress, max_num_seqs=args.gen_batch))
     if args.data and os.path.isfile(args.data):
         with open(args.data) as f:
             seqs = json.load(f)
@@ -137,14 +155,17 @@ def run(args) -> int:
                 json.dump(seqs, f)
 
     model = engine.model
-    hidden = collect_hidden(model, seqs, args.device, progress=args.progress)
-    head = DraftHead(model.config.hidden_size, k=args.k, layers=args.layers)
+    t1 = time.time()
+    hidden = collect_hidden(model, seqs, args.device, progress=args.progress, max_tokens=args.pack_tokens,
+                            dtype=torch.bfloat16 if str(args.device).startswith("cuda") else torch.float32)
+    print(f"hidden states of {n_gen} tokens in {time.time() - t1:.1f}s", flush=True)
+    head = DraftHead(model.config.hidden_size, k=args.k, layers=args.layers, recurrent=args.recurrent)
     head = train_head(model.embed_tokens.weight, model.lm_head.weight, hidden, seqs, k=args.k, steps=args.steps,
                       batch_positions=args.batch_positions, lr=args.lr, seed=args.seed, head=head,
-                      progress=args.progress, max_seconds=args.max_seconds,
+                      progress=args.progress, max_seconds=args.max_seconds, log_every=0 if args.progress else 500,
                       vocab_subset=args.vocab_subset == "on" or (args.vocab_subset == "auto" and args.device == "cpu"))
     head.save(args.out, {"target": engine.model_name, "train_stats": json.dumps(head.train_stats),
-                         "generated_tokens": n_gen})
+                         "generated_tokens": n_gen}, dtype=getattr(torch, args.save_dtype))
     print(f"saved draft head to {args.out} ({sum(p.numel() for p in head.parameters()) / 1e6:.2f}M params, "
           f"{head.train_stats}) in {time.time() - t0:.1f}s")
     return 0

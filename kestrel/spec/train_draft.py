@@ -27,14 +27,46 @@ class _CausalCtx:
         return o.transpose(0, 1).reshape(T, nh * hd)
 
 
+class _PackedCausalCtx:
+    """Several sequences back to back in one forward: causal attention inside each, none across (block-diagonal
+    mask). One forward per ~max_tokens instead of one per sequence: per-sequence forwards are launch-bound on a GPU."""
+
+    def __init__(self, lens: list[int], device):
+        seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+        pos = torch.arange(len(seg), device=device)
+        self.mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
+
+    def attention(self, layer_idx, q, k, v):
+        T, nh, hd = q.shape
+        rep = nh // k.shape[1]
+        k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=self.mask)
+        return o.transpose(0, 1).reshape(T, nh * hd)
+
+
 @torch.inference_mode()
-def collect_hidden(model, seqs: list[list[int]], device, progress: bool = True) -> list[torch.Tensor]:
-    """Final (post-norm) hidden states [T, H] of a kestrel LlamaForCausalLM on each full sequence."""
-    ctx = _CausalCtx()
-    out = []
-    for s in tqdm(seqs, desc="Target hidden states", unit="seq", disable=not progress):
-        ids = torch.tensor(s, device=device)
-        out.append(model(ids, torch.arange(len(s), device=device), ctx).float())
+def collect_hidden(model, seqs: list[list[int]], device, progress: bool = True, max_tokens: int = 1,
+                   dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Final (post-norm) hidden states [T, H] of a kestrel LlamaForCausalLM on each full sequence. max_tokens > 1
+    packs sequences into forwards of up to that many tokens (same states: attention never crosses sequences)."""
+    out: list[torch.Tensor] = []
+    bar = tqdm(total=len(seqs), desc="Target hidden states", unit="seq", disable=not progress)
+    i = 0
+    while i < len(seqs):
+        j, n = i + 1, len(seqs[i])
+        while j < len(seqs) and n + len(seqs[j]) <= max_tokens:
+            n += len(seqs[j])
+            j += 1
+        group = seqs[i:j]
+        ids = torch.tensor([t for s in group for t in s], device=device)
+        pos = torch.cat([torch.arange(len(s), device=device) for s in group])
+        ctx = _CausalCtx() if len(group) == 1 else _PackedCausalCtx([len(s) for s in group], device)
+        h = model(ids, pos, ctx).to(dtype)
+        out.extend(h.split([len(s) for s in group]))
+        bar.update(j - i)
+        i = j
+    bar.close()
     return out
 
 
@@ -43,7 +75,7 @@ class _Packed:
     Python loop made each step launch hundreds of tiny copies on a GPU)."""
 
     def __init__(self, hidden, seqs, device):
-        self.h = torch.cat([h.to(device) for h in hidden])
+        self.h = torch.cat([h.to(device) for h in hidden])  # kept in the collected dtype (bf16 halves 1M+ tokens)
         self.tok = torch.tensor([t for s in seqs for t in s], device=device)
         lens = torch.tensor([len(s) for s in seqs])
         self.lens, self.start = lens.to(device), (lens.cumsum(0) - lens).to(device)
@@ -60,14 +92,15 @@ def _sample_batch(p: _Packed, k, n, gen: torch.Generator, device):
     i = torch.arange(k, device=device)[None, :]
     idx = torch.minimum(t[:, None] + 1 + i, (L - 2)[:, None])
     mask = t[:, None] + 2 + i <= (L - 1)[:, None]
-    return (p.h[base + t], p.tok[base + t + 1], p.tok[base[:, None] + idx], p.h[base[:, None] + idx],
+    return (p.h[base + t].float(), p.tok[base + t + 1], p.tok[base[:, None] + idx], p.h[base[:, None] + idx].float(),
             p.tok[base[:, None] + idx + 1], mask)
 
 
 def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Tensor], seqs: list[list[int]],
                k: int = 4, steps: int = 500, batch_positions: int = 256, lr: float = 1e-3, seed: int = 0,
                head: DraftHead | None = None, progress: bool = True, conf_weight: float = 0.5,
-               vocab_subset: bool = False, max_seconds: float | None = None) -> DraftHead:
+               vocab_subset: bool = False, max_seconds: float | None = None, hard_label: str = "argmax",
+               log_every: int = 0) -> DraftHead:
     """Distil: cross-entropy to the teacher's distribution at each slot (soft) and to the token the teacher actually
     generated there (hard: a sharp signal even where the teacher is flat), + BCE of the confidence output against
     'the head's argmax equals the teacher's argmax' (per-slot acceptance under greedy verification).
@@ -77,7 +110,13 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
     still reads out over the full vocabulary.
 
     max_seconds: a wall-clock budget; the learning-rate schedule then runs on max(step / steps, elapsed / budget),
-    so a run cut short by the clock still ends annealed."""
+    so a run cut short by the clock still ends annealed.
+
+    hard_label: "argmax" = the teacher's most likely token (what greedy verification accepts), "generated" = the
+    token the target sampled there (different from the argmax wherever the data was generated with temperature).
+    With greedy-generated data, teacher forcing on the true previous tokens is exactly the head's situation at
+    inference whenever the earlier drafts were accepted (the only case in which a later draft can count).
+    log_every: print the running stats every so many steps (for logs without a progress bar)."""
     device = embed.device
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -116,7 +155,10 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
         with torch.no_grad():
             t_logits = teach @ lm_head.t()
             t_prob = torch.softmax(t_logits, -1)
-            hit = (logits.argmax(-1) == t_logits.argmax(-1)).float()
+            t_top = t_logits.argmax(-1)
+            hit = (logits.argmax(-1) == t_top).float()
+            if hard_label == "argmax":
+                label = t_top
         m = mask.float()
         logp = torch.log_softmax(logits, -1)
         ce = -(t_prob * logp).sum(-1) - logp.gather(-1, label[..., None]).squeeze(-1)
@@ -132,5 +174,7 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
             acc = (hit * m).sum(0) / m.sum(0).clamp_min(1)
             stats = {"loss": round(loss.item(), 3), "acc1": round(acc[0].item(), 3), f"acc{head.k}": round(acc[-1].item(), 3)}
             bar.set_postfix(stats)
+            if log_every and step % log_every == 0:
+                print(f"step {step} {time.monotonic() - t0:.0f}s {stats}", flush=True)
     head.train_stats = dict(stats, steps=done)
     return head.eval()

@@ -1,0 +1,67 @@
+"""Pieces of the draft head's self-distillation: packed hidden-state collection, the recurrent refiner, bf16 save."""
+import torch
+
+from kestrel.spec.draft_head import DraftHead
+from kestrel.spec.prompt_set import varied_prompts
+from kestrel.spec.train_draft import collect_hidden
+
+
+def _tiny_model():
+    from kestrel.engine.config import EngineConfig
+    from kestrel.engine.llm_engine import LLMEngine
+    shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    eng = LLMEngine(EngineConfig(load_format="dummy", model_shape=shape, num_kv_blocks=16, block_size=4,
+                                 progress=False, dtype="float32"))
+    return eng.model
+
+
+def test_packed_hidden_equals_one_forward_per_sequence():
+    """Sequences packed into one forward (block-diagonal causal mask) give each sequence's own hidden states."""
+    model = _tiny_model()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(128, (n,), generator=g).tolist() for n in (5, 17, 3, 11, 9)]
+    ref = collect_hidden(model, seqs, "cpu", progress=False)
+    packed = collect_hidden(model, seqs, "cpu", progress=False, max_tokens=30)
+    assert [h.shape for h in packed] == [h.shape for h in ref]
+    for a, b in zip(packed, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_recurrent_head_drafts_match_teacher_forcing_on_its_own_drafts():
+    """The greedy draft loop and the teacher-forced chain are the same function: fed the head's own drafts as the
+    'true' previous tokens, forward_teacher reproduces draft()'s logits argmax; the recurrent refiner reads the
+    whole chain (changing the slot-1 token changes slot 3's state, which the non-recurrent head cannot)."""
+    torch.manual_seed(0)
+    H, V, k = 16, 50, 4
+    embed, lm_head = torch.randn(V, H), torch.randn(V, H)
+    head = DraftHead(H, k=k, recurrent=True).eval()
+    h, x = torch.randn(3, H), torch.tensor([1, 7, 9])
+    toks, conf, _ = head.draft(h, x, embed, lm_head, k)
+    prev = torch.cat([x[:, None], toks[:, :-1]], 1)
+    logits, c = head.forward_teacher(h, embed[x], embed[prev], lm_head)
+    assert torch.equal(logits.argmax(-1), toks)
+    torch.testing.assert_close(torch.sigmoid(c), conf)
+    g_toks, g_conf = head.draft_greedy(h, x, embed, lm_head, k)
+    assert torch.equal(g_toks, toks)
+    z = head.slots(h, embed[x])
+    alt = prev.clone()
+    alt[:, 1] = (alt[:, 1] + 1) % V  # a different slot-1 draft
+    a, b = head.chain(z, embed[prev]), head.chain(z, embed[alt])
+    assert not torch.allclose(a[:, 3], b[:, 3])
+
+
+def test_bf16_save_roundtrip(tmp_path):
+    head = DraftHead(16, k=2, recurrent=True)
+    p = tmp_path / "h.safetensors"
+    head.save(str(p), dtype=torch.bfloat16)
+    back = DraftHead.load(str(p))
+    assert back.recurrent and back.k == 2
+    for (n, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        torch.testing.assert_close(b, a.to(torch.bfloat16).float(), msg=n)
+
+
+def test_varied_prompt_set_is_large_and_distinct():
+    p = varied_prompts()
+    assert len(p) > 5000 and len(set(p)) == len(p)
+    assert varied_prompts(10) == p[:10]
