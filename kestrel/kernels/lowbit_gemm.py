@@ -53,7 +53,6 @@ def int4_to_e4m3(nibble):
 # interpreter has no PTX, it runs int4_to_e4m3 (same values). DECODE_ASM: 0 = Triton ops, 1 / 2 = asm (two byte
 # orders of the final PRMT; the bench checks both against the reference on the device, see lowbit_decode docs).
 DECODE_ASM = 0  # set to the variant the device check verified (bench/w4a8_decode_sweep.py); 0 until then
-_PRMT_SEL = {1: "0x3120", 2: "0x2031"}
 
 
 def _int4x4_asm(sel: str) -> str:
