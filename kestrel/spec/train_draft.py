@@ -17,31 +17,23 @@ from kestrel.spec.draft_head import DraftHead
 
 
 class _CausalCtx:
-    """Stand-in for the engine's attention context: plain causal attention over one whole sequence (no cache)."""
+    """Stand-in for the engine's attention context (no cache): causal attention over one sequence, or, given lens,
+    over several sequences back to back with none across them (block-diagonal mask). Packing gives one forward per
+    ~max_tokens instead of one per sequence: per-sequence forwards are launch-bound on a GPU."""
 
-    def attention(self, layer_idx, q, k, v):
-        T, nh, hd = q.shape
-        rep = nh // k.shape[1]
-        k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-        return o.transpose(0, 1).reshape(T, nh * hd)
-
-
-class _PackedCausalCtx:
-    """Several sequences back to back in one forward: causal attention inside each, none across (block-diagonal
-    mask). One forward per ~max_tokens instead of one per sequence: per-sequence forwards are launch-bound on a GPU."""
-
-    def __init__(self, lens: list[int], device):
-        seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
-        pos = torch.arange(len(seg), device=device)
-        self.mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
+    def __init__(self, lens: list[int] | None = None, device=None):
+        self.mask = None
+        if lens is not None and len(lens) > 1:
+            seg = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+            pos = torch.arange(len(seg), device=device)
+            self.mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
 
     def attention(self, layer_idx, q, k, v):
         T, nh, hd = q.shape
         rep = nh // k.shape[1]
         k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=self.mask)
+                                           attn_mask=self.mask, is_causal=self.mask is None)
         return o.transpose(0, 1).reshape(T, nh * hd)
 
 
@@ -61,7 +53,7 @@ def collect_hidden(model, seqs: list[list[int]], device, progress: bool = True, 
         group = seqs[i:j]
         ids = torch.tensor([t for s in group for t in s], device=device)
         pos = torch.cat([torch.arange(len(s), device=device) for s in group])
-        ctx = _CausalCtx() if len(group) == 1 else _PackedCausalCtx([len(s) for s in group], device)
+        ctx = _CausalCtx([len(s) for s in group], device)
         h = model(ids, pos, ctx).to(dtype)
         out.extend(h.split([len(s) for s in group]))
         bar.update(j - i)
