@@ -131,6 +131,11 @@ class LLMEngine:
             if self.spec is None:
                 return self.async_stepper.step()
             done = self.drain()  # a speculative decoder was set on a built engine: it steps synchronously
+        if self.spec is not None and getattr(self.spec, "loop_active", False):
+            outs, looping = self.spec.loop_step(self)  # the overlapped speculative loop owns the batch
+            if looping:
+                return done + outs
+            done = done + outs
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return done
@@ -140,8 +145,11 @@ class LLMEngine:
 
     def drain(self) -> list[RequestOutput]:
         """Async scheduling: wait for the step in flight and commit it (call before touching KV blocks from
-        outside the loop). A no-op for the synchronous engine."""
-        return self.async_stepper.drain() if self.async_stepper is not None else []
+        outside the loop; also ends an overlapped speculative loop). A no-op for the synchronous engine."""
+        outs = self.async_stepper.drain() if self.async_stepper is not None else []
+        if self.spec is not None and getattr(self.spec, "loop_active", False):
+            outs = outs + self.spec.drain_loop(self)
+        return outs
 
     def run_batch(self, batch) -> list[RequestOutput]:
         """One plain step over a scheduled batch (the speculative step falls back to it when nothing is drafted)."""

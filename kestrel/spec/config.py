@@ -20,6 +20,9 @@ class SpeculativeConfig:
     ngram_min: int = 1
     draft_model: str | None = None  # path / HF id of the small draft model (drafter=draft_model)
     head: str | None = None  # safetensors file of a trained draft head (drafter=head)
+    # overlapped device loop for all-greedy decode batches (spec_loop.py): auto = on where verify graphs exist
+    # (CUDA), on = also eager (CPU tests), off = always the synchronous step
+    loop: str = "auto"
 
     def __post_init__(self):
         self.validate()
@@ -29,6 +32,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"speculative schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.loop not in ("auto", "on", "off"):
+            raise ValueError(f"speculative loop must be auto, on or off, got {self.loop!r}")
         if not (1 <= self.k <= 16):
             raise ValueError(f"speculative k must be in [1, 16], got {self.k}")
         if self.token_budget is not None and self.token_budget < 1:

@@ -50,7 +50,19 @@ class SpecDecoder:
         self.num_draft_tokens = 0  # draft tokens verified
         self.num_accepted_tokens = 0
         self.num_spec_steps = 0
+        self.loop_k_steps: dict[int, int] = {}  # overlapped loop: steps run per verify width K
         self.graphs = None  # VerifyGraphs (verify_graph.py): all-decode steps replay a captured verify forward
+        self.loop = None  # SpecLoop (spec_loop.py): overlapped device loop for all-greedy decode batches
+
+    @property
+    def loop_active(self) -> bool:
+        return self.loop is not None and self.loop.active_loop and self.loop.owner is self
+
+    def loop_step(self, engine):
+        return self.loop.step(engine, self)
+
+    def drain_loop(self, engine):
+        return self.loop.drain(engine, self) if self.loop_active else []
 
     def stats(self) -> dict:
         v = max(self.num_verifies, 1)
@@ -64,6 +76,7 @@ class SpecDecoder:
             "spec_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
             # tokens emitted per verification (accepted drafts + the one the target always adds)
             "spec_mean_accepted_length": (self.num_accepted_tokens + self.num_verifies) / v if self.num_verifies else 0.0,
+            **({"spec_loop_steps": dict(sorted(self.loop_k_steps.items()))} if self.loop is not None else {}),
         }
 
     # ---- drafting ----
@@ -102,6 +115,10 @@ class SpecDecoder:
     def step(self, engine, batch):
         runner, bm = engine.runner, engine.block_manager
         seqs, ns = batch.seqs, batch.num_new_tokens
+        if self.loop is not None and self.loop.can_enter(engine, batch, self.hidden):
+            self.loop.attach(self)
+            self.loop.enter(engine, seqs, self.hidden)
+            return self.loop.step(engine, self)[0]  # launches the first step: its tokens come with the next call
         decode_idx = [i for i, (s, n) in enumerate(zip(seqs, ns)) if n == 1 and s.num_computed_tokens == s.num_tokens - 1]
         drafts = self._draft(engine, batch, decode_idx)
         self.num_spec_steps += 1

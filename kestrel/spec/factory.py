@@ -63,7 +63,38 @@ def build_spec_decoder(engine, cfg: SpeculativeConfig | str | dict) -> SpecDecod
         raise ValueError(f"speculative must be a SpeculativeConfig, a 'drafter=...,k=...' string or a dict, got {cfg!r}")
     dec = SpecDecoder(cfg, build_drafter(cfg, engine), engine.config.device)
     dec.graphs = verify_graphs(engine, cfg.k)
+    dec.loop = spec_loop(engine, cfg, dec.drafter)
     return dec
+
+
+def spec_loop(engine, cfg: SpeculativeConfig, drafter):
+    """The overlapped device loop (spec_loop.py) for this drafter, or None: loop=off, a drafter it cannot run on
+    the device (draft model), or loop=auto without verify graphs (CPU, eager engines). Cached on the runner per
+    (drafter, K sizes): the bench and the server build several decoders on one engine; capture happens once."""
+    from kestrel.spec.head_drafter import HeadDrafter
+    from kestrel.spec.ngram import NgramDrafter
+    from kestrel.spec.spec_loop import SpecLoop
+    from kestrel.spec.verify_graph import default_k_buckets
+
+    runner = engine.runner
+    graphs = getattr(runner, "graphs", None)
+    if cfg.loop == "off" or (cfg.loop == "auto" and graphs is None) or not hasattr(engine, "run_batch"):
+        return None
+    if isinstance(drafter, NgramDrafter):
+        key, kind, kmax = ("ngram", drafter.n_max, drafter.n_min), "ngram", max(cfg.k, 4)
+    elif isinstance(drafter, HeadDrafter):
+        key, kind, kmax = ("head", id(drafter.head)), "head", min(max(cfg.k, 4), drafter.head.k)
+    else:
+        return None
+    ks = tuple(default_k_buckets(kmax))
+    cache = runner.__dict__.setdefault("spec_loops", {})
+    if (key, ks) not in cache:
+        from kestrel.engine.cuda_graphs import default_batch_buckets
+        sizes = graphs.batch_sizes if graphs is not None else default_batch_buckets(engine.config.max_num_seqs)
+        loop = SpecLoop(runner, drafter, kind, list(ks), sizes, engine.max_model_len, cfg.schedule, cfg.k)
+        loop.capture()
+        cache[(key, ks)] = loop
+    return cache[(key, ks)]
 
 
 def verify_graphs(engine, k: int):

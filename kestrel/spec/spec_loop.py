@@ -1,0 +1,366 @@
+"""Overlapped speculative decoding for all-greedy decode batches: the device drafts, verifies, accepts and updates
+its own state, so the host can queue step n+1 right behind step n and commit step n's tokens one step late.
+
+Why: with a small target the synchronous speculative step (draft on the host, pack, verify, one sync, accept,
+commit) costs host time on top of the forward, and async no-spec hides all of its host work; bench/results/
+spec_decode.md measured 1.85-2.2 ms per speculative step against 1.48 ms per no-spec step at concurrency 1. Here
+everything that depends on step n's outcome runs on the device, inside one CUDA graph per (batch bucket, K):
+
+  draft     n-gram lookup over the token history (ngram_draft_device) or the draft head on the hidden state
+  pack      ids = [last token, K drafts], positions ctx..ctx+K, cache slots from the device block table
+  verify    the padded verify forward of verify_graph.py (K = 0: a plain decode through the same path)
+  accept    greedy: a = length of the prefix where draft == argmax; emitted tokens = argmax[0..a]
+  update    history += emitted, length += a + 1, hidden = the state at the last emitted token's row
+
+Per-row state lives in device buffers: token history [B, Lm], length (tokens known; the last one is not cached
+yet), the head's hidden state, the block table, an active flag. The host's part per step: pick K (below), make
+sure every row has KV blocks for the step in flight plus this one (so a step never waits for the host), upload
+the block table / active flags when they changed (pinned, non-blocking, ordered on the stream), replay, queue one
+copy of [emitted count, accepted, drafted, tokens] into pinned memory with an event, then commit the previous
+step: wait for its event (the device is already busy with the next step), append tokens, stop checks, outputs.
+
+Rejected drafts need no rollback in the cache: their K/V sit at positions past the new length and are
+overwritten by the next step before anything reads them (attention reads positions < seq_len only); the host
+frees surplus blocks when the loop ends. A request that finishes at the commit of step n is still in step n+1:
+its tokens there are discarded and the row is switched off for step n+2 (its freed blocks may be reused by other
+rows from step n+2 on, which is safe on one stream: a row reads only positions it has itself written).
+
+K per step (load- and cost-aware "confidence" schedule): the expected tokens per row with K drafts is
+1 + sum_{i<=K} s_i, where s_i = P(the first i drafts survive) is a running estimate from the committed steps; the
+step costs max(device time of the (B, K) graph, host time per step), both measured while running (CUDA events,
+wall clock). The loop picks the K of most tokens per second, so it verifies more drafts while verification is
+free (small batches: the forward is launch-bound) and turns speculation off (K = 0) when the verify costs more
+than it gains (large batches), probing the largest K now and then to keep s_i current. schedule=fixed uses k.
+
+The loop runs while the batch is all-greedy decode without logprobs or penalties and nothing waits to be admitted;
+otherwise (and on a new request) it drains and the synchronous step (decoder.py) takes over.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from kestrel.engine.attention import to_device
+from kestrel.spec.ngram import ngram_draft_device
+from kestrel.spec.verify_graph import _VerifyCtx, pad_rows
+
+
+class _Launched:
+    __slots__ = ("rows", "K", "buf", "ev0", "ev1")
+
+    def __init__(self, rows, K, buf, ev0, ev1):
+        self.rows, self.K, self.buf, self.ev0, self.ev1 = rows, K, buf, ev0, ev1
+
+
+def loop_eligible(seq) -> bool:
+    p = seq.params
+    return p.temperature == 0.0 and p.logprobs is None and not (p.presence_penalty or p.frequency_penalty)
+
+
+class SpecLoop:
+    def __init__(self, runner, drafter, kind: str, k_sizes: list[int], batch_sizes: list[int], max_model_len: int,
+                 schedule: str = "confidence", k: int = 4, capture: bool = True, probe_every: int = 16):
+        self.model, b = runner.model, runner.backend
+        self.k_caches, self.v_caches = b.k_cache, b.v_cache
+        self.dev = dev = self.k_caches[0].device
+        self.use_graphs = capture and dev.type == "cuda"
+        _, self.block_size, _, head_dim = self.k_caches[0].shape
+        self.scale = head_dim ** -0.5
+        self.window = int(runner.cfg.sliding_window or 0)
+        self.kind, self.drafter = kind, drafter
+        self.ks = sorted({0, *k_sizes})
+        self.schedule, self.k, self.probe_every = schedule, k, probe_every
+        self.batch_sizes = sorted(batch_sizes)
+        Kmax, B = self.ks[-1], self.batch_sizes[-1]
+        self.max_model_len = max_model_len
+        self.Lm = max_model_len + 2 * (Kmax + 1)  # history: room for the writes of two steps past the context
+        self.W = -(-self.Lm // self.block_size) + 1
+        emb = self.model.embed_tokens.weight
+        self.hist = torch.zeros(B, self.Lm, dtype=torch.long, device=dev)
+        self.length = torch.ones(B, dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(B, emb.shape[1], dtype=emb.dtype, device=dev)
+        self.block_tables = torch.zeros(B, self.W, dtype=torch.int32, device=dev)
+        self.active = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.out = torch.zeros(B, Kmax + 4, dtype=torch.long, device=dev)  # n, accepted, drafted, tokens[K+1]
+        self.cu_q = {K: (torch.arange(B + 1, dtype=torch.int32) * (K + 1)).to(dev) for K in self.ks}
+        pin = dev.type == "cuda"
+        self.host = [torch.zeros(B, Kmax + 4, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        # running estimates for the K choice
+        self.surv = [1.0] + [0.5 ** i for i in range(1, Kmax + 1)]  # s_i = P(first i drafts accepted)
+        self.gpu_ms: dict[tuple[int, int], float] = {}
+        self.host_ms = 0.0
+        self.rows: list = []
+        self.live: list[bool] = []
+        self.k_inflight = 0
+        self._wait_ms = 0.0
+        self.bs = 0
+        self.inflight: _Launched | None = None
+        self.active_loop = False
+        self.num_steps = 0
+        self.wait_s = 0.0
+        self.owner = None  # the SpecDecoder using the loop
+        self._t_last = None
+        self._buf = 0
+
+    # ---- the device step ----
+    def _step(self, bs: int, K: int):
+        S = K + 1
+        L, hist, act = self.length[:bs], self.hist[:bs], self.active[:bs]
+        ctx = L - 1
+        last = hist.gather(1, ctx[:, None])
+        if K:
+            if self.kind == "ngram":
+                d, has = ngram_draft_device(hist, L, K, self.drafter.n_max, self.drafter.n_min)
+            else:
+                d, _ = self.drafter.head.draft_greedy(self.hidden[:bs], last[:, 0], self.drafter.embed,
+                                                      self.drafter.lm_head, K)
+                has = torch.ones_like(act)
+            ids = torch.cat([last, d], 1)
+        else:
+            ids, has = last, torch.zeros_like(act)
+        j = torch.arange(S, device=self.dev)[None, :]
+        pos = ctx[:, None] + j
+        bsz = self.block_size
+        blk = self.block_tables[:bs].gather(1, (pos // bsz).clamp(max=self.W - 1)).long()
+        slots = torch.where(act[:, None], blk * bsz + pos % bsz, -1)
+        seq_lens = torch.where(act, ctx + S, 0).to(torch.int32)
+        vctx = _VerifyCtx(self.k_caches, self.v_caches, self.window, self.scale, slots.reshape(-1),
+                          self.block_tables[:bs], self.cu_q[K][:bs + 1], seq_lens, S)
+        h = self.model(ids.reshape(-1), pos.reshape(-1), vctx)
+        top = self.model.compute_logits(h).argmax(-1).view(bs, S)
+        a = (d == top[:, :K]).long().cumprod(1).sum(1) if K else torch.zeros_like(L)
+        n = torch.where(act, a + 1, 0)
+        wpos = (L[:, None] + j).clamp(max=self.Lm - 1)
+        hist.scatter_(1, wpos, torch.where(act[:, None], top, hist.gather(1, wpos)))
+        L += n
+        if self.kind == "head":
+            H = h.shape[-1]
+            self.hidden[:bs].copy_(h.view(bs, S, H).gather(1, a[:, None, None].expand(bs, 1, H))[:, 0])
+        o = self.out[:bs]
+        o[:, 0] = n
+        o[:, 1] = a
+        o[:, 2] = has.long()
+        o[:, 3:3 + S] = top
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.use_graphs:
+            return
+        self.active.zero_()  # warm-up and capture with every row off: nothing stored, no state moves
+        shapes = sorted(((b, k) for b in self.batch_sizes for k in self.ks), key=lambda s: -s[0] * (s[1] + 1))
+        for bs, K in shapes:  # largest first, so smaller graphs reuse its memory pool
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step(bs, K)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self._step(bs, K)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[(bs, K)] = g
+        torch.cuda.synchronize()
+
+    # ---- entering / leaving ----
+    def attach(self, decoder) -> None:
+        """The loop is shared by the decoders of one engine (its graphs are captured once): take the settings of
+        the decoder that enters it; its acceptance estimates start afresh (device costs are kept)."""
+        if self.owner is not decoder:
+            self.owner, self.inflight, self.active_loop = decoder, None, False
+            self.schedule, self.k = decoder.cfg.schedule, decoder.cfg.k
+            self.surv = [1.0] + [0.5 ** i for i in range(1, self.ks[-1] + 1)]
+            self.num_steps = 0
+
+    def can_enter(self, engine, batch, hidden: dict) -> bool:
+        seqs, ns = batch.seqs, batch.num_new_tokens
+        if engine.scheduler.waiting or not seqs or len(seqs) > self.batch_sizes[-1]:
+            return False
+        room = 3 * (self.ks[-1] + 1)
+        for s, n in zip(seqs, ns):
+            if n != 1 or s.num_computed_tokens != s.num_tokens - 1 or not loop_eligible(s) or \
+                    s.num_tokens + room > self.max_model_len:
+                return False
+            if self.kind == "head" and s.request_id not in hidden:
+                return False
+        return True
+
+    @torch.inference_mode()
+    def enter(self, engine, seqs, hidden: dict) -> None:
+        n = len(seqs)
+        self.bs = bs = next(b for b in self.batch_sizes if b >= n)
+        toks, lens = pad_rows([s.token_ids for s in seqs], max(s.num_tokens for s in seqs))
+        self.hist[:n, :toks.shape[1]].copy_(to_device(torch.from_numpy(toks), torch.long, self.dev))
+        self.length[:n].copy_(to_device(torch.from_numpy(lens), torch.long, self.dev))
+        self.length[n:bs].fill_(1)
+        act = torch.zeros(bs, dtype=torch.bool)
+        act[:n] = True
+        self.active[:bs].copy_(to_device(act, torch.bool, self.dev))
+        if self.kind == "head":
+            self.hidden[:n].copy_(torch.stack([hidden[s.request_id] for s in seqs]))
+        self.rows, self.live = list(seqs), [True] * n
+        self._upload_tables()
+        self.inflight, self.active_loop, self._t_last, self.k_inflight = None, True, None, 0
+
+    def _upload_tables(self) -> None:
+        tables = [s.block_table if live else [] for s, live in zip(self.rows, self.live)]
+        bt, _ = pad_rows(tables, max(map(len, tables)) or 1)
+        self.block_tables[:len(tables), :bt.shape[1]].copy_(to_device(torch.from_numpy(bt), torch.int32, self.dev))
+
+    def drain(self, engine, decoder) -> list:
+        """Commit the step in flight and hand the rows back to the synchronous step."""
+        outs = self._commit(engine, decoder, self.inflight) if self.inflight is not None else []
+        self.inflight, self.active_loop = None, False
+        bm, bsz = engine.block_manager, engine.block_manager.block_size
+        for r, s in enumerate(self.rows):
+            if s.is_finished:
+                continue
+            keep = -(-(s.num_computed_tokens + 1) // bsz)
+            if len(s.block_table) > keep:  # blocks taken ahead for steps that did not run
+                bm.free_tail(s, keep)
+            if self.kind == "head":
+                decoder.hidden[s.request_id] = self.hidden[r].clone()
+        self.rows = []
+        return outs
+
+    # ---- one engine step inside the loop ----
+    def choose_k(self) -> int:
+        if self.schedule == "fixed":
+            return next((x for x in self.ks if x >= self.k), self.ks[-1])
+        bs = self.bs
+        untried = [K for K in reversed(self.ks) if (bs, K) not in self.gpu_ms]
+        if untried:
+            return untried[0]
+        if self.num_steps % self.probe_every == 0:
+            return self.ks[-1]
+        host = self.host_ms
+
+        def rate(K):
+            return (1 + sum(self.surv[1:K + 1])) / max(self.gpu_ms[(bs, K)], host, 1e-6)
+        return max(self.ks, key=rate)
+
+    @torch.inference_mode()
+    def step(self, engine, decoder):
+        """-> (outputs, still looping). Launches step n+1, then commits step n."""
+        t0 = time.perf_counter()
+        if self._t_last is not None:
+            dt = (t0 - self._t_last) * 1e3 - self._wait_ms
+            self.host_ms = dt if self.num_steps < 2 else 0.8 * self.host_ms + 0.2 * dt
+        self._t_last, self._wait_ms = t0, 0.0
+        bm = engine.block_manager
+        off = [r for r, s in enumerate(self.rows) if self.live[r] and s.is_finished]  # finished or aborted
+        for r in off:
+            self.live[r] = False
+        if engine.scheduler.waiting or not any(self.live):
+            return self.drain(engine, decoder), False
+        K = self.choose_k()
+        need = self.k_inflight + K + 2  # tokens past the cached ones: the step in flight + this one
+        changed = False
+        for r, s in enumerate(self.rows):
+            if not self.live[r]:
+                continue
+            if s.num_tokens + self.k_inflight + K + 1 > self.max_model_len:
+                return self.drain(engine, decoder), False
+            if bm.blocks_needed(s, need):
+                # take a few blocks ahead: fewer block-table uploads; exactly what is needed if KV is tight
+                if not (bm.allocate(s, need + 2 * bm.block_size) or bm.allocate(s, need)):
+                    return self.drain(engine, decoder), False
+                changed = True
+        if changed or off:
+            self._upload_tables()
+        if off:
+            act = torch.zeros(self.bs, dtype=torch.bool)
+            act[:len(self.rows)] = torch.tensor(self.live)
+            self.active[:self.bs].copy_(to_device(act, torch.bool, self.dev))
+        launched = self._launch(K)
+        engine.num_steps += 1
+        prev, self.inflight, self.k_inflight = self.inflight, launched, K
+        outs = self._commit(engine, decoder, prev) if prev is not None else []
+        return outs, True
+
+    def _launch(self, K: int) -> _Launched:
+        cuda = self.dev.type == "cuda"
+        ev0 = ev1 = None
+        if cuda:
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+        else:
+            t = time.perf_counter()
+        if self.use_graphs:
+            self.graphs[(self.bs, K)].replay()
+        else:
+            self._step(self.bs, K)
+        buf = self.host[self._buf]
+        self._buf ^= 1
+        n = len(self.rows)
+        buf[:n].copy_(self.out[:n], non_blocking=cuda)
+        if cuda:
+            ev1.record()
+        else:
+            ev1 = (time.perf_counter() - t) * 1e3
+        self.num_steps += 1
+        ks = self.owner.loop_k_steps
+        ks[K] = ks.get(K, 0) + 1
+        return _Launched(list(self.rows), K, buf, ev0, ev1)
+
+    def _commit(self, engine, decoder, fl: _Launched) -> list:
+        if fl.ev0 is not None:
+            t = time.perf_counter()
+            fl.ev1.synchronize()
+            w = time.perf_counter() - t
+            self.wait_s += w
+            self._wait_ms += w * 1e3
+            ms = fl.ev0.elapsed_time(fl.ev1)
+        else:
+            ms = fl.ev1
+        key = (self.bs, fl.K)
+        self.gpu_ms[key] = ms if key not in self.gpu_ms else 0.8 * self.gpu_ms[key] + 0.2 * ms
+        res = fl.buf[:len(fl.rows)].tolist()
+        now = time.monotonic()
+        bm, K = engine.block_manager, fl.K
+        outputs, spec, acc = [], [], []
+        reach = np.zeros(K + 1)
+        live = 0
+        for r, s in enumerate(fl.rows):
+            if s.is_finished:  # finished at an earlier commit (or aborted): this step's tokens are discarded
+                continue
+            n, a, has = res[r][:3]
+            merged = None
+            for t in res[r][3:3 + n]:
+                o = engine._append_token(s, t, None, now)
+                merged = o if merged is None else _merge(merged, o)
+                if o.finished:
+                    break
+            outputs.append(merged)
+            live += 1
+            reach[:a + 1] += 1
+            if K and has:
+                spec.append(s)
+                acc.append(a)
+            if s.is_finished:
+                decoder.hidden.pop(s.request_id, None)
+                decoder.drafter.release(s.request_id)
+            else:
+                s.num_computed_tokens = s.num_tokens - 1
+                bm.register_full_blocks(s)
+        if spec:
+            decoder.num_verifies += len(spec)
+            decoder.num_draft_tokens += K * len(spec)
+            decoder.num_accepted_tokens += sum(acc)
+        if K and live:
+            for i in range(1, K + 1):
+                self.surv[i] = 0.7 * self.surv[i] + 0.3 * reach[i] / live
+            for i in range(K + 1, len(self.surv)):  # unobserved slots: no more likely than the last observed
+                self.surv[i] = min(self.surv[i], self.surv[K])
+        return outputs
+
+
+def _merge(a, b):
+    from kestrel.spec.decoder import _merge as merge
+    return merge(a, b)
