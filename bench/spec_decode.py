@@ -27,7 +27,7 @@ from kestrel.engine.llm_engine import LLMEngine  # noqa: E402
 from kestrel.engine.sampling_params import SamplingParams  # noqa: E402
 from kestrel.spec.config import parse_speculative  # noqa: E402
 from kestrel.spec.decoder import SpecDecoder  # noqa: E402
-from kestrel.spec.factory import build_drafter, verify_graphs  # noqa: E402
+from kestrel.spec.factory import build_drafter, spec_loop, verify_graphs  # noqa: E402
 from kestrel.spec.train_cli import DEFAULT_PROMPTS  # noqa: E402
 
 MODES = {"nospec": None, "k1": "schedule=fixed,k=1", "k4": "schedule=fixed,k=4", "conf": "schedule=confidence,k={kmax}"}
@@ -133,6 +133,11 @@ def main(argv=None):
                     help="engine's async scheduling for the no-spec runs (default: the engine's auto, on for CUDA)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="CUDA graphs for decode, verify and the draft head (--no-cuda-graphs: all eager)")
+    ap.add_argument("--loop", nargs="+", default=["auto"], choices=["auto", "off"],
+                    help="speculative step: auto = the overlapped device loop where it applies (spec_loop.py), off = "
+                         "the synchronous step; both = each speculative mode twice (off ones named *-sync)")
+    ap.add_argument("--buckets", type=int, nargs="+", default=None,
+                    help="CUDA-graph batch buckets (default: the engine's; fewer = shorter start-up)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="append a markdown section with the results to this file")
     args = ap.parse_args(argv)
@@ -145,6 +150,9 @@ def main(argv=None):
         if args.model is None and args.load_format == "dummy":  # no embedded GGUF needed for random weights
             loader.resolve = lambda model: ("hf", args.tokenizer, "dummy")
 
+    if args.buckets:
+        import kestrel.engine.cuda_graphs as cg
+        cg.default_batch_buckets = lambda max_num_seqs: sorted(set(args.buckets))
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                                     max_num_seqs=max(args.concurrency), kv_cache_gb=args.kv_cache_gb,
@@ -167,8 +175,8 @@ def build_modes(engine, args) -> dict:
     budget = f",token_budget={args.token_budget}" if args.token_budget else ""
     for d in args.drafter:
         shared = None
-        for m in (m for m in args.modes if MODES[m] is not None):
-            cfg = parse_speculative(MODES[m].format(kmax=args.kmax) + f",drafter={d}" + budget +
+        for m, lp in ((m, lp) for lp in args.loop for m in args.modes if MODES[m] is not None):
+            cfg = parse_speculative(MODES[m].format(kmax=args.kmax) + f",drafter={d}" + budget + f",loop={lp}" +
                                     (f",head={args.head}" if d == "head" else ""))
             if d == "head" and shared is None:
                 shared = build_drafter(cfg, engine)
@@ -177,9 +185,11 @@ def build_modes(engine, args) -> dict:
                 dec = SpecDecoder(cfg, shared or build_drafter(cfg, engine), engine.config.device)
                 if args.cuda_graphs:
                     dec.graphs = verify_graphs(engine, max(cfg.k, args.kmax))
+                    dec.loop = spec_loop(engine, cfg, dec.drafter)
                 return dec
             make()  # capture now, not inside a timed run
-            modes[f"{d}-{m}" if len(args.drafter) > 1 or d != "ngram" else m] = make
+            name = f"{d}-{m}" if len(args.drafter) > 1 or d != "ngram" else m
+            modes[name + ("-sync" if lp == "off" and len(args.loop) > 1 else "")] = make
     return modes
 
 
@@ -210,7 +220,8 @@ def report(engine, args, decoders, temp, workload, argv):
                         engine.abort_request(rid)
                     continue
                 st = engine.spec.stats() if engine.spec is not None else {}
-                r.update(acceptance=st.get("spec_acceptance_rate"), mean_len=st.get("spec_mean_accepted_length"))
+                r.update(acceptance=st.get("spec_acceptance_rate"), mean_len=st.get("spec_mean_accepted_length"),
+                         loop_k=st.get("spec_loop_steps"))
                 runs[mode].append(r)
         ref = runs.get("nospec") and runs["nospec"][0]["outputs"]
         for mode in names:
@@ -227,7 +238,8 @@ def report(engine, args, decoders, temp, workload, argv):
             print(f"[{workload}] c={c:3d} {mode:12s} per-user {r['per_user_tok_s']:8.1f} tok/s  aggregate "
                   f"{r['aggregate_tok_s']:8.1f} tok/s  wall {r['wall_s']:6.2f}s  accept "
                   f"{r['acceptance'] if r['acceptance'] is not None else '-'}  mean_len "
-                  f"{r['mean_len'] if r['mean_len'] is not None else '-'}  steps {r['steps']}  same {r['same']}",
+                  f"{r['mean_len'] if r['mean_len'] is not None else '-'}  steps {r['steps']}  same {r['same']}  "
+                  f"loop K steps {r['loop_k']}",
                   flush=True)
     engine.spec = None
     if hasattr(engine, "async_stepper"):
@@ -235,11 +247,12 @@ def report(engine, args, decoders, temp, workload, argv):
 
     lines = ["| conc | mode | per-user tok/s | aggregate tok/s | per-user vs no-spec | aggregate vs no-spec | "
              "per-user vs k=1 | acceptance rate | mean accepted length (tokens/verify) | wall s (median) | all walls s | "
-             "tokens | engine steps | same tokens as no-spec (mean common prefix) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens | engine steps | same tokens as no-spec (mean common prefix) | loop steps per K |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == "nospec"), None)
-        k1name = r["mode"].rsplit("-", 1)[0] + "-k1" if "-" in r["mode"] else "k1"
+        mode, sync = (r["mode"][:-5], "-sync") if r["mode"].endswith("-sync") else (r["mode"], "")
+        k1name = (mode.rsplit("-", 1)[0] + "-k1" if "-" in mode else "k1") + sync
         k1 = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == k1name), None)
         f = lambda x: "-" if x is None else f"{x:.3f}"
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['per_user_tok_s']:.1f} | {r['aggregate_tok_s']:.1f} | "
@@ -247,7 +260,7 @@ def report(engine, args, decoders, temp, workload, argv):
                      f"{f(base and r['aggregate_tok_s'] / base['aggregate_tok_s'])} | "
                      f"{f(k1 and r['per_user_tok_s'] / k1['per_user_tok_s'])} | {f(r['acceptance'])} | "
                      f"{f(r['mean_len'])} | {r['wall_s']:.2f} | {r['all_wall_s']} | {r['tokens']} | {r['steps']} | "
-                     f"{r['same'] or '-'} |")
+                     f"{r['same'] or '-'} | {r.get('loop_k') or '-'} |")
     table = "\n".join(lines)
     print(table)
     if args.out:

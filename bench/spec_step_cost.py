@@ -35,7 +35,7 @@ from kestrel.engine.llm_engine import LLMEngine  # noqa: E402
 from kestrel.engine.sampling_params import SamplingParams  # noqa: E402
 from kestrel.spec.config import parse_speculative  # noqa: E402
 from kestrel.spec.decoder import SpecDecoder  # noqa: E402
-from kestrel.spec.factory import build_drafter, verify_graphs  # noqa: E402
+from kestrel.spec.factory import build_drafter, spec_loop, verify_graphs  # noqa: E402
 from spec_decode import WORKLOADS, chat_prompts  # noqa: E402
 
 sync = lambda: torch.cuda.synchronize() if torch.cuda.is_available() else None
@@ -175,14 +175,18 @@ def main(argv=None):
               + " | ".join(PHASES) + " |", "|---" * (6 + len(PHASES)) + "|"]
     for c in args.concurrency:
         prompts = chat_prompts(engine.tokenizer, c, texts=WORKLOADS["chat"])
-        for mode, spec in (("nospec (async)", None), ("ngram k=4", "drafter=ngram,schedule=fixed,k=4"),
-                           ("ngram conf", "drafter=ngram,schedule=confidence,k=4")):
+        for mode, spec in (("nospec (async)", None), ("ngram k=4 sync", "drafter=ngram,schedule=fixed,k=4,loop=off"),
+                           ("ngram conf sync", "drafter=ngram,schedule=confidence,k=4,loop=off"),
+                           ("ngram k=1 loop", "drafter=ngram,schedule=fixed,k=1"),
+                           ("ngram k=4 loop", "drafter=ngram,schedule=fixed,k=4"),
+                           ("ngram conf loop", "drafter=ngram,schedule=confidence,k=4")):
             engine.drain()
             engine.spec, engine.async_stepper = None, stepper
             if spec is not None:
                 cfg = parse_speculative(spec)
                 dec = SpecDecoder(cfg, build_drafter(cfg, engine), args.device)
                 dec.graphs = vg
+                dec.loop = spec_loop(engine, cfg, dec.drafter)
                 timer.wrap(dec, "_draft", "draft")
                 timer.wrap(dec, "_graph_forward", "accept")
                 timer.wrap(dec, "step", "commit")
@@ -193,8 +197,17 @@ def main(argv=None):
             ph = {p: 1e3 * timer.t[p] / n for p in PHASES}
             wall = 1e3 * r["wall_dec"] / n
             host = wall - ph["gpu_wait"] if spec is not None else float("nan")
+            looped = spec is not None and dec.loop_k_steps
+            if looped:  # overlapped loop: no phases (the host work overlaps the device); K steps + device ms per K
+                host = float("nan")
+                lp = dec.loop
+                ph_txt = f"loop steps per K {dict(sorted(dec.loop_k_steps.items()))}, device ms per (bucket, K) " \
+                         f"{ {k: round(v, 3) for k, v in sorted(lp.gpu_ms.items())} }, host ms/step {lp.host_ms:.3f}"
+                cells = [ph_txt] + ["-"] * (len(PHASES) - 1)
+            else:
+                cells = [f"{ph[p]:.3f}" if spec is not None else "-" for p in PHASES]
             lines.append(f"| {c} | {mode} | {r['steps']} | {r['tokens'] / n:.2f} | {wall:.3f} | {host:.3f} | "
-                         + " | ".join(f"{ph[p]:.3f}" if spec is not None else "-" for p in PHASES) + " |")
+                         + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
     engine.spec, engine.async_stepper = None, stepper
     text = "\n".join(lines) + "\n"

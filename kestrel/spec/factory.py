@@ -91,8 +91,16 @@ def spec_loop(engine, cfg: SpeculativeConfig, drafter):
     if (key, ks) not in cache:
         from kestrel.engine.cuda_graphs import default_batch_buckets
         sizes = graphs.batch_sizes if graphs is not None else default_batch_buckets(engine.config.max_num_seqs)
-        loop = SpecLoop(runner, drafter, kind, list(ks), sizes, engine.max_model_len, cfg.schedule, cfg.k)
-        loop.capture()
+        try:
+            loop = SpecLoop(runner, drafter, kind, list(ks), sizes, engine.max_model_len, cfg.schedule, cfg.k)
+            loop.capture()
+        except Exception:  # keep serving through the synchronous step, and say why
+            if cfg.loop == "on":
+                raise
+            import traceback
+            traceback.print_exc()
+            print("kestrel.spec: the overlapped speculative loop is off (capture failed, see above)", flush=True)
+            loop = None
         cache[(key, ks)] = loop
     return cache[(key, ks)]
 

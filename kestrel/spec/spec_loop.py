@@ -76,7 +76,7 @@ class SpecLoop:
         Kmax, B = self.ks[-1], self.batch_sizes[-1]
         self.max_model_len = max_model_len
         self.Lm = max_model_len + 2 * (Kmax + 1)  # history: room for the writes of two steps past the context
-        self.W = -(-self.Lm // self.block_size) + 1
+        self.W = -(-self.Lm // self.block_size) + 4  # + the blocks taken ahead (step(): 2 blocks)
         emb = self.model.embed_tokens.weight
         self.hist = torch.zeros(B, self.Lm, dtype=torch.long, device=dev)
         self.length = torch.ones(B, dtype=torch.long, device=dev)
