@@ -1,0 +1,115 @@
+"""The overlapped speculative loop (kestrel/spec/spec_loop.py), run eagerly on the CPU (loop=on): greedy output
+token-identical to plain decoding (n-gram and draft head), with requests finishing at different steps (max_tokens,
+stop tokens), a request arriving and one aborted mid-loop (the loop drains and re-enters), the cost-aware K choice,
+and every KV block back at the end. The device n-gram lookup equals the host NgramIndex."""
+import random
+
+import pytest
+import torch
+
+import kestrel.spec  # noqa: F401
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.spec.ngram import NgramIndex, ngram_draft_device
+from test_spec_engine import PROMPTS, SHAPE, _engine, _run
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    e = _engine()
+    _, final, _ = _run(e, PROMPTS, GREEDY)
+    return {r: o.output_token_ids for r, o in final.items()}
+
+
+def test_device_ngram_matches_host_index():
+    rng = random.Random(0)
+    B, Lm, k = 48, 64, 4
+    hist = torch.randint(0, 5, (B, Lm))
+    lens, want = [], []
+    for b in range(B):
+        L, V = rng.randint(1, 50), rng.choice([2, 3, 5, 50])
+        t = [rng.randrange(V) for _ in range(L)]
+        hist[b, :L] = torch.tensor(t)  # the rest stays random: it must never be read
+        lens.append(L)
+        want.append(NgramIndex(3, 1).lookup(t, k))
+    d, has = ngram_draft_device(hist, torch.tensor(lens), k)
+    got = [d[b].tolist() if has[b] else [] for b in range(B)]
+    assert got == want and 0 < int(has.sum()) < B
+
+
+def test_loop_greedy_identical_to_plain(plain):
+    e = _engine("drafter=ngram,k=4,loop=on")
+    streamed, final, text = _run(e, PROMPTS, GREEDY)
+    assert {r: o.output_token_ids for r, o in final.items()} == plain
+    assert streamed == plain and all(text[r] == final[r].text for r in final)
+    s = e.stats()
+    assert sum(s["spec_loop_steps"].values()) > 10  # the loop ran (not the synchronous step)
+    assert s["spec_num_accepted_tokens"] > 0
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_loop_mixed_lengths_stops_arrival_and_abort(plain):
+    """Rows finish at different steps (max_tokens, a stop token), a new request joins mid-loop (drain, sync
+    prefill, re-enter) and one is aborted; outputs equal plain decoding of the same requests."""
+    stop_tok = plain["r2"][5]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (24, 7, 24, 13, 24)]
+    params[2] = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[stop_tok])
+
+    def drive(e):
+        for i, (p, sp) in enumerate(zip(PROMPTS[:4], params)):
+            e.add_request(f"r{i}", p, sp)
+        out, steps = {}, 0
+        while e.has_unfinished():
+            for o in e.step():
+                out[o.request_id] = out.get(o.request_id, []) + o.new_token_ids
+            steps += 1
+            if steps == 6:
+                e.add_request("r4", PROMPTS[4], params[4])
+            if steps == 9:
+                e.abort_request("r0")
+        e.drain()
+        return out
+
+    ref = drive(_engine())
+    e = _engine("drafter=ngram,k=4,loop=on")
+    got = drive(e)
+    assert got == ref
+    assert got["r1"] == plain["r1"][:7] and got["r3"] == plain["r3"][:13]
+    assert got["r2"][-1] == stop_tok and len(got["r2"]) <= 6
+    s = e.stats()
+    assert sum(s["spec_loop_steps"].values()) > 5
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_loop_cost_model_picks_k():
+    """Confidence schedule: with measured costs and survival, K maximises tokens per unit of step cost."""
+    from kestrel.spec.spec_loop import SpecLoop
+
+    loop = SpecLoop.__new__(SpecLoop)
+    loop.schedule, loop.k, loop.ks, loop.bs, loop.probe_every, loop.num_steps = "confidence", 4, [0, 1, 2, 4], 8, 16, 1
+    loop.host_ms = 0.5
+    loop.surv = [1.0, 0.8, 0.6, 0.4, 0.3]
+    loop.gpu_ms = {(8, 0): 1.0, (8, 1): 1.05, (8, 2): 1.1, (8, 4): 1.2}  # verification nearly free: verify most
+    assert loop.choose_k() == 4
+    loop.gpu_ms = {(8, 0): 1.0, (8, 1): 1.9, (8, 2): 2.8, (8, 4): 4.6}  # each draft token costs a full step: off
+    assert loop.choose_k() == 0
+    loop.num_steps = 16  # periodic probe of the largest K keeps the survival estimates current
+    assert loop.choose_k() == 4
+    loop.gpu_ms.pop((8, 2))  # an untried shape is measured first
+    loop.num_steps = 3
+    assert loop.choose_k() == 2
+
+
+def test_loop_head_drafter_identical(tmp_path, plain):
+    from kestrel.spec.draft_head import DraftHead
+
+    f = tmp_path / "head.safetensors"
+    torch.manual_seed(0)
+    DraftHead(SHAPE["hidden_size"], k=3, recurrent=True).save(str(f))
+    e = _engine(f"drafter=head,head={f},k=3,schedule=fixed,loop=on")
+    streamed, final, _ = _run(e, PROMPTS, GREEDY)
+    assert {r: o.output_token_ids for r, o in final.items()} == plain and streamed == plain
+    s = e.stats()
+    assert sum(s["spec_loop_steps"].values()) > 10 and s["spec_num_draft_tokens"] > 0
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
