@@ -28,7 +28,7 @@ from kestrel.engine.config import EngineConfig  # noqa: E402
 from kestrel.engine.llm_engine import LLMEngine  # noqa: E402
 from kestrel.engine.sampling_params import SamplingParams  # noqa: E402
 from kestrel.spec.draft_head import DraftHead  # noqa: E402
-from kestrel.spec.ngram import NgramIndex  # noqa: E402
+from kestrel.spec.ngram import ngram_draft_device  # noqa: E402
 from kestrel.spec.train_draft import collect_hidden  # noqa: E402
 from spec_decode import WORKLOADS, chat_prompts  # noqa: E402
 
@@ -39,33 +39,27 @@ def match_prefix(draft: torch.Tensor, truth: torch.Tensor, valid: torch.Tensor) 
 
 
 @torch.inference_mode()
-def head_prefixes(head, model, seqs, plens, hidden, k) -> torch.Tensor:
-    dev = model.embed_tokens.weight.device
-    head = head.to(dev, model.embed_tokens.weight.dtype).eval()
+def prefixes(seqs, plens, k, model=None, hidden=None, head=None, hybrid_min_n: int | None = None):
+    """Accepted prefix length at every generated position: n-gram drafts (head=None), head drafts, or hybrid
+    (the n-gram's where it matched an n-gram of >= hybrid_min_n tokens, the head's elsewhere; as the loop runs it).
+    Every position is one row of the device n-gram lookup over the whole sequence cut at its length."""
+    dev = model.embed_tokens.weight.device if model is not None else "cpu"
+    if head is not None:
+        head = head.to(dev, model.embed_tokens.weight.dtype).eval()
     out = []
-    for s, p, h in zip(seqs, plens, hidden):
+    for j, (s, p) in enumerate(zip(seqs, plens)):
         L = len(s)
         t = torch.arange(p - 1, L - 2, device=dev)  # h_t produced x_{t+1}, a generated token; x_{t+2} exists
         toks = torch.tensor(s, device=dev)
-        d, _ = head.draft_greedy(h[t].to(dev), toks[t + 1], model.embed_tokens.weight, model.lm_head.weight, k)
+        d, has, n = ngram_draft_device(toks[None].expand(len(t), L), t + 2, k, return_n=True)
+        if head is not None:
+            dh, _ = head.draft_greedy(hidden[j][t].to(dev), toks[t + 1], model.embed_tokens.weight,
+                                      model.lm_head.weight, k)
+            d = dh if hybrid_min_n is None else torch.where((n >= hybrid_min_n)[:, None], d, dh)
         idx = t[:, None] + 2 + torch.arange(k, device=dev)[None, :]
-        valid = idx < L
+        valid = (idx < L) & (has[:, None] | (head is not None))
         out.append(match_prefix(d, toks[idx.clamp(max=L - 1)], valid).cpu())
     return torch.cat(out)
-
-
-def ngram_prefixes(seqs, plens, k, n_max=3, n_min=1) -> torch.Tensor:
-    out = []
-    for s, p in zip(seqs, plens):
-        idx = NgramIndex(n_max, n_min)
-        for t in range(p - 1, len(s) - 2):
-            d = idx.lookup(s[:t + 2], k)
-            truth = s[t + 2:t + 2 + k]
-            a = 0
-            while a < min(len(d), len(truth)) and d[a] == truth[a]:
-                a += 1
-            out.append(a)
-    return torch.tensor(out)
 
 
 def table(name, pref: torch.Tensor, k: int) -> list[str]:
@@ -111,11 +105,15 @@ def main(argv=None):
         plens = [len(p) for p in prompts]
         hidden = collect_hidden(engine.model, seqs, args.device, progress=False, max_tokens=4096,
                                 dtype=engine.model.embed_tokens.weight.dtype)
-        lines += table(f"{wl}: ngram", ngram_prefixes(seqs, plens, k), k)
+        lines += table(f"{wl}: ngram", prefixes(seqs, plens, k), k)
         for h in args.head:
-            lines += table(f"{wl}: head {os.path.basename(h)}", head_prefixes(DraftHead.load(h), engine.model, seqs,
-                                                                         plens, hidden, k), k)
-        print("\n".join(lines[-1 - len(args.head):]), flush=True)
+            head = DraftHead.load(h)
+            name = os.path.basename(h)
+            lines += table(f"{wl}: head {name}", prefixes(seqs, plens, k, engine.model, hidden, head), k)
+            for mn in (1, 2, 3):
+                lines += table(f"{wl}: hybrid (n-gram if n>={mn}, else head) {name}",
+                               prefixes(seqs, plens, k, engine.model, hidden, head, mn), k)
+        print("\n".join(lines[-1 - 4 * len(args.head):]), flush=True)
     text = "\n".join(lines) + f"\n\n({time.perf_counter() - t0:.0f} s)\n"
     print(text)
     if args.out:

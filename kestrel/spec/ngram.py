@@ -97,18 +97,20 @@ class NgramDrafter(Drafter):
         self.index.pop(request_id, None)
 
 
-def ngram_draft_device(hist: torch.Tensor, length: torch.Tensor, k: int, n_max: int = 3, n_min: int = 1):
+def ngram_draft_device(hist: torch.Tensor, length: torch.Tensor, k: int, n_max: int = 3, n_min: int = 1,
+                       return_n: bool = False):
     """NgramIndex.lookup for a batch of histories with tensor ops only (no host sync: runs inside a CUDA graph).
 
     hist [B, Lm] token ids, row b valid below length[b]. For each row: the latest end e (n <= e <= L-1) of an
     earlier occurrence of the row's longest suffix n-gram, n = n_max..n_min, then the continuation
     hist[e + j % (L - e)] (periodic copy, as _continue). Returns drafts [B, k] (rows without a match repeat their
-    last token) and has [B] bool."""
+    last token) and has [B] bool (and, return_n, the matched n-gram's length [B], 0 = none)."""
     B, Lm = hist.shape
     dev = hist.device
     e = torch.arange(Lm, device=dev)[None, :]
     L = length[:, None]
     best = torch.full((B,), -1, dtype=torch.long, device=dev)
+    best_n = torch.zeros(B, dtype=torch.long, device=dev)
     for n in range(n_min, n_max + 1):  # ascending: a longer n-gram's match overrides
         ok = (e >= n) & (e <= L - 1) & (L - 1 >= n)
         for i in range(n):
@@ -117,9 +119,11 @@ def ngram_draft_device(hist: torch.Tensor, length: torch.Tensor, k: int, n_max: 
             ok = ok & (shifted == hist.gather(1, (L - n + i).clamp(min=0)))
         e_n = torch.where(ok, e, -1).amax(1)
         best = torch.where(e_n >= 0, e_n, best)
+        best_n = torch.where(e_n >= 0, n, best_n)
     has = best >= 0
     start = best.clamp(min=0)[:, None]
     period = (L - start).clamp(min=1)
     j = torch.arange(k, device=dev)[None, :]
     idx = torch.where(has[:, None], start + j % period, L - 1)
-    return hist.gather(1, idx.clamp(0, Lm - 1)), has
+    d = hist.gather(1, idx.clamp(0, Lm - 1))
+    return (d, has, best_n) if return_n else (d, has)
