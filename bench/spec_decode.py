@@ -136,6 +136,8 @@ def main(argv=None):
     ap.add_argument("--loop", nargs="+", default=["auto"], choices=["auto", "off"],
                     help="speculative step: auto = the overlapped device loop where it applies (spec_loop.py), off = "
                          "the synchronous step; both = each speculative mode twice (off ones named *-sync)")
+    ap.add_argument("--spec-args", default="", help="extra SpeculativeConfig fields for every speculative mode, "
+                    "e.g. 'hybrid_ngram=2' (the head drafter's loop copies where an n-gram of >= 2 tokens matches)")
     ap.add_argument("--buckets", type=int, nargs="+", default=None,
                     help="CUDA-graph batch buckets (default: the engine's; fewer = shorter start-up)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
@@ -176,7 +178,7 @@ def build_modes(engine, args) -> dict:
     for d in args.drafter:
         shared = None
         for m, lp in ((m, lp) for lp in args.loop for m in args.modes if MODES[m] is not None):
-            cfg = parse_speculative(MODES[m].format(kmax=args.kmax) + f",drafter={d}" + budget + f",loop={lp}" +
+            cfg = parse_speculative(MODES[m].format(kmax=args.kmax) + f",drafter={d}" + budget + f",loop={lp}" + (f",{args.spec_args}" if args.spec_args else "") +
                                     (f",head={args.head}" if d == "head" else ""))
             if d == "head" and shared is None:
                 shared = build_drafter(cfg, engine)

@@ -23,6 +23,9 @@ class SpeculativeConfig:
     # overlapped device loop for all-greedy decode batches (spec_loop.py): auto = on where verify graphs exist
     # (CUDA), on = also eager (CPU tests), off = always the synchronous step
     loop: str = "auto"
+    # drafter=head inside the loop: take the n-gram lookup's draft where it matched an n-gram of at least this many
+    # tokens (copying beats the head there), the head's elsewhere; 0 = head only
+    hybrid_ngram: int = 0
 
     def __post_init__(self):
         self.validate()

@@ -81,9 +81,10 @@ def spec_loop(engine, cfg: SpeculativeConfig, drafter):
     if cfg.loop == "off" or (cfg.loop == "auto" and graphs is None) or not hasattr(engine, "run_batch"):
         return None
     if isinstance(drafter, NgramDrafter):
-        key, kind, kmax = ("ngram", drafter.n_max, drafter.n_min), "ngram", max(cfg.k, 4)
+        key, kind, kmax = ("ngram", cfg.ngram_max, cfg.ngram_min), "ngram", max(cfg.k, 4)
     elif isinstance(drafter, HeadDrafter):
-        key, kind, kmax = ("head", id(drafter.head)), "head", min(max(cfg.k, 4), drafter.head.k)
+        key, kind, kmax = ("head", id(drafter.head), cfg.ngram_max, cfg.ngram_min, cfg.hybrid_ngram), "head", \
+            min(max(cfg.k, 4), drafter.head.k)
     else:
         return None
     ks = tuple(default_k_buckets(kmax))
@@ -92,7 +93,8 @@ def spec_loop(engine, cfg: SpeculativeConfig, drafter):
         from kestrel.engine.cuda_graphs import default_batch_buckets
         sizes = graphs.batch_sizes if graphs is not None else default_batch_buckets(engine.config.max_num_seqs)
         try:
-            loop = SpecLoop(runner, drafter, kind, list(ks), sizes, engine.max_model_len, cfg.schedule, cfg.k)
+            loop = SpecLoop(runner, drafter, kind, list(ks), sizes, engine.max_model_len, cfg.schedule, cfg.k,
+                            ngram=(cfg.ngram_max, cfg.ngram_min), hybrid_ngram=cfg.hybrid_ngram)
             loop.capture()
         except Exception:  # keep serving through the synchronous step, and say why
             if cfg.loop == "on":

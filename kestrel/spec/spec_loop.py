@@ -61,7 +61,8 @@ def loop_eligible(seq) -> bool:
 
 class SpecLoop:
     def __init__(self, runner, drafter, kind: str, k_sizes: list[int], batch_sizes: list[int], max_model_len: int,
-                 schedule: str = "confidence", k: int = 4, capture: bool = True, probe_every: int = 16):
+                 schedule: str = "confidence", k: int = 4, capture: bool = True, probe_every: int = 16,
+                 ngram: tuple[int, int] = (3, 1), hybrid_ngram: int = 0):
         self.model, b = runner.model, runner.backend
         self.k_caches, self.v_caches = b.k_cache, b.v_cache
         self.dev = dev = self.k_caches[0].device
@@ -70,6 +71,7 @@ class SpecLoop:
         self.scale = head_dim ** -0.5
         self.window = int(runner.cfg.sliding_window or 0)
         self.kind, self.drafter = kind, drafter
+        self.ngram, self.hybrid_ngram = ngram, hybrid_ngram
         self.ks = sorted({0, *k_sizes})
         self.schedule, self.k, self.probe_every = schedule, k, probe_every
         self.batch_sizes = sorted(batch_sizes)
@@ -114,11 +116,14 @@ class SpecLoop:
         last = hist.gather(1, ctx[:, None])
         if K:
             if self.kind == "ngram":
-                d, has = ngram_draft_device(hist, L, K, self.drafter.n_max, self.drafter.n_min)
+                d, has = ngram_draft_device(hist, L, K, *self.ngram)
             else:
                 d, _ = self.drafter.head.draft_greedy(self.hidden[:bs], last[:, 0], self.drafter.embed,
                                                       self.drafter.lm_head, K)
                 has = torch.ones_like(act)
+                if self.hybrid_ngram:
+                    dn, _, nn = ngram_draft_device(hist, L, K, *self.ngram, return_n=True)
+                    d = torch.where((nn >= self.hybrid_ngram)[:, None], dn, d)
             ids = torch.cat([last, d], 1)
         else:
             ids, has = last, torch.zeros_like(act)
