@@ -117,8 +117,10 @@ def main(argv=None):
                     help="dummy = random weights of the model's shape (times the machinery; acceptance is meaningless)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--drafter", nargs="+", default=["ngram"], choices=["ngram", "head"],
-                    help="one or more drafters; each runs k1/k4/conf against the same no-spec baseline")
+    ap.add_argument("--drafter", nargs="+", default=["ngram"], choices=["ngram", "head", "hybrid"],
+                    help="one or more drafters; each runs k1/k4/conf against the same no-spec baseline; hybrid = the "
+                         "head, with the n-gram's draft where an n-gram of >= 2 tokens matched (overlapped loop only; "
+                         "its -sync modes are the plain head)")
     ap.add_argument("--head", default=None, help="draft head safetensors (for --drafter head)")
     ap.add_argument("--kmax", type=int, default=4, help="most draft tokens for the confidence scheduler")
     ap.add_argument("--token-budget", type=int, default=None, help="confidence scheduler budget (default: config's)")
@@ -136,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--loop", nargs="+", default=["auto"], choices=["auto", "off"],
                     help="speculative step: auto = the overlapped device loop where it applies (spec_loop.py), off = "
                          "the synchronous step; both = each speculative mode twice (off ones named *-sync)")
+    ap.add_argument("--sync-modes", nargs="*", default=[], choices=[m for m in MODES if MODES[m]],
+                    help="speculative modes to run also through the synchronous step (named *-sync)")
     ap.add_argument("--spec-args", default="", help="extra SpeculativeConfig fields for every speculative mode, "
                     "e.g. 'hybrid_ngram=2' (the head drafter's loop copies where an n-gram of >= 2 tokens matches)")
     ap.add_argument("--buckets", type=int, nargs="+", default=None,
@@ -143,7 +147,7 @@ def main(argv=None):
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="append a markdown section with the results to this file")
     args = ap.parse_args(argv)
-    if "head" in args.drafter and not args.head:
+    if ("head" in args.drafter or "hybrid" in args.drafter) and not args.head:
         ap.error("--drafter head needs --head FILE (train one with `kestrel train-draft`)")
     if args.tokenizer:
         import kestrel.model.loader as loader
@@ -175,15 +179,19 @@ def build_modes(engine, args) -> dict:
     captured) once and shared by its modes; n-gram drafters are per run (they adapt per request)."""
     modes = {"nospec": None} if "nospec" in args.modes else {}
     budget = f",token_budget={args.token_budget}" if args.token_budget else ""
+    heads = {}  # the draft head is loaded (and its graphs captured) once for the head and hybrid drafters
+    runs = [(m, lp) for lp in args.loop for m in args.modes if MODES[m] is not None]
+    runs += [(m, "off") for m in args.sync_modes if "off" not in args.loop]
     for d in args.drafter:
-        shared = None
-        for m, lp in ((m, lp) for lp in args.loop for m in args.modes if MODES[m] is not None):
-            cfg = parse_speculative(MODES[m].format(kmax=args.kmax) + f",drafter={d}" + budget + f",loop={lp}" + (f",{args.spec_args}" if args.spec_args else "") +
-                                    (f",head={args.head}" if d == "head" else ""))
-            if d == "head" and shared is None:
-                shared = build_drafter(cfg, engine)
+        for m, lp in runs:
+            extra = ",hybrid_ngram=2" if d == "hybrid" else ""
+            cfg = parse_speculative(MODES[m].format(kmax=args.kmax) + f",drafter={'ngram' if d == 'ngram' else 'head'}"
+                                    + budget + f",loop={lp}" + extra + (f",{args.spec_args}" if args.spec_args else "")
+                                    + (f",head={args.head}" if d != "ngram" else ""))
+            if d != "ngram" and "h" not in heads:
+                heads["h"] = build_drafter(cfg, engine)
 
-            def make(cfg=cfg, shared=shared):
+            def make(cfg=cfg, shared=heads.get("h") if d != "ngram" else None):
                 dec = SpecDecoder(cfg, shared or build_drafter(cfg, engine), engine.config.device)
                 if args.cuda_graphs:
                     dec.graphs = verify_graphs(engine, max(cfg.k, args.kmax))
@@ -191,7 +199,7 @@ def build_modes(engine, args) -> dict:
                 return dec
             make()  # capture now, not inside a timed run
             name = f"{d}-{m}" if len(args.drafter) > 1 or d != "ngram" else m
-            modes[name + ("-sync" if lp == "off" and len(args.loop) > 1 else "")] = make
+            modes[name + ("-sync" if lp == "off" and (len(args.loop) > 1 or lp not in args.loop) else "")] = make
     return modes
 
 
@@ -223,7 +231,8 @@ def report(engine, args, decoders, temp, workload, argv):
                     continue
                 st = engine.spec.stats() if engine.spec is not None else {}
                 r.update(acceptance=st.get("spec_acceptance_rate"), mean_len=st.get("spec_mean_accepted_length"),
-                         loop_k=st.get("spec_loop_steps"))
+                         loop_k=st.get("spec_loop_steps"), loop_ms=st.get("spec_loop_device_ms"),
+                         loop_host=st.get("spec_loop_host_ms"))
                 runs[mode].append(r)
         ref = runs.get("nospec") and runs["nospec"][0]["outputs"]
         for mode in names:
@@ -249,8 +258,9 @@ def report(engine, args, decoders, temp, workload, argv):
 
     lines = ["| conc | mode | per-user tok/s | aggregate tok/s | per-user vs no-spec | aggregate vs no-spec | "
              "per-user vs k=1 | acceptance rate | mean accepted length (tokens/verify) | wall s (median) | all walls s | "
-             "tokens | engine steps | same tokens as no-spec (mean common prefix) | loop steps per K |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens | engine steps | same tokens as no-spec (mean common prefix) | loop steps per K | "
+             "loop device ms per step (bucket x K) | loop host ms/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == "nospec"), None)
         mode, sync = (r["mode"][:-5], "-sync") if r["mode"].endswith("-sync") else (r["mode"], "")
@@ -262,7 +272,8 @@ def report(engine, args, decoders, temp, workload, argv):
                      f"{f(base and r['aggregate_tok_s'] / base['aggregate_tok_s'])} | "
                      f"{f(k1 and r['per_user_tok_s'] / k1['per_user_tok_s'])} | {f(r['acceptance'])} | "
                      f"{f(r['mean_len'])} | {r['wall_s']:.2f} | {r['all_wall_s']} | {r['tokens']} | {r['steps']} | "
-                     f"{r['same'] or '-'} | {r.get('loop_k') or '-'} |")
+                     f"{r['same'] or '-'} | {r.get('loop_k') or '-'} | {r.get('loop_ms') or '-'} | "
+                     f"{f(r.get('loop_host'))} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
