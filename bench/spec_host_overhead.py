@@ -15,7 +15,9 @@ charged to the inner phase) of the engine thread:
   inputs     VerifyGraphs.run less the forward: packing the padded verify inputs + copies into the static buffers
   verify     greedy/sampling acceptance, logprobs, drafter feedback (_graph_forward / _verify / _record)
   rollback   BlockManager.free_tail (KV blocks of rejected drafts)
-  commit     the rest of SpecDecoder.step: token append, stop checks, detokenization, outputs
+  loop       loop=on (kestrel/spec/spec_loop.py, the overlapped device loop): choosing K, KV blocks ahead,
+             block-table / flag uploads, launching the step (its device step, SpecLoop._step, counts as forward)
+  commit     the rest of SpecDecoder.step (or the loop's commit): token append, stop checks, detokenization, outputs
   forward / sample: device work on a GPU, excluded from host
 "host" is the engine thread's CPU time per step less forward and sample.
 
@@ -40,7 +42,7 @@ from engine_host_overhead import TINY, PhaseTimer, cpu_name
 from kestrel.engine import EngineConfig, LLMEngine, SamplingParams
 from kestrel.spec import verify_graph  # kestrel.spec registers the spec step builder
 
-PHASES = ("schedule", "draft", "spec_sched", "inputs", "verify", "rollback", "commit")
+PHASES = ("schedule", "draft", "spec_sched", "inputs", "verify", "rollback", "loop", "commit")
 
 
 class SelfTimer(PhaseTimer):
@@ -135,6 +137,10 @@ def make_engine(spec: str, max_bs: int, blocks: int, graphs: bool):
     t.wrap(eng.runner, "sampler", "sample")
     t.wrap(eng.runner.model, "forward", "forward")  # eager verify forwards
     t.wrap(eng.runner.model, "compute_logits", "forward")
+    if sp.loop is not None:
+        t.wrap(sp.loop, "step", "loop")
+        t.wrap(sp.loop, "_step", "forward")
+        t.wrap(sp.loop, "_commit", "commit")
     if sp.graphs is not None:
         t.wrap(sp.graphs, "run", "inputs")
         t.wrap(sp.graphs, "_step", "forward")
