@@ -199,6 +199,47 @@ class LLMEngine:
                            "finished_time": now}
         return out
 
+    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float) -> RequestOutput:
+        """Several tokens of one step (speculative decoding) with one detokenizer call and one output: the same
+        result as _append_token per token (stops at the first stop token / length limit), for requests without
+        stop strings (those need the per-token path to know which token completed the string)."""
+        p, detok, prompt_len, tids = seq.params, seq.detok, seq.prompt_len, seq.token_ids
+        if p.stop or len(tokens) == 1:
+            out = None
+            for t in tokens:
+                o = self._append_token(seq, t, None, now)
+                out = o if out is None else _merge_outputs(out, o)
+                if o.finished:
+                    break
+            return out
+        reason, n0 = None, len(tids)
+        stops, eos = p.stop_token_ids, (() if p.ignore_eos else self.eos_token_ids)
+        limit = min(prompt_len + p.max_tokens, self.max_model_len)  # token count at which "length" stops
+        kept = tokens
+        for i, t in enumerate(tokens):
+            if t in stops or t in eos:
+                reason, kept = "stop", tokens[:i + 1]
+                break
+            if n0 + i + 1 >= limit:
+                reason, kept = "length", tokens[:i + 1]
+                break
+        tids.extend(kept)
+        self.num_generated_tokens += len(kept)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        detok.add(kept)
+        finished = reason is not None
+        if finished:
+            self.scheduler.finish(seq, reason)
+            self.seqs.pop(seq.request_id, None)
+        out = RequestOutput(seq.request_id, list(kept), tids[prompt_len:], detok.take_delta(finished), finished,
+                            reason, prompt_len, seq.num_cached_tokens, None)
+        out.text = detok.text
+        if finished:
+            out.metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
+                           "finished_time": now}
+        return out
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Offline: run every prompt to completion; returns the final RequestOutput of each, in order
@@ -242,3 +283,14 @@ class LLMEngine:
             **(self._swa_stats() if self.swa_plan is not None else {}),
             **(self.block_manager.offload.stats() if self.block_manager.offload is not None else {}),
         }
+
+
+def _merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Fold the output of a later token of the same step into the first one."""
+    a.new_token_ids = a.new_token_ids + b.new_token_ids
+    a.output_token_ids = b.output_token_ids
+    a.new_text = a.new_text + b.new_text
+    if b.logprobs is not None:
+        a.logprobs = (a.logprobs or []) + b.logprobs
+    a.finished, a.finish_reason, a.metrics, a.text = b.finished, b.finish_reason, b.metrics, b.text
+    return a

@@ -336,13 +336,7 @@ class SpecLoop:
             if s.is_finished:  # finished at an earlier commit (or aborted): this step's tokens are discarded
                 continue
             n, a, has = res[r][:3]
-            merged = None
-            for t in res[r][3:3 + n]:
-                o = engine._append_token(s, t, None, now)
-                merged = o if merged is None else _merge(merged, o)
-                if o.finished:
-                    break
-            outputs.append(merged)
+            outputs.append(engine._append_tokens(s, res[r][3:3 + n], now))
             live += 1
             reach[:a + 1] += 1
             if K and has:
@@ -365,7 +359,3 @@ class SpecLoop:
                 self.surv[i] = min(self.surv[i], self.surv[K])
         return outputs
 
-
-def _merge(a, b):
-    from kestrel.spec.decoder import _merge as merge
-    return merge(a, b)
