@@ -93,13 +93,17 @@ def test_loop_cost_model_picks_k():
 
     loop = SpecLoop.__new__(SpecLoop)
     loop.schedule, loop.k, loop.ks, loop.bs, loop.probe_every, loop.num_steps = "confidence", 4, [0, 1, 2, 4], 8, 16, 1
-    loop.host_ms = 0.5
+    loop.host_ms, loop.last_k = 0.5, None
     loop.surv = [1.0, 0.8, 0.6, 0.4, 0.3]
     loop.gpu_ms = {(8, 0): 1.0, (8, 1): 1.05, (8, 2): 1.1, (8, 4): 1.2}  # verification nearly free: verify most
     assert loop.choose_k() == 4
     loop.gpu_ms = {(8, 0): 1.0, (8, 1): 1.9, (8, 2): 2.8, (8, 4): 4.6}  # each draft token costs a full step: off
     assert loop.choose_k() == 0
     loop.num_steps = 16  # periodic probe of the largest K keeps the survival estimates current
+    assert loop.choose_k() == 4
+    loop.num_steps = 5
+    assert loop.choose_k() == 0 and loop.last_k == 0
+    loop.num_steps = 8  # while off, probes come 4x as often
     assert loop.choose_k() == 4
     loop.gpu_ms.pop((8, 2))  # an untried shape is measured first
     loop.num_steps = 3

@@ -105,6 +105,7 @@ class SpecLoop:
         self.num_steps = 0
         self.wait_s = 0.0
         self.owner = None  # the SpecDecoder using the loop
+        self.last_k = None  # the cost model's last choice (not counting probes)
         self._t_last = None
         self._buf = 0
 
@@ -181,7 +182,7 @@ class SpecLoop:
             self.owner, self.inflight, self.active_loop = decoder, None, False
             self.schedule, self.k = decoder.cfg.schedule, decoder.cfg.k
             self.surv = [1.0] + [0.5 ** i for i in range(1, self.ks[-1] + 1)]
-            self.num_steps = 0
+            self.num_steps, self.last_k = 0, None
 
     def can_enter(self, engine, batch, hidden: dict) -> bool:
         seqs, ns = batch.seqs, batch.num_new_tokens
@@ -242,13 +243,16 @@ class SpecLoop:
         untried = [K for K in reversed(self.ks) if (bs, K) not in self.gpu_ms]
         if untried:
             return untried[0]
-        if self.num_steps % self.probe_every == 0:
+        # probe the largest K now and then to keep s_i current; 4x as often while speculation is off, since an off
+        # step observes nothing (R2: survival that fell on a prompt's first tokens came back too slowly)
+        if self.num_steps % (self.probe_every // 4 if self.last_k == 0 else self.probe_every) == 0:
             return self.ks[-1]
         host = self.host_ms
 
         def rate(K):
             return (1 + sum(self.surv[1:K + 1])) / max(self.gpu_ms[(bs, K)], host, 1e-6)
-        return max(self.ks, key=rate)
+        self.last_k = max(self.ks, key=rate)
+        return self.last_k
 
     @torch.inference_mode()
     def step(self, engine, decoder):
