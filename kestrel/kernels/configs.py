@@ -33,7 +33,7 @@ class LayerConfig:
 
 @dataclass(frozen=True)
 class ComputeConfig:
-    # "gemv" (CUDA cores, tiny M) | "dot" (tensor cores) | "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
+    # "stream" / "gemv" (CUDA cores, tiny M) | "mv" / "mvs" (tensor cores, M <= 16) | "dot" (tensor cores) | "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
     kernel: str = "dot"
     block_m: int = 16
     block_n: int = 64
@@ -52,7 +52,7 @@ class ComputeConfig:
 
     def valid_for(self, layer: LayerConfig) -> bool:
         k_steps = -(-layer.k // layer.spec.k_multiple)
-        if self.kernel not in ("gemv", "mv", "mvs", "dot", "dequant_mm", "tc") or self.block_n < 16 or self.split_k < 1:
+        if self.kernel not in ("gemv", "mv", "mvs", "stream", "dot", "dequant_mm", "tc") or self.block_n < 16 or self.split_k < 1:
             return False
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
@@ -62,6 +62,8 @@ class ComputeConfig:
         if self.kernel == "dequant_mm" and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
             return False
         if self.kernel in ("dot", "mv", "mvs") and self.block_m < 16:
+            return False
+        if self.kernel == "stream" and not 1 <= self.block_m <= 4:
             return False
         return k_steps >= self.split_k
 

@@ -1,0 +1,209 @@
+"""Decode WNA16 kernel built for bandwidth ("stream", CUDA cores, M <= 4 rows of x per program).
+
+Each program owns BLOCK_N output columns and a contiguous K slab of the planar weight (packing.py). Per planar block
+(PLANE_ROWS word rows = 128 k for 4-bit) it loads one [R, BLOCK_N] word tile straight into registers (16-byte loads
+along N, no cp.async / shared memory, so no CTA barriers in the loop), prefetching the next block's tile (and scale
+row) one iteration ahead. With BLOCK_N = 128 * num_warps every thread holds all R rows of its 4 columns, so the sum
+over k inside a field is an in-thread FMA chain, never a shuffle. The 4-bit / 2-bit / 8-bit codes are decoded into
+fp32 1 + c / 2^B by mantissa insertion (shift + LOP3, no I2F; the offset is corrected once per group through the x
+sum), fp minifloats into their bits times a power of two folded into the group scale. The decoded field is reused
+for every row of x in the program (BLOCK_M <= 4, written out as separate accumulators so nothing is re-laid out).
+
+Split-K reduces in the same launch (gemm_wna16_small._finish: fp32 partials + a per-tile counter, the last split of
+a tile sums in split order), so a GEMM is one kernel inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.dequant import decode_scale, int_plane, shift_bits
+from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _nibble_pairs, _workspace
+
+
+@triton.jit
+def _fp_bits(q, FIELD: tl.constexpr, BITS: tl.constexpr, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr):
+    """Field FIELD (a minifloat, sign at bit EXP_BITS+MAN_BITS) -> fp32 equal to value * 2^(BIAS-127) (the caller
+    multiplies the group result by 2^(127-BIAS) once instead of once per element)."""
+    lo: tl.constexpr = FIELD * BITS
+    mag = shift_bits(q, (23 - MAN_BITS) - lo) & (((1 << (EXP_BITS + MAN_BITS)) - 1) << (23 - MAN_BITS))
+    sign = shift_bits(q, 31 - (lo + EXP_BITS + MAN_BITS)) & (-2147483648)
+    return (mag | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_field(x_ptr, row_off, kx, K, EVEN_K: tl.constexpr):
+    """x[row, kx] as a [R, 1] fp32 column (kx: the R contiguous k of one field; two 16-byte loads per thread)."""
+    if EVEN_K:
+        xi = tl.load(x_ptr + row_off + kx)
+    else:
+        xi = tl.load(x_ptr + row_off + kx, mask=kx < K, other=0.0)
+    return xi.to(tl.float32)[:, None]
+
+
+@triton.jit
+def _accum(p, xs, w, x, FIRST: tl.constexpr, ROWS2D: tl.constexpr):
+    """Add one field's w [R, BN] * x [R, 1] to the group partials (p, xs = the x sum for the zero correction):
+    ROWS2D keeps [R, BN] partials (one FMA per weight, rows summed once per group), else the field's rows are
+    summed now (in-thread adds)."""
+    if ROWS2D:
+        d = w * x
+        dx = x
+    else:
+        d = tl.sum(w * x, axis=0)
+        dx = tl.sum(x, axis=0)
+    if FIRST:
+        return d, dx
+    else:
+        return p + d, xs + dx
+
+
+@triton.jit
+def _group_add(acc, p, xs, zero, s, ROWS2D: tl.constexpr, IS_INT: tl.constexpr, ASM: tl.constexpr,
+               HAS_ZERO: tl.constexpr, BITS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """acc + one scale group's [BN] result. Decoded ints are c - offset (ASM, symmetric), c (ASM, zero points:
+    minus zero * sum x here) or 1 + c / 2^B (mantissa insertion: 2^B p - (2^B + zero) sum x)."""
+    if ROWS2D:
+        p = tl.sum(p, axis=0)
+        xs = tl.sum(xs, axis=0)
+    if IS_INT and not (ASM and not HAS_ZERO):
+        if ASM:
+            p = p - zero * xs
+        else:
+            p = p * (1 << BITS) - ((1 << BITS) + zero) * xs
+    if PER_CHANNEL:
+        return acc + p
+    else:
+        return acc + p * s
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
+                   split_k,
+                   BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
+                   MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
+                   SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                   HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr, R: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    PB: tl.constexpr = R * EPW
+    FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R  # fields per scale group
+    BIAS: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
+    # minifloat fields decode to value * 2^(BIAS-127): the power of two is folded into the group scale
+    SMUL: tl.constexpr = 1.0 if IS_INT else 2.0 ** (127 - BIAS)
+    ROWS2D: tl.constexpr = BLOCK_M == 1  # [R, BN] partials fit the registers for one row of x only
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, R)
+    n_blocks = tl.cdiv(K, PB)
+    per_split = tl.cdiv(n_blocks, split_k)
+    b0 = pid_k * per_split
+    b1 = tl.minimum(b0 + per_split, n_blocks)
+    # rows of x beyond M read row M - 1 (always in range, no masks in the loop); their outputs are not stored
+    m0 = pid_m * BLOCK_M
+    r0 = tl.minimum(m0, M - 1) * stride_xm
+    r1 = tl.minimum(m0 + 1, M - 1) * stride_xm
+    r2 = tl.minimum(m0 + 2, M - 1) * stride_xm
+    r3 = tl.minimum(m0 + 3, M - 1) * stride_xm
+    acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    zero = tl.zeros((BLOCK_N,), dtype=tl.float32) + CODE_OFFSET
+    q_ptrs = qw_ptr + offs_r[:, None] * N + offs_n[None, :]
+    ok = n_mask & ((offs_n * 0 + b0) < b1)
+    q_nxt = tl.load(q_ptrs + b0 * R * N, mask=ok[None, :], other=0)
+    for b in tl.range(b0, b1, num_stages=1):
+        if PREFETCH:  # the next block's words are in flight while this one is computed
+            q = q_nxt
+            okn = n_mask & ((offs_n * 0 + b + 1) < b1)
+            q_nxt = tl.load(q_ptrs + (b + 1) * R * N, mask=okn[None, :], other=0)
+        else:
+            q = tl.load(q_ptrs + b * R * N, mask=n_mask[None, :], other=0)
+        for i in tl.static_range(EPW):
+            g = (b * PB + (i - i % FPG) * R) // GROUP_SIZE
+            if ASM:  # GPU, 4-bit ints: two words per PRMT + LOP3 into fp16 (c - offset, or c with zero points)
+                w = _nibble_pairs(q, i, True, 0 if HAS_ZERO else CODE_OFFSET).to(tl.float32)
+            elif IS_INT:
+                w = int_plane(q, i, BITS)  # 1 + c / 2^B by mantissa insertion
+            else:
+                w = _fp_bits(q, i, BITS, EXP_BITS, MAN_BITS)
+            kx = b * PB + i * R + offs_r
+            if i % FPG == 0:  # first field of a scale group
+                p0, xs0 = _accum(w, w, w, _x_field(x_ptr, r0, kx, K, EVEN_K), True, ROWS2D)
+                if BLOCK_M >= 2:
+                    p1, xs1 = _accum(w, w, w, _x_field(x_ptr, r1, kx, K, EVEN_K), True, False)
+                if BLOCK_M >= 3:
+                    p2, xs2 = _accum(w, w, w, _x_field(x_ptr, r2, kx, K, EVEN_K), True, False)
+                if BLOCK_M >= 4:
+                    p3, xs3 = _accum(w, w, w, _x_field(x_ptr, r3, kx, K, EVEN_K), True, False)
+            else:
+                p0, xs0 = _accum(p0, xs0, w, _x_field(x_ptr, r0, kx, K, EVEN_K), False, ROWS2D)
+                if BLOCK_M >= 2:
+                    p1, xs1 = _accum(p1, xs1, w, _x_field(x_ptr, r1, kx, K, EVEN_K), False, False)
+                if BLOCK_M >= 3:
+                    p2, xs2 = _accum(p2, xs2, w, _x_field(x_ptr, r2, kx, K, EVEN_K), False, False)
+                if BLOCK_M >= 4:
+                    p3, xs3 = _accum(p3, xs3, w, _x_field(x_ptr, r3, kx, K, EVEN_K), False, False)
+            if (i + 1) % FPG == 0:  # end of a scale group: zero correction and scale once per column
+                if HAS_ZERO:
+                    zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+                if PER_CHANNEL:
+                    s = zero
+                else:
+                    s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0), SCALE_KIND)
+                acc0 = _group_add(acc0, p0, xs0, zero, s, ROWS2D, IS_INT, ASM, HAS_ZERO, BITS, PER_CHANNEL)
+                if BLOCK_M >= 2:
+                    acc1 = _group_add(acc1, p1, xs1, zero, s, False, IS_INT, ASM, HAS_ZERO, BITS, PER_CHANNEL)
+                if BLOCK_M >= 3:
+                    acc2 = _group_add(acc2, p2, xs2, zero, s, False, IS_INT, ASM, HAS_ZERO, BITS, PER_CHANNEL)
+                if BLOCK_M >= 4:
+                    acc3 = _group_add(acc3, p3, xs3, zero, s, False, IS_INT, ASM, HAS_ZERO, BITS, PER_CHANNEL)
+    # gather the BLOCK_M row accumulators into one [BLOCK_M, BLOCK_N] tile for the store / split-K reduction
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    sel = tl.arange(0, BLOCK_M)[:, None]
+    acc = tl.where(sel == 0, acc0[None, :], 0.0)
+    if BLOCK_M >= 2:
+        acc = tl.where(sel == 1, acc1[None, :], acc)
+    if BLOCK_M >= 3:
+        acc = tl.where(sel == 2, acc2[None, :], acc)
+    if BLOCK_M >= 4:
+        acc = tl.where(sel == 3, acc3[None, :], acc)
+    acc = acc * SMUL
+    if PER_CHANNEL:
+        acc = acc * decode_scale(tl.load(s_ptr + offs_n, mask=n_mask, other=0), SCALE_KIND)[None, :]
+    if HAS_GSCALE:
+        acc = acc * tl.load(gs_ptr)
+    _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < M, n_mask, M, N, stride_ym,
+            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
+
+
+def gemm_stream(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
+    """x2 [M, K] contiguous (act-order already applied) -> y [M, N]; cfg.block_m (<= 4) rows of x per program,
+    cfg.num_stages: 2 = prefetch the next block's words into registers, 1 = no prefetch."""
+    m, k = x2.shape
+    n = qw.shape[0]
+    split = cfg.split_k
+    bm = cfg.block_m
+    if bm not in (1, 2, 3, 4):
+        raise ValueError(f"stream kernel takes block_m 1..4, got {bm}")
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    z = qw.zeros if qw.zeros is not None else qw.scales
+    gsc = qw.global_scale if qw.global_scale is not None else qw.scales
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm), split)
+    if split > 1:
+        if grid[0] * grid[1] > _CNT_SLOTS:
+            raise ValueError(f"split-K over {grid[0] * grid[1]} tiles exceeds {_CNT_SLOTS} counters")
+        ws, cnt = _workspace(x2.device, split * m * n)
+    else:
+        ws, cnt = y, y  # unused
+    from kestrel.kernels.gemm_wna16_small import _ASM
+    _stream_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0), split,
+                         BLOCK_M=bm, BLOCK_N=cfg.block_n, SPLIT=split > 1,
+                         EVEN_K=k % (fmt["R"] * fmt["EPW"]) == 0, PREFETCH=cfg.num_stages >= 2,
+                         ASM=x2.device.type == "cuda" and fmt["IS_INT"] and fmt["BITS"] == 4 and _ASM,
+                         num_warps=cfg.num_warps, num_stages=1, **fmt)
+    return y
