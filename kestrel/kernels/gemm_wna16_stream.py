@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.dequant import decode_scale, int_plane, shift_bits
-from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _nibble_pairs, _workspace
+from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _workspace
 
 
 @triton.jit
@@ -43,35 +43,68 @@ def _x_field(x_ptr, row_off, kx, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _accum(p, xs, w, x, FIRST: tl.constexpr, ROWS2D: tl.constexpr):
-    """Add one field's w [R, BN] * x [R, 1] to the group partials (p, xs = the x sum for the zero correction):
-    ROWS2D keeps [R, BN] partials (one FMA per weight, rows summed once per group), else the field's rows are
-    summed now (in-thread adds)."""
-    if ROWS2D:
-        d = w * x
-        dx = x
+def _nib4(q, FIELD: tl.constexpr):
+    """4-bit field FIELD of int32 words -> fp32 1 + c/128 (even fields) or 1 + c/2048 (odd fields): a shared shift
+    brings fields (0), (1, 2), (3, 4), (5, 6), (7) to bits 16-19 (even) / 12-15 (odd) and one LOP3 inserts the
+    field into the mantissa of 1.0. So 8 fields take 4 shifts + 8 LOP3 (no I2F, no fp16 round trip)."""
+    if FIELD == 0:
+        src = q << 16
+    elif FIELD <= 2:
+        src = q << 8
+    elif FIELD <= 4:
+        src = q
+    elif FIELD <= 6:
+        src = q >> 8
     else:
-        d = tl.sum(w * x, axis=0)
-        dx = tl.sum(x, axis=0)
-    if FIRST:
-        return d, dx
-    else:
-        return p + d, xs + dx
+        src = q >> 16
+    MASK: tl.constexpr = 0x0000F000 if FIELD % 2 == 1 else 0x000F0000
+    return ((src & MASK) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _group_add(acc, p, xs, zero, s, ROWS2D: tl.constexpr, IS_INT: tl.constexpr, ASM: tl.constexpr,
-               HAS_ZERO: tl.constexpr, BITS: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """acc + one scale group's [BN] result. Decoded ints are c - offset (ASM, symmetric), c (ASM, zero points:
-    minus zero * sum x here) or 1 + c / 2^B (mantissa insertion: 2^B p - (2^B + zero) sum x)."""
+def _accum(p, xa, xb, w, x, FIRST: tl.constexpr, ODD: tl.constexpr, ROWS2D: tl.constexpr):
+    """Add one field's w [R, BN] * x [R, 1] to the group partials. xa / xb: sums of x over the group's even / odd
+    fields (the zero correction; odd 4-bit fields decode to 1 + c/2048, so their x is scaled by 16 to give c x
+    the even fields' weight 1/128). ROWS2D keeps [R, BN] partials (one FMA per weight, rows summed once per
+    group), else the field's rows are summed at once (in-thread adds)."""
+    xe = x * 16.0 if ODD else x
+    if ROWS2D:
+        d = w * xe
+        dx = x
+    else:
+        d = tl.sum(w * xe, axis=0)
+        dx = tl.sum(x, axis=0)
+    if FIRST:
+        p = d
+        if ODD:
+            xa = tl.zeros_like(dx)
+            xb = dx
+        else:
+            xa = dx
+            xb = tl.zeros_like(dx)
+    else:
+        p = p + d
+        if ODD:
+            xb = xb + dx
+        else:
+            xa = xa + dx
+    return p, xa, xb
+
+
+@triton.jit
+def _group_add(acc, p, xa, xb, zero, s, ROWS2D: tl.constexpr, IS_INT: tl.constexpr, NIB4: tl.constexpr,
+               BITS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """acc + one scale group's [BN] result. Decoded ints are 1 + c/128 (even 4-bit fields), 1 + c/2048 (odd,
+    against 16 x) or 1 + c/2^B (other widths), so sum (c - zero) x = 128 p - (128 + zero) xa - (2048 + zero) xb,
+    resp. 2^B p - (2^B + zero) xa; minifloats need nothing here."""
     if ROWS2D:
         p = tl.sum(p, axis=0)
-        xs = tl.sum(xs, axis=0)
-    if IS_INT and not (ASM and not HAS_ZERO):
-        if ASM:
-            p = p - zero * xs
-        else:
-            p = p * (1 << BITS) - ((1 << BITS) + zero) * xs
+        xa = tl.sum(xa, axis=0)
+        xb = tl.sum(xb, axis=0)
+    if NIB4:
+        p = p * 128.0 - (128.0 + zero) * xa - (2048.0 + zero) * xb
+    elif IS_INT:
+        p = p * (1 << BITS) - ((1 << BITS) + zero) * xa
     if PER_CHANNEL:
         return acc + p
     else:
@@ -85,7 +118,8 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
                    MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
                    SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                    HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr, R: tl.constexpr):
+                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ROWS2D: tl.constexpr,
+                   R: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -94,7 +128,7 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
     BIAS: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
     # minifloat fields decode to value * 2^(BIAS-127): the power of two is folded into the group scale
     SMUL: tl.constexpr = 1.0 if IS_INT else 2.0 ** (127 - BIAS)
-    ROWS2D: tl.constexpr = BLOCK_M == 1  # [R, BN] partials fit the registers for one row of x only
+    NIB4: tl.constexpr = IS_INT and BITS == 4
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_r = tl.arange(0, R)
@@ -125,29 +159,29 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
             q = tl.load(q_ptrs + b * R * N, mask=n_mask[None, :], other=0)
         for i in tl.static_range(EPW):
             g = (b * PB + (i - i % FPG) * R) // GROUP_SIZE
-            if ASM:  # GPU, 4-bit ints: two words per PRMT + LOP3 into fp16 (c - offset, or c with zero points)
-                w = _nibble_pairs(q, i, True, 0 if HAS_ZERO else CODE_OFFSET).to(tl.float32)
+            if NIB4:
+                w = _nib4(q, i)
             elif IS_INT:
                 w = int_plane(q, i, BITS)  # 1 + c / 2^B by mantissa insertion
             else:
                 w = _fp_bits(q, i, BITS, EXP_BITS, MAN_BITS)
             kx = b * PB + i * R + offs_r
             if i % FPG == 0:  # first field of a scale group
-                p0, xs0 = _accum(w, w, w, _x_field(x_ptr, r0, kx, K, EVEN_K), True, ROWS2D)
+                p0, xa0, xb0 = _accum(w, w, w, w, _x_field(x_ptr, r0, kx, K, EVEN_K), True, NIB4 and i % 2 == 1, ROWS2D)
                 if BLOCK_M >= 2:
-                    p1, xs1 = _accum(w, w, w, _x_field(x_ptr, r1, kx, K, EVEN_K), True, False)
+                    p1, xa1, xb1 = _accum(w, w, w, w, _x_field(x_ptr, r1, kx, K, EVEN_K), True, NIB4 and i % 2 == 1, ROWS2D)
                 if BLOCK_M >= 3:
-                    p2, xs2 = _accum(w, w, w, _x_field(x_ptr, r2, kx, K, EVEN_K), True, False)
+                    p2, xa2, xb2 = _accum(w, w, w, w, _x_field(x_ptr, r2, kx, K, EVEN_K), True, NIB4 and i % 2 == 1, ROWS2D)
                 if BLOCK_M >= 4:
-                    p3, xs3 = _accum(w, w, w, _x_field(x_ptr, r3, kx, K, EVEN_K), True, False)
+                    p3, xa3, xb3 = _accum(w, w, w, w, _x_field(x_ptr, r3, kx, K, EVEN_K), True, NIB4 and i % 2 == 1, ROWS2D)
             else:
-                p0, xs0 = _accum(p0, xs0, w, _x_field(x_ptr, r0, kx, K, EVEN_K), False, ROWS2D)
+                p0, xa0, xb0 = _accum(p0, xa0, xb0, w, _x_field(x_ptr, r0, kx, K, EVEN_K), False, NIB4 and i % 2 == 1, ROWS2D)
                 if BLOCK_M >= 2:
-                    p1, xs1 = _accum(p1, xs1, w, _x_field(x_ptr, r1, kx, K, EVEN_K), False, False)
+                    p1, xa1, xb1 = _accum(p1, xa1, xb1, w, _x_field(x_ptr, r1, kx, K, EVEN_K), False, NIB4 and i % 2 == 1, ROWS2D)
                 if BLOCK_M >= 3:
-                    p2, xs2 = _accum(p2, xs2, w, _x_field(x_ptr, r2, kx, K, EVEN_K), False, False)
+                    p2, xa2, xb2 = _accum(p2, xa2, xb2, w, _x_field(x_ptr, r2, kx, K, EVEN_K), False, NIB4 and i % 2 == 1, ROWS2D)
                 if BLOCK_M >= 4:
-                    p3, xs3 = _accum(p3, xs3, w, _x_field(x_ptr, r3, kx, K, EVEN_K), False, False)
+                    p3, xa3, xb3 = _accum(p3, xa3, xb3, w, _x_field(x_ptr, r3, kx, K, EVEN_K), False, NIB4 and i % 2 == 1, ROWS2D)
             if (i + 1) % FPG == 0:  # end of a scale group: zero correction and scale once per column
                 if HAS_ZERO:
                     zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
@@ -155,13 +189,13 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
                     s = zero
                 else:
                     s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0), SCALE_KIND)
-                acc0 = _group_add(acc0, p0, xs0, zero, s, ROWS2D, IS_INT, ASM, HAS_ZERO, BITS, PER_CHANNEL)
+                acc0 = _group_add(acc0, p0, xa0, xb0, zero, s, ROWS2D, IS_INT, NIB4, BITS, PER_CHANNEL)
                 if BLOCK_M >= 2:
-                    acc1 = _group_add(acc1, p1, xs1, zero, s, False, IS_INT, ASM, HAS_ZERO, BITS, PER_CHANNEL)
+                    acc1 = _group_add(acc1, p1, xa1, xb1, zero, s, ROWS2D, IS_INT, NIB4, BITS, PER_CHANNEL)
                 if BLOCK_M >= 3:
-                    acc2 = _group_add(acc2, p2, xs2, zero, s, False, IS_INT, ASM, HAS_ZERO, BITS, PER_CHANNEL)
+                    acc2 = _group_add(acc2, p2, xa2, xb2, zero, s, ROWS2D, IS_INT, NIB4, BITS, PER_CHANNEL)
                 if BLOCK_M >= 4:
-                    acc3 = _group_add(acc3, p3, xs3, zero, s, False, IS_INT, ASM, HAS_ZERO, BITS, PER_CHANNEL)
+                    acc3 = _group_add(acc3, p3, xa3, xb3, zero, s, ROWS2D, IS_INT, NIB4, BITS, PER_CHANNEL)
     # gather the BLOCK_M row accumulators into one [BLOCK_M, BLOCK_N] tile for the store / split-K reduction
     offs_m = m0 + tl.arange(0, BLOCK_M)
     sel = tl.arange(0, BLOCK_M)[:, None]
@@ -183,7 +217,9 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
 
 def gemm_stream(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     """x2 [M, K] contiguous (act-order already applied) -> y [M, N]; cfg.block_m (<= 4) rows of x per program,
-    cfg.num_stages: 2 = prefetch the next block's words into registers, 1 = no prefetch."""
+    cfg.num_stages: 2 = prefetch the next block's words into registers, 1 = no prefetch. The [R, BN] per-row
+    partials (one FMA per weight, ROWS2D) are kept while they take <= 64 registers per thread; else each field's
+    rows are summed at once (a multiply and an add per weight)."""
     m, k = x2.shape
     n = qw.shape[0]
     split = cfg.split_k
@@ -200,10 +236,9 @@ def gemm_stream(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         ws, cnt = _workspace(x2.device, split * m * n)
     else:
         ws, cnt = y, y  # unused
-    from kestrel.kernels.gemm_wna16_small import _ASM
     _stream_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0), split,
                          BLOCK_M=bm, BLOCK_N=cfg.block_n, SPLIT=split > 1,
                          EVEN_K=k % (fmt["R"] * fmt["EPW"]) == 0, PREFETCH=cfg.num_stages >= 2,
-                         ASM=x2.device.type == "cuda" and fmt["IS_INT"] and fmt["BITS"] == 4 and _ASM,
+                         ROWS2D=bm * fmt["R"] * cfg.block_n <= 64 * 32 * cfg.num_warps,
                          num_warps=cfg.num_warps, num_stages=1, **fmt)
     return y
