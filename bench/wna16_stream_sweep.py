@@ -39,9 +39,11 @@ def cfg_of(v, split):
 
 def _warm(job):
     """Worker: compile one (variant, split > 1?, format) on a small shape with the same specialisation."""
-    v, split, fmt = job
+    v, split, fmt, pdl = job
     import torch
+    from kestrel.kernels import gemm_wna16_small
     from kestrel.kernels.gemm_wna16 import gemm_wna16
+    gemm_wna16_small.PDL = pdl
     from kestrel.kernels.tuning import FORMATS
     from kestrel.quant import quantize
     t0 = time.time()
@@ -64,6 +66,23 @@ def build_humming(fmt, w):
     return layer
 
 
+def graph_outputs_err(fn, ref, calls: int = 8) -> float:
+    """Worst relative error of `calls` back-to-back calls captured in one CUDA graph and replayed twice: with
+    programmatic dependent launch neighbouring calls overlap, so a race on the split-K workspace would show here."""
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        fn()
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [fn() for _ in range(calls)]
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    return max(((y.float() - ref).norm() / ref.norm()).item() for y in outs)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,2,4")
@@ -76,20 +95,22 @@ def main():
     args = ap.parse_args()
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
-    from kestrel.kernels.configs import LayerConfig, TuningConfig
+    from kestrel.kernels import gemm_wna16_small
+    from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
     from kestrel.quant import dequantize, quantize
 
     fmts = args.formats.split(",")
     import multiprocessing as mp
-    jobs = [(v, s, f) for f in fmts for v in VARIANTS for s in (1, 2)]
+    jobs = [(v, s, f, False) for f in fmts for v in VARIANTS for s in (1, 2)] + [
+        (v, 2, f, True) for f in fmts for v in VARIANTS[:4]]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         warm = pool.map(_warm, jobs)
     broken = set()
-    for (v, s, f), t, err in warm:
+    for (v, s, f, pdl), t, err in warm:
         if err:
-            broken.add((v, s > 1, f))
+            broken.add((v, s > 1, f, pdl))
             print(f"compile/run failed {f} {v} split={s}: {err}", flush=True)
     print(f"compiled {len(jobs)} kernels in {time.time() - t_start:.1f}s", flush=True)
     copy_bw = copy_bandwidth()["rw_TBps"]
@@ -128,6 +149,7 @@ def main():
                     ref = x.float() @ deq.t()
                     rel = lambda y: ((y.float() - ref).norm() / ref.norm()).item()
                     base = dict(fmt=fmt, N=n, K=k, M=m, w_bytes=wbytes)
+                    gemm_wna16_small.PDL = False  # the sweep itself without programmatic dependent launch
                     dflt = TuningConfig(gpu).lookup(layer, m)
                     d_err = rel(gemm_wna16(x, qw0))
                     d_us = graph_time_us([lambda q=q: gemm_wna16(x, q) for q in qws], calls=20, replays=10)
@@ -145,7 +167,7 @@ def main():
                             continue
                         for split in SPLITS:
                             ctas = -(-n // v[1]) * split * -(-m // v[0])
-                            if k_blocks // split < 2 or (v, split > 1, fmt) in broken or ctas < 100 or ctas > 16384:
+                            if k_blocks // split < 2 or (v, split > 1, fmt, False) in broken or ctas < 100 or ctas > 16384:
                                 continue
                             cfg = cfg_of(v, split)
                             try:
@@ -157,6 +179,20 @@ def main():
                                 continue
                             rows.append({**base, "kind": "stream", "config": cfg.to_dict(), "us": us, "err": err})
                     res += rows
+                    # programmatic dependent launch on: the default and the best stream config again
+                    pdl_line = ""
+                    gemm_wna16_small.PDL = True
+                    okr = [r for r in rows if r["err"] < 1e-2]
+                    for kind, cfg in [("default_pdl", None)] + ([("stream_pdl", ComputeConfig.from_dict(
+                            min(okr, key=lambda r: r["us"])["config"]))] if okr else []):
+                        try:
+                            err = max(rel(gemm_wna16(x, qw0, cfg)), graph_outputs_err(lambda: gemm_wna16(x, qw0, cfg), ref))
+                            us = graph_time_us([lambda q=q: gemm_wna16(x, q, cfg) for q in qws], calls=20, replays=10)
+                            res.append({**base, "kind": kind, "config": (cfg or dflt).to_dict(), "us": us, "err": err})
+                            pdl_line += f" | {kind} {us:7.2f} us err {err:.3g}"
+                        except Exception as ex:
+                            pdl_line += f" | {kind} failed {ex!r}"[:200]
+                    gemm_wna16_small.PDL = False
                     bad = [r for r in rows if not r["err"] < 1e-2]
                     if bad or not d_err < 1e-2:
                         print(f"WRONG RESULTS {fmt} {n}x{k} M={m}: default {d_err:.3g}, "
@@ -174,6 +210,7 @@ def main():
                     if h_us:
                         line += f" | humming {h_us:7.2f} us ({100 * tb(h_us) / copy_bw:3.0f}%)"
                         line += f" x hum: default {h_us / d_us:.2f}" + (f" stream {h_us / b['us']:.2f}" if ok else "")
+                    line += pdl_line
                     print(line, flush=True)
                     summary.append(line)
                 del qws, deq, w0, hum

@@ -63,7 +63,7 @@ class ComputeConfig:
             return False
         if self.kernel in ("dot", "mv", "mvs") and self.block_m < 16:
             return False
-        if self.kernel == "stream" and not 1 <= self.block_m <= 4:
+        if self.kernel == "stream" and self.block_m not in (1, 2, 4):
             return False
         return k_steps >= self.split_k
 

@@ -19,9 +19,14 @@ activation dtype. No zero-fill launch, no atomics on y, no cast launch: one kern
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels.dequant import decode_scale, fp_plane, int_plane, int_to_f32
 
@@ -174,7 +179,10 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-               ASM: tl.constexpr, KB: tl.constexpr, R: tl.constexpr):
+               ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, R: tl.constexpr):
+    if PDL:  # programmatic dependent launch: launch/prologue overlap the previous kernel; wait before any access
+        gdc_launch_dependents()
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -248,10 +256,14 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
                  MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
                  SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                  HAS_GSCALE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, KB: tl.constexpr, R: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr,
+                 R: tl.constexpr):
     """CUDA cores, one row of x per program: each bit field of the [R, BN] word tile is a [R, BN] tile of
     contiguous k decoded into fp32 1 + c/2^B (ints) or value * 2^(bias-127) (minifloats) and FMA'd with x; the
     group scale (and zero, through the x sum) is applied once per field group after an in-thread reduction."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -317,6 +329,18 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
 
 
 _ASM = True  # inline-PTX nibble decode on the GPU (the interpreter takes the plain Triton path)
+# programmatic dependent launch (sm_90+) for the decode kernels: a GEMM's launch and prologue overlap the previous
+# kernel's tail inside a CUDA graph; KESTREL_PDL=0 turns it off
+PDL = os.environ.get("KESTREL_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and PDL and _sm90(device.index)
 _WS: dict = {}
 _CNT_SLOTS = 1 << 16
 
@@ -358,8 +382,9 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         ws, cnt = _workspace(x2.device, split * m * n)
     else:
         ws, cnt = y, y  # unused
+    pdl = use_pdl(x2.device)
     common = dict(SPLIT=split > 1, NUM_STAGES=cfg.num_stages, EVEN_K=even_k, BLOCK_N=cfg.block_n,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fmt)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl, launch_pdl=pdl, **fmt)
     if cfg.kernel == "gemv":
         _gemv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
                            split, KB=kb, **common)

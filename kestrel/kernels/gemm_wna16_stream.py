@@ -18,7 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from kestrel.kernels.dequant import decode_scale, int_plane, shift_bits
+from kestrel.kernels import gemm_wna16_small as _small
 from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _workspace
 
 
@@ -118,8 +121,10 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
                    MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
                    SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                    HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ROWS2D: tl.constexpr,
+                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ROWS2D: tl.constexpr, PDL: tl.constexpr,
                    R: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the next kernel may start its prologue while this one runs
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -150,6 +155,8 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
     q_ptrs = qw_ptr + offs_r[:, None] * N + offs_n[None, :]
     ok = n_mask & ((offs_n * 0 + b0) < b1)
     q_nxt = tl.load(q_ptrs + b0 * R * N, mask=ok[None, :], other=0)
+    if PDL:  # the weights are constant: the first block is in flight before waiting for the kernel that wrote x
+        gdc_wait()  # (and that may still use the split-K workspace)
     for b in tl.range(b0, b1, num_stages=1):
         if PREFETCH:  # the next block's words are in flight while this one is computed
             q = q_nxt
@@ -216,7 +223,7 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
 
 
 def gemm_stream(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
-    """x2 [M, K] contiguous (act-order already applied) -> y [M, N]; cfg.block_m (<= 4) rows of x per program,
+    """x2 [M, K] contiguous (act-order already applied) -> y [M, N]; cfg.block_m (1, 2, 4) rows of x per program,
     cfg.num_stages: 2 = prefetch the next block's words into registers, 1 = no prefetch. The [R, BN] per-row
     partials (one FMA per weight, ROWS2D) are kept while they take <= 64 registers per thread; else each field's
     rows are summed at once (a multiply and an add per weight)."""
@@ -224,8 +231,8 @@ def gemm_stream(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     n = qw.shape[0]
     split = cfg.split_k
     bm = cfg.block_m
-    if bm not in (1, 2, 3, 4):
-        raise ValueError(f"stream kernel takes block_m 1..4, got {bm}")
+    if bm not in (1, 2, 4):
+        raise ValueError(f"stream kernel takes block_m 1, 2 or 4, got {bm}")
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     z = qw.zeros if qw.zeros is not None else qw.scales
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
@@ -236,9 +243,10 @@ def gemm_stream(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         ws, cnt = _workspace(x2.device, split * m * n)
     else:
         ws, cnt = y, y  # unused
+    pdl = _small.use_pdl(x2.device)
     _stream_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0), split,
                          BLOCK_M=bm, BLOCK_N=cfg.block_n, SPLIT=split > 1,
                          EVEN_K=k % (fmt["R"] * fmt["EPW"]) == 0, PREFETCH=cfg.num_stages >= 2,
-                         ROWS2D=bm * fmt["R"] * cfg.block_n <= 64 * 32 * cfg.num_warps,
+                         ROWS2D=bm * fmt["R"] * cfg.block_n <= 64 * 32 * cfg.num_warps, PDL=pdl, launch_pdl=pdl,
                          num_warps=cfg.num_warps, num_stages=1, **fmt)
     return y

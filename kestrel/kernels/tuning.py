@@ -69,7 +69,7 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     won somewhere, split-K 1..32, 2 planar blocks per step (block_k), and num_stages=1 (mv: register prefetch of
     the next block instead of Triton's cp.async pipeline; not yet timed on a GPU)."""
     km = layer.spec.k_multiple
-    out = []
+    out = stream_candidates(m)
     if m <= 2:
         for (bn, w, bk), sk in itertools.product(((128, 1, 0), (256, 2, 0), (256, 4, 0), (256, 4, 2 * km)),
                                                  (4, 8, 16, 32)):
@@ -80,6 +80,21 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
              ("mv", 256, 8, 0, 1)), (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
     return out
+
+
+# stream kernel (gemm_wna16_stream.py) tiles tried at M <= 4: (block_n, num_warps, num_stages); block_n = 128 per warp
+# keeps all 16 rows of a planar block in one thread
+STREAM_TILES = ((128, 1, 2), (128, 1, 1), (256, 2, 2), (512, 4, 2), (64, 1, 2))
+
+
+def stream_candidates(m: int) -> list[ComputeConfig]:
+    """CUDA-core "stream" configs for M <= 4 (one program per <= 4 rows of x; beyond that the tensor-core mv
+    kernel reads the weights once for all 16 rows)."""
+    if m > 4:
+        return []
+    bm = 1 << (m - 1).bit_length()  # block_m is a power of two: M = 3 runs as 4 with the last row masked
+    return [ComputeConfig("stream", b, bn, 0, sk, w, st) for b in sorted({1, bm}) for (bn, w, st) in STREAM_TILES
+            for sk in (1, 2, 4, 8, 16, 32)]
 
 
 def make_weights(layer: LayerConfig, device, min_bytes: int = 256 << 20, max_copies: int = 8):
