@@ -41,7 +41,7 @@ def _err(qw, m, cfg, dtype=torch.bfloat16):
 @pytest.mark.parametrize("m,cfg", [
     (1, ComputeConfig("stream", 1, 128, 0, split_k=1, num_warps=1, num_stages=2)),  # one row, prefetch
     (3, ComputeConfig("stream", 4, 128, 0, split_k=2, num_warps=1, num_stages=1)),  # row 4 masked, split 2+1
-    (16, ComputeConfig("stream", 2, 64, 0, split_k=2, num_warps=1, num_stages=2)),  # 8 row-blocks, split 2
+    (16, ComputeConfig("stream", 4, 64, 0, split_k=2, num_warps=1, num_stages=2)),  # 4 row-blocks, split 2
 ], ids=["m1", "m3-split2", "m16-split2"])
 def test_stream_every_format(spec, m, cfg):
     # N = 200: not a multiple of the tile; K = 384 = 3 planar blocks of 4-bit (split 2: 2 + 1 blocks)
@@ -72,4 +72,5 @@ def test_stream_config_validity():
     layer = LayerConfig(FORMATS[0], 256, 256)
     assert ComputeConfig("stream", 4, 128, 0, 2, 1, 2).valid_for(layer)
     assert not ComputeConfig("stream", 8, 128, 0, 2, 1, 2).valid_for(layer)  # <= 4 rows of x per program
+    assert not ComputeConfig("stream", 3, 128, 0, 2, 1, 2).valid_for(layer)  # a power of two (M = 3 runs as 4)
     assert not ComputeConfig("stream", 1, 128, 0, 3, 1, 2).valid_for(layer)  # 2 blocks cannot take 3 splits
