@@ -118,6 +118,10 @@ def main():
     gpu = torch.cuda.get_device_name()
     ms = [int(v) for v in args.ms.split(",")]
     res, summary = [], []
+    dump = lambda rows: json.dump(
+        {"gpu": gpu, "copy_TBps": copy_bw, "torch": torch.__version__, "rows": rows,
+         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": "python " + " ".join(sys.argv),
+         "wall_s": time.time() - t_start}, open(os.path.join(args.out, "wna16_stream_sweep.json"), "w"), indent=0)
     for fmt in fmts:
         spec = FORMATS[fmt]
         for model in args.models.split(","):
@@ -216,10 +220,9 @@ def main():
                 del qws, deq, w0, hum
                 torch.cuda.empty_cache()
                 print(f"[{time.time() - t_start:.0f}s] done {fmt} {n}x{k}", flush=True)
+                dump(res)  # after every shape: a step timeout keeps what was measured
     print("\n".join(["SUMMARY"] + summary))
-    json.dump({"gpu": gpu, "copy_TBps": copy_bw, "torch": torch.__version__, "rows": res,
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": "python " + " ".join(sys.argv),
-               "wall_s": time.time() - t_start}, open(os.path.join(args.out, "wna16_stream_sweep.json"), "w"), indent=0)
+    dump(res)
     print(f"wall {time.time() - t_start:.1f}s")
 
 
