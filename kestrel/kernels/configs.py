@@ -42,6 +42,7 @@ class ComputeConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False  # "tc": y^T = W^T x^T (decoded W as the wgmma A operand, x^T as B)
+    prefetch: int = 0  # "mv"/"mvs": planar blocks kept in flight to the L2 ahead of the loads (bulk prefetch)
 
     def to_dict(self) -> dict:
         return asdict(self)
