@@ -27,8 +27,9 @@ from kestrel.kernels.timing import graph_time_us  # noqa: E402
 VARIANTS = [(1, 128, 1, 2), (1, 128, 1, 1), (1, 256, 2, 2), (1, 512, 4, 2), (1, 64, 1, 2), (1, 128, 2, 2),
             (2, 128, 1, 1), (2, 256, 2, 1), (4, 128, 1, 1), (4, 256, 2, 1)]
 SPLITS = (1, 2, 4, 8, 16, 32)
-HUMMING = {"int4": {"dtype": "int4", "group_size": 128},
-           "mxfp4": {"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8e8m0"}}
+HUMMING = {"int4": [{"dtype": "int4", "group_size": 128}],  # spellings tried in order (as bench/gemm_wna16.py)
+           "mxfp4": [{"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8e8m0"},
+                     {"dtype": "float4e2m1", "group_size": 32}]}
 
 
 def cfg_of(v, split):
@@ -75,11 +76,17 @@ def _warm_humming(job):
 
 def build_humming(fmt, w):
     from humming.layer import HummingLayer
-    layer = HummingLayer(shape_n=w.shape[0], shape_k=w.shape[1], weight_config=dict(HUMMING[fmt]),
-                         torch_dtype=torch.bfloat16).cuda()
-    layer.load_from_unquantized(w)
-    layer.transform()
-    return layer
+    last = None
+    for cfg in HUMMING[fmt]:
+        try:
+            layer = HummingLayer(shape_n=w.shape[0], shape_k=w.shape[1], weight_config=dict(cfg),
+                                 torch_dtype=torch.bfloat16).cuda()
+            layer.load_from_unquantized(w)
+            layer.transform()
+            return layer
+        except Exception as ex:
+            last = ex
+    raise last
 
 
 def graph_outputs_err(fn, ref, calls: int = 8) -> float:
