@@ -2,7 +2,7 @@
 (ComputeConfig.prefetch) variants, each with programmatic dependent launch off and on, vs Humming (same format) and
 cuBLAS bf16, Llama-3 8B/70B linear shapes.
 
-Every config is checked against x @ dequant(W)^T (float32), eagerly and from a replayed CUDA graph of back-to-back
+At M = 1 also the CUDA-core "stream" kernel's best round-1 tiles. Every config is checked against x @ dequant(W)^T (float32), eagerly and from a replayed CUDA graph of back-to-back
 calls (PDL lets neighbouring calls overlap), before it is timed. Timing: CUDA graph of 20 calls rotating over
 >= 200 MB of weight copies (L2 cold), median of 10 replays. % copy = packed weight bytes / time against a 4 GiB
 device copy in the same process. Humming's and kestrel's kernels are JIT-compiled first in worker processes.
@@ -35,6 +35,10 @@ def candidates(layer, m, gpu):
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else heuristic(layer, m)
     out = [dflt] + [dataclasses.replace(base, prefetch=p) for p in PREFETCH]
+    if m == 1:  # the CUDA-core stream kernel's two best tiles of the round-1 sweep (bench/wna16_stream_sweep.py)
+        from kestrel.kernels.configs import ComputeConfig
+        out += [ComputeConfig("stream", 1, 64, 0, sk, 1, 2) for sk in (16, 32)]
+        out += [ComputeConfig("stream", 1, 128, 0, 16, 1, 1)]
     return dflt, list(dict.fromkeys(c for c in out if c.valid_for(layer)))
 
 
@@ -167,9 +171,9 @@ def main():
                             print(f"WRONG RESULT {cfg} pdl={pdl} {name} M={m}: rel err {err:.3g}", flush=True)
                         elif best is None or us < best["us"]:
                             best = row
-                        if cfg == dflt or cfg.prefetch:
-                            line += (f" {'dflt' if cfg == dflt else 'pf' + str(cfg.prefetch)}{'+pdl' if pdl else ''}"
-                                     f" {us:6.2f}")
+                        tag = ("dflt" if cfg == dflt else f"st{cfg.block_n}/{cfg.split_k}" if cfg.kernel == "stream"
+                               else f"pf{cfg.prefetch}")
+                        line += f" {tag}{'+pdl' if pdl else ''} {us:6.2f}"
                 gemm_wna16_small.PDL = True
                 if best:
                     c = best["config"]
