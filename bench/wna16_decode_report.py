@@ -73,8 +73,7 @@ def main():
         cache = json.load(open(args.cache))
         cache.update(entries)
         with open(args.cache, "w") as fh:
-            json.dump(cache, fh, indent=1, sort_keys=True)
-            fh.write("\n")
+            json.dump(cache, fh, indent=1, sort_keys=True)  # the format configs.store_cache writes
         print(f"\nwrote {len(entries)} entries to {args.cache}", file=sys.stderr)
 
 
