@@ -35,6 +35,8 @@ def candidates(layer, m, gpu):
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else heuristic(layer, m)
     out = [dflt] + [dataclasses.replace(base, prefetch=p) for p in PREFETCH]
+    # with blocks prefetched, fewer / more K splits may pay: the default's split halved and doubled
+    out += [dataclasses.replace(base, prefetch=4, split_k=sk) for sk in (base.split_k // 2, base.split_k * 2) if sk >= 1]
     if m == 1:  # the CUDA-core stream kernel's two best tiles of the round-1 sweep (bench/wna16_stream_sweep.py)
         from kestrel.kernels.configs import ComputeConfig
         out += [ComputeConfig("stream", 1, 64, 0, sk, 1, 2) for sk in (16, 32)]
@@ -132,7 +134,7 @@ def main():
             hum = None
             if fmt in HUMMING:
                 try:
-                    hum = [build_humming(fmt, w0 * (1 + 1e-3 * i)) for i in range(min(ncop, 12))]
+                    hum = [build_humming(fmt, w0 * (1 + 1e-3 * i)) for i in range(min(ncop, 8))]
                 except Exception as ex:
                     print(f"humming {fmt} {n}x{k} failed: {ex!r}"[:300], flush=True)
             layer = LayerConfig(spec, n, k)
