@@ -74,3 +74,16 @@ def test_stream_config_validity():
     assert not ComputeConfig("stream", 8, 128, 0, 2, 1, 2).valid_for(layer)  # <= 4 rows of x per program
     assert not ComputeConfig("stream", 3, 128, 0, 2, 1, 2).valid_for(layer)  # a power of two (M = 3 runs as 4)
     assert not ComputeConfig("stream", 1, 128, 0, 3, 1, 2).valid_for(layer)  # 2 blocks cannot take 3 splits
+
+
+def test_tuner_small_m_candidates():
+    from kestrel.kernels.tuning import candidates
+    for spec in (FORMATS[0], FORMATS[3]):
+        layer = LayerConfig(spec, 4096, 4096)
+        for m in (1, 3, 4, 8, 16):
+            cands = candidates(layer, m)
+            assert cands and all(c.valid_for(layer) for c in cands)
+            stream = [c for c in cands if c.kernel == "stream"]
+            assert bool(stream) == (m <= 4)  # beyond 4 rows mv reads the weights once for all of them
+            assert all(c.block_m >= m or c.block_m == 1 for c in stream)
+            assert any(c.prefetch for c in cands)  # the L2-prefetch variants of mv

@@ -66,8 +66,9 @@ def tc_configs(m: int) -> list[ComputeConfig]:
 
 def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     """M <= 16 (gemm_wna16_small.py), pruned by the H200 sweep (bench/gemv_sweep.py): the tile/warp shapes that
-    won somewhere, split-K 1..32, 2 planar blocks per step (block_k), and num_stages=1 (mv: register prefetch of
-    the next block instead of Triton's cp.async pipeline; not yet timed on a GPU)."""
+    won somewhere, split-K 1..32, 2 planar blocks per step (block_k), num_stages=1 (mv: register prefetch of
+    the next block instead of Triton's cp.async pipeline), L2 prefetch distances, and for M <= 4 the CUDA-core
+    stream kernel (gemm_wna16_stream.py)."""
     km = layer.spec.k_multiple
     out = stream_candidates(m)
     if m <= 2:
@@ -79,6 +80,9 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
              ("mv", 128, 8, 0, 3), ("mv", 128, 2, 0, 3), ("mvs", 128, 4, 0, 3), ("mv", 128, 4, 0, 1),
              ("mv", 256, 8, 0, 1)), (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
+    # L2 prefetch of the next planar blocks (gemm_wna16_small._l2_prefetch) on the two tiles that win most
+    for (bn, w), sk, pf in itertools.product(((128, 2), (256, 4)), (1, 2, 4, 8, 16), (2, 4, 8)):
+        out.append(ComputeConfig("mv", 16, bn, 0, sk, w, 3, prefetch=pf))
     return out
 
 
