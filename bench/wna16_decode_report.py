@@ -28,8 +28,8 @@ def main():
     for r in d["rows"]:
         groups[(r["fmt"], r.get("layer", ""), r["N"], r["K"], r["M"])].append(r)
     print(f"GPU {d['gpu']}, {d['date']}, copy {bw:.3f} TB/s, command `{d['command']}`\n")
-    print("| fmt | layer | M | Humming µs | cuBLAS µs | kestrel before µs (default, no PDL) | kestrel µs | config | "
-          "x Humming | x cuBLAS | % copy | x before |")
+    print("| fmt | layer | M | Humming µs | cuBLAS µs | kestrel before µs (default, no PDL) | kestrel µs | "
+          "config | x Humming | x cuBLAS | % copy | x before |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = collections.defaultdict(lambda: collections.defaultdict(list))
     entries = {}

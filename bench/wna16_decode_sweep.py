@@ -1,8 +1,9 @@
-"""Decode (M <= 16) WNA16 on one GPU, same process: kestrel's default config (tune cache / heuristic) and its L2-prefetch
-(ComputeConfig.prefetch) variants, each with programmatic dependent launch off and on, vs Humming (same format) and
-cuBLAS bf16, Llama-3 8B/70B linear shapes.
+"""Decode (M <= 16) WNA16 on one GPU, same process: kestrel's default config (tune cache / heuristic) and its
+L2-prefetch (ComputeConfig.prefetch) variants, each with programmatic dependent launch off and on, vs Humming (same
+format) and cuBLAS bf16, Llama-3 8B/70B linear shapes; at M = 1 also the CUDA-core "stream" kernel's best round-1
+tiles.
 
-At M = 1 also the CUDA-core "stream" kernel's best round-1 tiles. Every config is checked against x @ dequant(W)^T (float32), eagerly and from a replayed CUDA graph of back-to-back
+Every config is checked against x @ dequant(W)^T (float32), eagerly and from a replayed CUDA graph of back-to-back
 calls (PDL lets neighbouring calls overlap), before it is timed. Timing: CUDA graph of 20 calls rotating over
 >= 200 MB of weight copies (L2 cold), median of 10 replays. % copy = packed weight bytes / time against a 4 GiB
 device copy in the same process. Humming's and kestrel's kernels are JIT-compiled first in worker processes.
@@ -36,7 +37,8 @@ def candidates(layer, m, gpu):
     base = dflt if dflt.kernel in ("mv", "mvs") else heuristic(layer, m)
     out = [dflt] + [dataclasses.replace(base, prefetch=p) for p in PREFETCH]
     # with blocks prefetched, fewer / more K splits may pay: the default's split halved and doubled
-    out += [dataclasses.replace(base, prefetch=4, split_k=sk) for sk in (base.split_k // 2, base.split_k * 2) if sk >= 1]
+    out += [dataclasses.replace(base, prefetch=4, split_k=sk) for sk in (base.split_k // 2, base.split_k * 2)
+            if sk >= 1]
     if m == 1:  # the CUDA-core stream kernel's two best tiles of the round-1 sweep (bench/wna16_stream_sweep.py)
         from kestrel.kernels.configs import ComputeConfig
         out += [ComputeConfig("stream", 1, 64, 0, sk, 1, 2) for sk in (16, 32)]
@@ -181,7 +183,8 @@ def main():
                     c = best["config"]
                     line += (f" || best {c['kernel']} bn{c['block_n']} w{c['num_warps']} sk{c['split_k']} "
                              f"pf{c['prefetch']} pdl={int(best['pdl'])}: {best['us']:6.2f} us {tb(best['us']):3.0f}%"
-                             + (f" x hum {h_us / best['us']:.2f}" if h_us else "") + f" x cublas {c_us / best['us']:.2f}")
+                             + (f" x hum {h_us / best['us']:.2f}" if h_us else "")
+                             + f" x cublas {c_us / best['us']:.2f}")
                 print(line, flush=True)
                 summary.append(line)
             del qws, deq, w0, hum, bf

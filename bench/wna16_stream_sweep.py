@@ -201,7 +201,8 @@ def main():
                             continue
                         for split in SPLITS:
                             ctas = -(-n // v[1]) * split * -(-m // v[0])
-                            if k_blocks // split < 2 or (v, split > 1, fmt, False) in broken or ctas < 100 or ctas > 16384:
+                            if (k_blocks // split < 2 or (v, split > 1, fmt, False) in broken or ctas < 100
+                                    or ctas > 16384):
                                 continue
                             cfg = cfg_of(v, split)
                             try:
@@ -220,7 +221,8 @@ def main():
                     for kind, cfg in [("default_pdl", None)] + ([("stream_pdl", ComputeConfig.from_dict(
                             min(okr, key=lambda r: r["us"])["config"]))] if okr else []):
                         try:
-                            err = max(rel(gemm_wna16(x, qw0, cfg)), graph_outputs_err(lambda: gemm_wna16(x, qw0, cfg), ref))
+                            fn = lambda: gemm_wna16(x, qw0, cfg)
+                            err = max(rel(fn()), graph_outputs_err(fn, ref))
                             us = graph_time_us([lambda q=q: gemm_wna16(x, q, cfg) for q in qws], calls=20, replays=10)
                             res.append({**base, "kind": kind, "config": (cfg or dflt).to_dict(), "us": us, "err": err})
                             pdl_line += f" | {kind} {us:7.2f} us err {err:.3g}"

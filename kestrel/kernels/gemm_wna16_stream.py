@@ -4,24 +4,29 @@ Each program owns BLOCK_N output columns and a contiguous K slab of the planar w
 (PLANE_ROWS word rows = 128 k for 4-bit) it loads one [R, BLOCK_N] word tile straight into registers (16-byte loads
 along N, no cp.async / shared memory, so no CTA barriers in the loop), prefetching the next block's tile (and scale
 row) one iteration ahead. With BLOCK_N = 128 * num_warps every thread holds all R rows of its 4 columns, so the sum
-over k inside a field is an in-thread FMA chain, never a shuffle. The 4-bit / 2-bit / 8-bit codes are decoded into
-fp32 1 + c / 2^B by mantissa insertion (shift + LOP3, no I2F; the offset is corrected once per group through the x
-sum), fp minifloats into their bits times a power of two folded into the group scale. The decoded field is reused
-for every row of x in the program (BLOCK_M <= 4, written out as separate accumulators so nothing is re-laid out).
+over k is in-thread: [R, BN] partials take one FMA per weight, rows summed once per scale group. 4-bit ints decode
+by mantissa insertion (_nib4: 4 shifts + 8 LOP3 per word; the offset / zero is corrected once per group through
+the x sums), other ints into 1 + c / 2^B, minifloats into their bits times a power of two folded into the scale.
+The decoded field is reused for every row of x in the program (BLOCK_M in 1, 2, 4: separate accumulators, so
+nothing is re-laid out). Under programmatic dependent launch the first block's words are requested before
+waiting for the previous kernel.
 
 Split-K reduces in the same launch (gemm_wna16_small._finish: fp32 partials + a per-tile counter, the last split of
 a tile sums in split order), so a GEMM is one kernel inside a CUDA graph.
+
+Measured on the H200 (bench/results/gemm_wna16_smallm.md): issue-bound at ~4.3 instructions per weight element,
+so slower than the tensor-core mv kernel (2.5 per element for 16 rows) except on small layers at M = 1; kept as a
+`kestrel tune` candidate for M <= 4.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kestrel.kernels.dequant import decode_scale, int_plane, shift_bits
 from kestrel.kernels import gemm_wna16_small as _small
+from kestrel.kernels.dequant import decode_scale, int_plane, shift_bits
 from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _workspace
 
 
@@ -164,6 +169,8 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
             q_nxt = tl.load(q_ptrs + (b + 1) * R * N, mask=okn[None, :], other=0)
         else:
             q = tl.load(q_ptrs + b * R * N, mask=n_mask[None, :], other=0)
+        # placeholders: each scale group's first field starts the partials afresh (_accum with FIRST ignores them)
+        p0, xa0, xb0, p1, xa1, xb1, p2, xa2, xb2, p3, xa3, xb3 = q, q, q, q, q, q, q, q, q, q, q, q
         for i in tl.static_range(EPW):
             g = (b * PB + (i - i % FPG) * R) // GROUP_SIZE
             if NIB4:
@@ -173,22 +180,17 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
             else:
                 w = _fp_bits(q, i, BITS, EXP_BITS, MAN_BITS)
             kx = b * PB + i * R + offs_r
-            if i % FPG == 0:  # first field of a scale group
-                p0, xa0, xb0 = _accum(w, w, w, w, _x_field(x_ptr, r0, kx, K, EVEN_K), True, NIB4 and i % 2 == 1, ROWS2D)
-                if BLOCK_M >= 2:
-                    p1, xa1, xb1 = _accum(w, w, w, w, _x_field(x_ptr, r1, kx, K, EVEN_K), True, NIB4 and i % 2 == 1, ROWS2D)
-                if BLOCK_M >= 3:
-                    p2, xa2, xb2 = _accum(w, w, w, w, _x_field(x_ptr, r2, kx, K, EVEN_K), True, NIB4 and i % 2 == 1, ROWS2D)
-                if BLOCK_M >= 4:
-                    p3, xa3, xb3 = _accum(w, w, w, w, _x_field(x_ptr, r3, kx, K, EVEN_K), True, NIB4 and i % 2 == 1, ROWS2D)
-            else:
-                p0, xa0, xb0 = _accum(p0, xa0, xb0, w, _x_field(x_ptr, r0, kx, K, EVEN_K), False, NIB4 and i % 2 == 1, ROWS2D)
-                if BLOCK_M >= 2:
-                    p1, xa1, xb1 = _accum(p1, xa1, xb1, w, _x_field(x_ptr, r1, kx, K, EVEN_K), False, NIB4 and i % 2 == 1, ROWS2D)
-                if BLOCK_M >= 3:
-                    p2, xa2, xb2 = _accum(p2, xa2, xb2, w, _x_field(x_ptr, r2, kx, K, EVEN_K), False, NIB4 and i % 2 == 1, ROWS2D)
-                if BLOCK_M >= 4:
-                    p3, xa3, xb3 = _accum(p3, xa3, xb3, w, _x_field(x_ptr, r3, kx, K, EVEN_K), False, NIB4 and i % 2 == 1, ROWS2D)
+            # i % FPG == 0: the first field of a scale group starts its partials; odd 4-bit fields pair with 16 x
+            p0, xa0, xb0 = _accum(p0, xa0, xb0, w, _x_field(x_ptr, r0, kx, K, EVEN_K), i % FPG == 0,
+                                  NIB4 and i % 2 == 1, ROWS2D)
+            if BLOCK_M >= 2:
+                p1, xa1, xb1 = _accum(p1, xa1, xb1, w, _x_field(x_ptr, r1, kx, K, EVEN_K), i % FPG == 0,
+                                      NIB4 and i % 2 == 1, ROWS2D)
+            if BLOCK_M >= 4:
+                p2, xa2, xb2 = _accum(p2, xa2, xb2, w, _x_field(x_ptr, r2, kx, K, EVEN_K), i % FPG == 0,
+                                      NIB4 and i % 2 == 1, ROWS2D)
+                p3, xa3, xb3 = _accum(p3, xa3, xb3, w, _x_field(x_ptr, r3, kx, K, EVEN_K), i % FPG == 0,
+                                      NIB4 and i % 2 == 1, ROWS2D)
             if (i + 1) % FPG == 0:  # end of a scale group: zero correction and scale once per column
                 if HAS_ZERO:
                     zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
@@ -199,9 +201,8 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
                 acc0 = _group_add(acc0, p0, xa0, xb0, zero, s, ROWS2D, IS_INT, NIB4, BITS, PER_CHANNEL)
                 if BLOCK_M >= 2:
                     acc1 = _group_add(acc1, p1, xa1, xb1, zero, s, ROWS2D, IS_INT, NIB4, BITS, PER_CHANNEL)
-                if BLOCK_M >= 3:
-                    acc2 = _group_add(acc2, p2, xa2, xb2, zero, s, ROWS2D, IS_INT, NIB4, BITS, PER_CHANNEL)
                 if BLOCK_M >= 4:
+                    acc2 = _group_add(acc2, p2, xa2, xb2, zero, s, ROWS2D, IS_INT, NIB4, BITS, PER_CHANNEL)
                     acc3 = _group_add(acc3, p3, xa3, xb3, zero, s, ROWS2D, IS_INT, NIB4, BITS, PER_CHANNEL)
     # gather the BLOCK_M row accumulators into one [BLOCK_M, BLOCK_N] tile for the store / split-K reduction
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -209,9 +210,8 @@ def _stream_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, 
     acc = tl.where(sel == 0, acc0[None, :], 0.0)
     if BLOCK_M >= 2:
         acc = tl.where(sel == 1, acc1[None, :], acc)
-    if BLOCK_M >= 3:
-        acc = tl.where(sel == 2, acc2[None, :], acc)
     if BLOCK_M >= 4:
+        acc = tl.where(sel == 2, acc2[None, :], acc)
         acc = tl.where(sel == 3, acc3[None, :], acc)
     acc = acc * SMUL
     if PER_CHANNEL:
