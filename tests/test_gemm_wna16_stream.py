@@ -87,3 +87,14 @@ def test_tuner_small_m_candidates():
             assert bool(stream) == (m <= 4)  # beyond 4 rows mv reads the weights once for all of them
             assert all(c.block_m >= m or c.block_m == 1 for c in stream)
             assert any(c.prefetch for c in cands)  # the L2-prefetch variants of mv
+
+
+def test_prefetch_field_round_trip():
+    # tune-cache entries written before the field existed load as prefetch 0; new ones keep it
+    old = {"kernel": "mv", "block_m": 16, "block_n": 128, "block_k": 0, "split_k": 4, "num_warps": 2, "num_stages": 3}
+    assert ComputeConfig.from_dict(old).prefetch == 0
+    cfg = ComputeConfig("mv", 16, 128, 0, 4, 2, 3, prefetch=4)
+    assert ComputeConfig.from_dict(cfg.to_dict()) == cfg
+    # on the CPU the prefetch is skipped: same result as without it
+    qw = quantize(torch.randn(64, 256, generator=torch.Generator().manual_seed(6)), FORMATS[0])
+    assert _err(qw, 2, cfg) < TOL
