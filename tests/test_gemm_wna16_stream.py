@@ -96,5 +96,5 @@ def test_prefetch_field_round_trip():
     cfg = ComputeConfig("mv", 16, 128, 0, 4, 2, 3, prefetch=4)
     assert ComputeConfig.from_dict(cfg.to_dict()) == cfg
     # on the CPU the prefetch is skipped: same result as without it
-    qw = quantize(torch.randn(64, 256, generator=torch.Generator().manual_seed(6)), FORMATS[0])
+    qw = quantize(torch.randn(64, 512, generator=torch.Generator().manual_seed(6)), FORMATS[0])  # 4 blocks
     assert _err(qw, 2, cfg) < TOL
