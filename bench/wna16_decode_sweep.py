@@ -27,7 +27,7 @@ from gpu_timing import copy_bandwidth  # noqa: E402
 from kestrel.kernels.timing import graph_time_us  # noqa: E402
 from wna16_stream_sweep import HUMMING, build_humming, graph_outputs_err  # noqa: E402
 
-PREFETCH = (0, 2, 4, 8)
+PREFETCH = (0, 4, 8)
 
 
 def candidates(layer, m, gpu):
@@ -41,8 +41,7 @@ def candidates(layer, m, gpu):
             if sk >= 1]
     if m == 1:  # the CUDA-core stream kernel's two best tiles of the round-1 sweep (bench/wna16_stream_sweep.py)
         from kestrel.kernels.configs import ComputeConfig
-        out += [ComputeConfig("stream", 1, 64, 0, sk, 1, 2) for sk in (16, 32)]
-        out += [ComputeConfig("stream", 1, 128, 0, 16, 1, 1)]
+        out += [ComputeConfig("stream", 1, 64, 0, 16, 1, 2)]
     return dflt, list(dict.fromkeys(c for c in out if c.valid_for(layer)))
 
 
