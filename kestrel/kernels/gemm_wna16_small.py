@@ -349,9 +349,11 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
 
 
 _ASM = True  # inline-PTX nibble decode on the GPU (the interpreter takes the plain Triton path)
-# programmatic dependent launch (sm_90+) for the decode kernels: a GEMM's launch and prologue overlap the previous
-# kernel's tail inside a CUDA graph; KESTREL_PDL=0 turns it off
-PDL = os.environ.get("KESTREL_PDL", "1") != "0"
+# programmatic dependent launch (sm_90+) for the decode kernels: the launch and prologue (and the stream kernel's
+# first weight block) overlap the previous kernel. Off by default: on the H200 (2026-12-03, bench/results/
+# gemm_wna16_smallm.md) the default mv config took 12.7 us with it vs 9.35 us without at 4096x4096, M = 1.
+# KESTREL_PDL=1 turns it on.
+PDL = os.environ.get("KESTREL_PDL", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
