@@ -33,7 +33,8 @@ class LayerConfig:
 
 @dataclass(frozen=True)
 class ComputeConfig:
-    # "stream" / "gemv" (CUDA cores, tiny M) | "mv" / "mvs" (tensor cores, M <= 16) | "dot" (tensor cores) | "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
+    # "stream" / "gemv" (CUDA cores, tiny M) | "mv" / "mvs" (tensor cores, M <= 16) | "tc" (tensor cores, M > 16)
+    # | "dot" (older tensor-core path) | "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
     kernel: str = "dot"
     block_m: int = 16
     block_n: int = 64
@@ -53,7 +54,8 @@ class ComputeConfig:
 
     def valid_for(self, layer: LayerConfig) -> bool:
         k_steps = -(-layer.k // layer.spec.k_multiple)
-        if self.kernel not in ("gemv", "mv", "mvs", "stream", "dot", "dequant_mm", "tc") or self.block_n < 16 or self.split_k < 1:
+        if (self.kernel not in ("gemv", "mv", "mvs", "stream", "dot", "dequant_mm", "tc") or self.block_n < 16
+                or self.split_k < 1):
             return False
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)

@@ -25,7 +25,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels.dequant import decode_scale, fp_plane, int_plane, int_to_f32
@@ -363,6 +362,8 @@ def _sm90(index) -> bool:
 
 def use_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and PDL and _sm90(device.index)
+
+
 _WS: dict = {}
 _CNT_SLOTS = 1 << 16
 

@@ -80,15 +80,16 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
              ("mv", 128, 8, 0, 3), ("mv", 128, 2, 0, 3), ("mvs", 128, 4, 0, 3), ("mv", 128, 4, 0, 1),
              ("mv", 256, 8, 0, 1)), (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
-    # L2 prefetch of the next planar blocks (gemm_wna16_small._l2_prefetch) on the two tiles that win most
-    for (bn, w), sk, pf in itertools.product(((128, 2), (256, 4)), (1, 2, 4, 8, 16), (2, 4, 8)):
+    # L2 prefetch of the next planar blocks (gemm_wna16_small._l2_prefetch) on the two tiles that win most (not yet
+    # timed on a GPU)
+    for (bn, w), sk, pf in itertools.product(((128, 2), (256, 4)), (2, 4, 8), (2, 4, 8)):
         out.append(ComputeConfig("mv", 16, bn, 0, sk, w, 3, prefetch=pf))
     return out
 
 
-# stream kernel (gemm_wna16_stream.py) tiles tried at M <= 4: (block_n, num_warps, num_stages); block_n = 128 per warp
-# keeps all 16 rows of a planar block in one thread
-STREAM_TILES = ((128, 1, 2), (128, 1, 1), (256, 2, 2), (512, 4, 2), (64, 1, 2))
+# stream kernel (gemm_wna16_stream.py) tiles tried at M <= 4: (block_n, num_warps, num_stages), the two best of the
+# H200 round-1 sweep (bench/results/gemm_wna16_smallm.md: within 2-8 % of mv on small layers at M = 1, never ahead)
+STREAM_TILES = ((64, 1, 2), (128, 1, 1))
 
 
 def stream_candidates(m: int) -> list[ComputeConfig]:
@@ -98,7 +99,7 @@ def stream_candidates(m: int) -> list[ComputeConfig]:
         return []
     bm = 1 << (m - 1).bit_length()  # block_m is a power of two: M = 3 runs as 4 with the last row masked
     return [ComputeConfig("stream", b, bn, 0, sk, w, st) for b in sorted({1, bm}) for (bn, w, st) in STREAM_TILES
-            for sk in (1, 2, 4, 8, 16, 32)]
+            for sk in (8, 16, 32)]
 
 
 def make_weights(layer: LayerConfig, device, min_bytes: int = 256 << 20, max_copies: int = 8):
