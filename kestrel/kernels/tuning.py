@@ -88,7 +88,7 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
 
 
 # stream kernel (gemm_wna16_stream.py) tiles tried at M <= 4: (block_n, num_warps, num_stages), the two best of the
-# H200 round-1 sweep (bench/results/gemm_wna16_smallm.md: within 2-8 % of mv on small layers at M = 1, never ahead)
+# H200 round-1 sweep (bench/results/gemm_wna16_smallm.md: 2-3 % behind mv on 8B qkv / o at M = 1, never ahead)
 STREAM_TILES = ((64, 1, 2), (128, 1, 1))
 
 
