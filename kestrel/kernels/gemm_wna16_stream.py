@@ -15,8 +15,8 @@ Split-K reduces in the same launch (gemm_wna16_small._finish: fp32 partials + a 
 a tile sums in split order), so a GEMM is one kernel inside a CUDA graph.
 
 Measured on the H200 (bench/results/gemm_wna16_smallm.md): issue-bound at ~4.3 instructions per weight element,
-so slower than the tensor-core mv kernel (2.5 per element for 16 rows) except on small layers at M = 1; kept as a
-`kestrel tune` candidate for M <= 4.
+so slower than the tensor-core mv kernel (2.5 per element for 16 rows) on every shape timed (2-3 % on the small 8B
+layers at M = 1, 14-30 % on the large ones); kept as a `kestrel tune` candidate for M <= 4.
 """
 from __future__ import annotations
 
