@@ -33,7 +33,8 @@ class LayerConfig:
 
 @dataclass(frozen=True)
 class ComputeConfig:
-    # "gemv" (CUDA cores, tiny M) | "dot" (tensor cores) | "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
+    # "stream" / "gemv" (CUDA cores, tiny M) | "mv" / "mvs" (tensor cores, M <= 16) | "tc" (tensor cores, M > 16)
+    # | "dot" (older tensor-core path) | "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
     kernel: str = "dot"
     block_m: int = 16
     block_n: int = 64
@@ -42,6 +43,7 @@ class ComputeConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False  # "tc": y^T = W^T x^T (decoded W as the wgmma A operand, x^T as B)
+    prefetch: int = 0  # "mv"/"mvs": planar blocks kept in flight to the L2 ahead of the loads (bulk prefetch)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,7 +54,8 @@ class ComputeConfig:
 
     def valid_for(self, layer: LayerConfig) -> bool:
         k_steps = -(-layer.k // layer.spec.k_multiple)
-        if self.kernel not in ("gemv", "mv", "mvs", "dot", "dequant_mm", "tc") or self.block_n < 16 or self.split_k < 1:
+        if (self.kernel not in ("gemv", "mv", "mvs", "stream", "dot", "dequant_mm", "tc") or self.block_n < 16
+                or self.split_k < 1):
             return False
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
@@ -62,6 +65,8 @@ class ComputeConfig:
         if self.kernel == "dequant_mm" and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
             return False
         if self.kernel in ("dot", "mv", "mvs") and self.block_m < 16:
+            return False
+        if self.kernel == "stream" and self.block_m not in (1, 2, 4):
             return False
         return k_steps >= self.split_k
 

@@ -1,6 +1,7 @@
 """Triton WNA16 GEMM: y[M, N] = x[M, K] (bf16/fp16) @ dequant(W)[N, K]^T for every weight format in QuantSpec.
 
 Kernels (JIT-specialised by constexprs per format and ComputeConfig; ComputeConfig.kernel picks one):
+- "stream" (decode, CUDA cores, <= 4 rows of x per program): gemm_wna16_stream.py.
 - "mv" / "mvs" / "gemv" (decode, M <= 16): gemm_wna16_small.py (tensor cores with a ~1-op/element decode, or
   CUDA-core FMAs; split-K reduced inside the same launch).
 - "tc" (M > 16): gemm_wna16_tc.py.
@@ -17,6 +18,7 @@ import triton.language as tl
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig
 from kestrel.kernels.dequant import decode_codes, decode_scale, fp_plane, int_to_f32
 from kestrel.kernels.gemm_wna16_small import gemm_small
+from kestrel.kernels.gemm_wna16_stream import gemm_stream
 from kestrel.kernels.gemm_wna16_tc import gemm_wna16_tc
 from kestrel.quant.packing import PLANE_ROWS
 from kestrel.quant.weight import QuantizedWeight
@@ -180,6 +182,8 @@ def gemm_wna16(x: torch.Tensor, qw: QuantizedWeight, config: ComputeConfig | Non
         return (x2 @ w.t()).reshape(*lead, n)
     if cfg.kernel == "tc":
         return gemm_wna16_tc(x2, qw, cfg, _format_args(qw)).reshape(*lead, n)
+    if cfg.kernel == "stream":
+        return gemm_stream(x2, qw, cfg, _format_args(qw)).reshape(*lead, n)
     if cfg.kernel in ("gemv", "mv", "mvs"):
         return gemm_small(x2, qw, cfg, _format_args(qw)).reshape(*lead, n)
     split = cfg.split_k

@@ -19,9 +19,13 @@ activation dtype. No zero-fill launch, no atomics on y, no cast launch: one kern
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels.dequant import decode_scale, fp_plane, int_plane, int_to_f32
 
@@ -56,6 +60,19 @@ def _nibble_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr, SUB: tl.constexpr)
         return tl.inline_asm_elementwise(asm, cons, [q, sel, magic, one, neg], dtype=tl.float16, is_pure=True, pack=2)
     else:
         return tl.inline_asm_elementwise(asm, cons, [q, sel, magic, one, neg], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _l2_prefetch(qw_ptr, blk, n0, N, BLOCK_N: tl.constexpr, R: tl.constexpr):
+    """GPU only: ask the L2 to fetch planar block `blk`'s R word rows of this program's BLOCK_N columns, one
+    prefetch.global.L2 per 128-byte line (about one instruction per thread, no registers or shared memory held):
+    the later cp.async loads of that block then hit the L2 instead of waiting on HBM."""
+    LINES: tl.constexpr = BLOCK_N // 32 if BLOCK_N >= 32 else 1
+    rows = blk * R + tl.arange(0, R)
+    cols = tl.minimum(n0 + tl.arange(0, LINES) * 32, N - 1)
+    ptrs = qw_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -174,7 +191,9 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-               ASM: tl.constexpr, KB: tl.constexpr, R: tl.constexpr):
+               ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr):
+    if PDL:  # programmatic dependent launch: the next kernel may start its prologue while this one runs
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -188,6 +207,11 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     per_split = tl.cdiv(tl.cdiv(n_blocks, split_k), KB) * KB
     b0 = pid_k * per_split
     b1 = tl.minimum(b0 + per_split, n_blocks)
+    if PF > 0:  # the first PF blocks into the L2 (weights are constant: before waiting on the previous kernel)
+        for j in tl.static_range(PF):
+            _l2_prefetch(qw_ptr, tl.minimum(b0 + j, b1 - 1), pid_n * BLOCK_N, N, BLOCK_N, R)
+    if PDL:  # x (and the split-K workspace) may still be in use by the previous kernel until here
+        gdc_wait()
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -224,6 +248,9 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R)
     else:
         for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
+            if PF > 0:  # keep PF blocks ahead of the cp.async pipeline in flight to the L2
+                for kb in tl.static_range(KB):
+                    _l2_prefetch(qw_ptr, tl.minimum(b_step + PF + kb, b1 - 1), pid_n * BLOCK_N, N, BLOCK_N, R)
             for kb in tl.static_range(KB):  # KB word tiles per step: more bytes in flight per program
                 b = b_step + kb
                 nb_mask = n_mask & ((offs_n * 0 + b) < b1)
@@ -248,10 +275,14 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
                  MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
                  SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                  HAS_GSCALE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, KB: tl.constexpr, R: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr,
+                 R: tl.constexpr):
     """CUDA cores, one row of x per program: each bit field of the [R, BN] word tile is a [R, BN] tile of
     contiguous k decoded into fp32 1 + c/2^B (ints) or value * 2^(bias-127) (minifloats) and FMA'd with x; the
     group scale (and zero, through the x sum) is applied once per field group after an in-thread reduction."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -317,6 +348,22 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M,
 
 
 _ASM = True  # inline-PTX nibble decode on the GPU (the interpreter takes the plain Triton path)
+# programmatic dependent launch (sm_90+) for the decode kernels: the launch and prologue (and the stream kernel's
+# first weight block) overlap the previous kernel. Off by default: on the H200 (2026-12-03, bench/results/
+# gemm_wna16_smallm.md) the default mv config took 12.7 us with it vs 9.35 us without at 4096x4096, M = 1.
+# KESTREL_PDL=1 turns it on.
+PDL = os.environ.get("KESTREL_PDL", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and PDL and _sm90(device.index)
+
+
 _WS: dict = {}
 _CNT_SLOTS = 1 << 16
 
@@ -358,13 +405,15 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         ws, cnt = _workspace(x2.device, split * m * n)
     else:
         ws, cnt = y, y  # unused
+    pdl = use_pdl(x2.device)
     common = dict(SPLIT=split > 1, NUM_STAGES=cfg.num_stages, EVEN_K=even_k, BLOCK_N=cfg.block_n,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fmt)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl, launch_pdl=pdl, **fmt)
     if cfg.kernel == "gemv":
         _gemv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
                            split, KB=kb, **common)
     else:
         _mv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
+                         PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and fmt["IS_INT"] and fmt["BITS"] == 4 and _ASM, **common)
     return y

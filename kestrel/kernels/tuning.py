@@ -66,10 +66,11 @@ def tc_configs(m: int) -> list[ComputeConfig]:
 
 def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     """M <= 16 (gemm_wna16_small.py), pruned by the H200 sweep (bench/gemv_sweep.py): the tile/warp shapes that
-    won somewhere, split-K 1..32, 2 planar blocks per step (block_k), and num_stages=1 (mv: register prefetch of
-    the next block instead of Triton's cp.async pipeline; not yet timed on a GPU)."""
+    won somewhere, split-K 1..32, 2 planar blocks per step (block_k), num_stages=1 (mv: register prefetch of
+    the next block instead of Triton's cp.async pipeline), L2 prefetch distances, and for M <= 4 the CUDA-core
+    stream kernel (gemm_wna16_stream.py)."""
     km = layer.spec.k_multiple
-    out = []
+    out = stream_candidates(m)
     if m <= 2:
         for (bn, w, bk), sk in itertools.product(((128, 1, 0), (256, 2, 0), (256, 4, 0), (256, 4, 2 * km)),
                                                  (4, 8, 16, 32)):
@@ -79,7 +80,26 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
              ("mv", 128, 8, 0, 3), ("mv", 128, 2, 0, 3), ("mvs", 128, 4, 0, 3), ("mv", 128, 4, 0, 1),
              ("mv", 256, 8, 0, 1)), (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
+    # L2 prefetch of the next planar blocks (gemm_wna16_small._l2_prefetch) on the two tiles that win most (not yet
+    # timed on a GPU)
+    for (bn, w), sk, pf in itertools.product(((128, 2), (256, 4)), (2, 4, 8), (2, 4, 8)):
+        out.append(ComputeConfig("mv", 16, bn, 0, sk, w, 3, prefetch=pf))
     return out
+
+
+# stream kernel (gemm_wna16_stream.py) tiles tried at M <= 4: (block_n, num_warps, num_stages), the two best of the
+# H200 round-1 sweep (bench/results/gemm_wna16_smallm.md: 2-3 % behind mv on 8B qkv / o at M = 1, never ahead)
+STREAM_TILES = ((64, 1, 2), (128, 1, 1))
+
+
+def stream_candidates(m: int) -> list[ComputeConfig]:
+    """CUDA-core "stream" configs for M <= 4 (one program per <= 4 rows of x; beyond that the tensor-core mv
+    kernel reads the weights once for all 16 rows)."""
+    if m > 4:
+        return []
+    bm = 1 << (m - 1).bit_length()  # block_m is a power of two: M = 3 runs as 4 with the last row masked
+    return [ComputeConfig("stream", b, bn, 0, sk, w, st) for b in sorted({1, bm}) for (bn, w, st) in STREAM_TILES
+            for sk in (8, 16, 32)]
 
 
 def make_weights(layer: LayerConfig, device, min_bytes: int = 256 << 20, max_copies: int = 8):
