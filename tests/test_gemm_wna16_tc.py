@@ -220,7 +220,7 @@ def test_configs_valid_for_llama_shapes():
 def test_dequantize_tc_and_chunked(spec):
     # the large-M dequant pass built on the tc decode (_w_tile): columns n0..n1 of W, and the N-chunked
     # dequant + matmul (reused scratch, ragged last chunk), both vs the float64 reference dequantize
-    from kestrel.kernels.gemm_wna16_tc import dequant_matmul_chunked, dequantize_tc
+    from kestrel.kernels.gemm_wna16_tc import dequant_matmul_chunked, dequant_matmul_streamed, dequantize_tc
     qw = _weight(spec, n=200, seed=9)
     ref = dequantize(qw).double()
     qd = qw.to(DEV)
@@ -232,4 +232,7 @@ def test_dequantize_tc_and_chunked(spec):
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
     y = dequant_matmul_chunked(x.to(DEV), qd, fmt, 96, block_n=32, num_warps=4).cpu().double()
     r = x.double() @ ref.t()
+    assert ((y - r).norm() / r.norm()).item() < TOL
+    # two-stream variant (one stream on the CPU): 128-aligned column blocks, ragged last one
+    y = dequant_matmul_streamed(x.to(DEV), qd, fmt, 2, block_n=32, num_warps=4).cpu().double()
     assert ((y - r).norm() / r.norm()).item() < TOL

@@ -483,3 +483,41 @@ def dequant_matmul_chunked(x2: torch.Tensor, qw: QuantizedWeight, fmt: dict, chu
         dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=w, n0=n0, n1=n1)
         torch.matmul(x2, w.t(), out=y[:, n0:n1])
     return y
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def dequant_matmul_streamed(x2: torch.Tensor, qw: QuantizedWeight, fmt: dict, chunks: int = 4,
+                            block_n: int = 128, num_warps: int = 8) -> torch.Tensor:
+    """y = x2 @ dequant(W)^T with N cut into `chunks` column blocks: a side stream dequantizes block i+1 (memory-bound)
+    while cuBLAS multiplies block i (compute-bound) on the caller's stream, so the two overlap on the GPU. The whole
+    bf16 W is rebuilt every call (no caching); only its cost is hidden behind the matmul."""
+    n, k = qw.shape
+    m = x2.shape[0]
+    w = torch.empty((n, k), device=x2.device, dtype=x2.dtype)
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    step = -(-(-(-n // chunks)) // 128) * 128  # 128-aligned blocks keep the paired decode
+    bounds = [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
+    if x2.device.type != "cuda":  # CPU interpreter: same chunks, one stream
+        for n0, n1 in bounds:
+            dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=w[n0:n1], n0=n0, n1=n1)
+            y[:, n0:n1] = (x2.float() @ w[n0:n1].float().t()).to(x2.dtype)
+        return y
+    main = torch.cuda.current_stream(x2.device)
+    side = _SIDE_STREAMS.get(x2.device)
+    if side is None:
+        side = _SIDE_STREAMS[x2.device] = torch.cuda.Stream(x2.device)
+    side.wait_stream(main)  # the weight, x2 and the fresh w are ready
+    done = []
+    with torch.cuda.stream(side):
+        for n0, n1 in bounds:
+            dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=w[n0:n1], n0=n0, n1=n1)
+            ev = torch.cuda.Event()
+            ev.record(side)
+            done.append(ev)
+    for (n0, n1), ev in zip(bounds, done):
+        main.wait_event(ev)
+        torch.matmul(x2, w[n0:n1].t(), out=y[:, n0:n1])
+    w.record_stream(side)  # allocated on main, written on side: the allocator must not hand it out early
+    return y
