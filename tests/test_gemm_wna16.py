@@ -52,6 +52,7 @@ def test_formats_default_config(spec, m):
     ComputeConfig("dot", 16, 32, 0, split_k=2, num_stages=2),               # split-K tensor-core path
     ComputeConfig("dot", 32, 64, 0, split_k=1, num_stages=1, num_warps=2),
     ComputeConfig("dequant_mm", 1, 32, 64),                                  # Triton dequant + matmul
+    ComputeConfig("dequant_mm", 1, 32, 128, num_warps=4, chunks=2),          # column blocks (side stream on GPU)
 ], ids=lambda c: f"{c.kernel}-bn{c.block_n}-bk{c.block_k}-sk{c.split_k}")
 @pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128),
                                   QuantSpec("uint4", has_zero_point=True, group_size=64, scale_dtype="fp16"),

@@ -33,15 +33,18 @@ class LayerConfig:
 
 @dataclass(frozen=True)
 class ComputeConfig:
-    # "gemv" (CUDA cores, tiny M) | "dot" (tensor cores) | "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
+    # "gemv"/"mv"/"mvs" (M <= 16) | "tc" (tensor cores, M > 16) | "dot" (older tensor-core path) |
+    # "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
     kernel: str = "dot"
     block_m: int = 16
     block_n: int = 64
-    block_k: int = 0  # dequant_mm: dequant K tile; gemv/dot step one planar block (packing.py) at a time
+    block_k: int = 0  # tc/mv: K step (0 = one planar block, packing.py); dequant_mm: unused (one block per program)
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False  # "tc": y^T = W^T x^T (decoded W as the wgmma A operand, x^T as B)
+    # "dequant_mm": N column blocks; > 1 dequantizes block i+1 on a side stream while cuBLAS multiplies block i
+    chunks: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,7 +62,7 @@ class ComputeConfig:
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):
                 return False
             return -(-k_steps // kb) >= self.split_k
-        if self.kernel == "dequant_mm" and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
+        if self.kernel == "dequant_mm" and (self.block_k < 16 or self.block_k & (self.block_k - 1) or self.chunks < 1):
             return False
         if self.kernel in ("dot", "mv", "mvs") and self.block_m < 16:
             return False

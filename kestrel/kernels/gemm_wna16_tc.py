@@ -468,23 +468,6 @@ def dequantize_tc(qw: QuantizedWeight, fmt: dict, dtype=torch.bfloat16, block_n:
     return w
 
 
-def dequant_matmul_chunked(x2: torch.Tensor, qw: QuantizedWeight, fmt: dict, chunk_n: int,
-                           block_n: int = 128, num_warps: int = 8) -> torch.Tensor:
-    """y = x2 @ dequant(W)^T, N cut into chunks: each chunk is dequantized into one reused scratch buffer and
-    multiplied by cuBLAS right away, so the bf16 chunk can be read back from L2 (50 MB) instead of HBM."""
-    n, k = qw.shape
-    m = x2.shape[0]
-    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-    chunk_n = min(n, chunk_n)
-    scratch = torch.empty((chunk_n, k), device=x2.device, dtype=x2.dtype)
-    for n0 in range(0, n, chunk_n):
-        n1 = min(n, n0 + chunk_n)
-        w = scratch[: n1 - n0]
-        dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=w, n0=n0, n1=n1)
-        torch.matmul(x2, w.t(), out=y[:, n0:n1])
-    return y
-
-
 _SIDE_STREAMS: dict = {}
 
 
