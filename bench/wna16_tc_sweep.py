@@ -87,24 +87,23 @@ def wide_configs(m: int, n: int, k: int) -> list[tuple[ComputeConfig, dict]]:
     if m <= 64:
         for w, sk in ((4, 1), (4, 2), (4, 4), (2, 2)):
             out.append((C("mv", 16, 128, 0, sk, w, 3), {}))
-    if m >= 256:
-        out.append((C("dequant_mm", 1, 64, 128, 1, 4, 1), {}))
-        out.append((C("dequant_mm", 1, 128, 128, 1, 8, 1), {"path": "deq_tc_mm"}))
+    if m >= 256:  # dequant + cuBLAS: one pass, or column blocks on a side stream (chunks), or through reused
+        # block buffers (ring, L2)
+        out += [(C("dequant_mm", 1, 64, 128, 1, 4, 1), {}), (C("dequant_mm", 1, 128, 128, 1, 8, 1), {})]
         for ch in ((2, 4, 8) if m >= 1024 else (2, 4)):
-            out.append((C("dequant_mm", 1, 128, 128, 1, 8, 1), {"path": "deq_streamed", "chunks": ch}))
+            out.append((C("dequant_mm", 1, 128, 128, 1, 8, 1, chunks=ch), {}))
+        for ch in (4, 8):
+            out.append((C("dequant_mm", 1, 128, 128, 1, 8, 1, chunks=ch), {"ring": 2}))
     return out
 
 
-OVERRIDES = {"dec", "swap", "layout", "group_m", "path", "chunks"}  # sweep-entry keys beyond a ComputeConfig
+OVERRIDES = {"dec", "swap", "layout", "group_m", "ring"}  # sweep-entry keys beyond a ComputeConfig
 
 
 def path_call(x, c, fmt, kw):
     """the callable for one sweep entry (a config, tc kwargs, or a dequant + cuBLAS path)"""
-    path = kw.get("path")
-    if path == "deq_tc_mm":
-        return lambda q: x @ tcmod.dequantize_tc(q, fmt, x.dtype, c.block_n, c.num_warps).t()
-    if path == "deq_streamed":
-        return lambda q: tcmod.dequant_matmul_streamed(x, q, fmt, kw["chunks"], c.block_n, c.num_warps)
+    if "ring" in kw:
+        return lambda q: tcmod.dequant_matmul_streamed(x, q, fmt, c.chunks, c.block_n, c.num_warps, kw["ring"])
     if kw:
         return lambda q: tcmod.gemm_wna16_tc(x, q, c, fmt, **kw)
     return lambda q: gemm_wna16(x, q, c)
@@ -317,8 +316,10 @@ def main():
 
 
 def _cfg_str(c: dict) -> str:
+    if c["kernel"] == "dequant_mm":
+        return f"dequant_mm bn{c['block_n']} w{c['num_warps']}" + (f" ch{c['chunks']}" if c.get("chunks", 1) > 1 else "")
     if c["kernel"] != "tc":
-        return c["kernel"]
+        return c["kernel"] + f" {c['block_m']}x{c['block_n']} w{c['num_warps']} sk{c['split_k']}"
     return (f"tc {c['block_m']}x{c['block_n']}" + (f" bk{c['block_k']}" if c["block_k"] else "") +
             f" w{c['num_warps']} s{c['num_stages']}" + (f" sk{c['split_k']}" if c["split_k"] > 1 else "") +
             (" swap" if c.get("swap") or c["block_m"] < 64 else ""))
