@@ -23,7 +23,7 @@ from gpu_timing import graph_us  # noqa: E402
 from kestrel.kernels import gemm_wna16_tc as tcmod  # noqa: E402
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig, cache_key, m_bucket  # noqa: E402
 from kestrel.kernels.gemm_wna16 import _format_args, gemm_wna16  # noqa: E402
-from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES, tc_configs  # noqa: E402
+from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES, large_m_candidates, tc_configs  # noqa: E402
 from kestrel.quant import dequantize, quantize  # noqa: E402
 
 NAMES = ["qkv", "o", "gate_up", "down"]
@@ -57,43 +57,16 @@ def sweep_configs(m: int, n: int, k: int, variants: bool = False) -> list[tuple[
     return out
 
 
-def wide_configs(m: int, n: int, k: int) -> list[tuple[ComputeConfig, dict]]:
-    """Large-M grid for the round-1 sweep: tile x warps x stages, split-K up to ~3 CTAs per SM, grouped order,
-    a 256-deep K step, the small-M "mv" kernel at M <= 64, and the dequant + cuBLAS paths ({"path": ...})."""
-    C = ComputeConfig
-    steps = k // 128
-    if m <= 64:
-        tiles = [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 64, 0, 1, 4, 4),
-                 C("tc", 64, 64, 0, 1, 4, 3), C("tc", 32, 128, 0, 1, 8, 4)]
-    elif m <= 256:
-        tiles = [C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 4), C("tc", 64, 128, 0, 1, 8, 3),
-                 C("tc", 64, 128, 0, 1, 8, 4), C("tc", 128, 256, 0, 1, 8, 3), C("tc", 64, 64, 0, 1, 4, 4)]
-    elif m <= 1024:
-        tiles = [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 4),
-                 C("tc", 128, 256, 0, 1, 8, 3), C("tc", 128, 256, 0, 1, 8, 4), C("tc", 256, 128, 0, 1, 8, 3),
-                 C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 256, 1, 8, 2)]
-    else:
-        tiles = [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 256, 0, 1, 8, 3), C("tc", 256, 128, 0, 1, 8, 3)]
-    out = []
-    for c in tiles:
-        out.append((c, {}))
-        ntile = -(-m // c.block_m) * -(-n // c.block_n)
-        sk = 2
-        while m <= 256 and ntile * sk <= 3 * 132 and steps // sk >= 8 and sk <= 8:
-            out.append((C(**{**c.to_dict(), "split_k": sk}), {}))
-            sk *= 2
-    if m >= 1024:
-        out += [(tiles[0], {"group_m": 4}), (tiles[0], {"group_m": 16})]
-    if m <= 64:
-        for w, sk in ((4, 1), (4, 2), (4, 4), (2, 2)):
-            out.append((C("mv", 16, 128, 0, sk, w, 3), {}))
-    if m >= 256:  # dequant + cuBLAS: one pass, or column blocks on a side stream (chunks), or through reused
-        # block buffers (ring, L2)
-        out += [(C("dequant_mm", 1, 64, 128, 1, 4, 1), {}), (C("dequant_mm", 1, 128, 128, 1, 8, 1), {})]
-        for ch in ((2, 4, 8) if m >= 1024 else (2, 4)):
-            out.append((C("dequant_mm", 1, 128, 128, 1, 8, 1, chunks=ch), {}))
-        for ch in (4, 8):
-            out.append((C("dequant_mm", 1, 128, 128, 1, 8, 1, chunks=ch), {"ring": 2}))
+def wide_configs(m: int, n: int, k: int, spec) -> list[tuple[ComputeConfig, dict]]:
+    """the tuner's large-M grid (tuning.large_m_candidates) plus unstorable variants: grouped tile order and the
+    ring of reused dequant block buffers"""
+    base = large_m_candidates(LayerConfig(spec, n, k), m)
+    out = [(c, {}) for c in base]
+    tc = [c for c in base if c.kernel == "tc"]
+    if m >= 1024 and tc:
+        out += [(tc[0], {"group_m": 4}), (tc[0], {"group_m": 16})]
+    if m >= 256:
+        out += [(ComputeConfig("dequant_mm", 1, 128, 128, 1, 8, 1, chunks=ch), {"ring": 2}) for ch in (4, 8)]
     return out
 
 
@@ -240,7 +213,7 @@ def main():
                 row["default_error"] = repr(ex)[:300]
             if args.sweep:
                 row["sweep"] = []
-                cands = (wide_configs(m, n, k) if args.wide else
+                cands = (wide_configs(m, n, k, spec) if args.wide else
                          sweep_configs(m, n, k, variants=(name == first_shape)))
                 for c, kw in cands:
                     if not c.valid_for(LayerConfig(spec, n, k)):

@@ -208,6 +208,8 @@ def test_configs_valid_for_llama_shapes():
             for m in (17, 32, 64, 128, 256, 512, 1024, 4096):
                 assert heuristic(lay, m).valid_for(lay)
             assert any(c.kernel == "tc" for c in candidates(lay, 256))
+            assert any(c.kernel == "dequant_mm" and c.chunks > 1 for c in candidates(lay, 1024))
+            assert all(c.valid_for(lay) for m in (32, 64, 256, 4096) for c in candidates(lay, m))
     lay = LayerConfig(FORMATS["int4"], 4096, 4096)
     assert not ComputeConfig("tc", 64, 64, 384).valid_for(lay)  # K step not a power-of-two number of blocks
     assert not ComputeConfig("tc", 8, 64, 0).valid_for(lay)
