@@ -80,9 +80,13 @@ def main():
                     help="minimum weight copies rotated through in the CUDA graph (more for small layers, >= 200 MB)")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new shapes after this many seconds")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--from-json", nargs="+", metavar="JSON",
+                    help="no GPU: merge these result files (rows of later files win) and rewrite the table + plot")
     args = ap.parse_args()
-    t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
+    if args.from_json:
+        return replot(args.from_json, args.out)
+    t_start = time.time()
     import triton
     gpu = torch.cuda.get_device_name()
     meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -222,16 +226,53 @@ def write_markdown(res, path):
     open(path, "w").write("\n".join(lines) + "\n")
 
 
+def replot(paths, out):
+    """Merge result files (e.g. the M <= 16 and the M >= 64 runs) into one table and plot, on any machine."""
+    merged, metas = {}, []
+    for p in paths:
+        res = json.load(open(p))
+        metas.append(res["meta"])
+        for r in res["rows"]:
+            merged[(r["fmt"], r["layer"], r["M"])] = r
+    meta = dict(metas[-1])
+    meta["command"] = " ; ".join(m["command"] for m in metas)
+    meta["date"] = " / ".join(m["date"] for m in metas)
+    res = {"meta": meta, "rows": sorted(merged.values(), key=lambda r: (r["fmt"], r["layer"], r["M"]))}
+    with open(os.path.join(out, "gemm_wna16.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    write_markdown(res, os.path.join(out, "gemm_wna16.md"))
+    plot(res, os.path.join(out, "gemm_wna16.png"))
+    print(open(os.path.join(out, "gemm_wna16.md")).read())
+
+
 def plot(res, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = res["rows"]
     keys = sorted({(r["fmt"], r["layer"]) for r in rows})
+    fmts = sorted({r["fmt"] for r in rows})
     cols = 4
     nrow = -(-len(keys) // cols)
-    fig, axes = plt.subplots(nrow, cols, figsize=(4.2 * cols, 3.2 * nrow), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
+    fig, axes = plt.subplots(nrow + len(fmts), cols, figsize=(4.2 * cols, 3.2 * (nrow + len(fmts))), squeeze=False)
+    for i, fmt in enumerate(fmts):  # one row per format: kestrel vs each peer and % of copy BW, all layers
+        rs = [r for r in rows if r["fmt"] == fmt]
+        for ax, (key, label) in zip(axes[nrow + i], (("speedup_vs_humming", "x Humming (>1: kestrel faster)"),
+                                                      ("speedup_vs_cublas", "x cuBLAS bf16"),
+                                                      ("kestrel_frac_copy", "kestrel TB/s / copy TB/s"),
+                                                      ("humming_frac_copy", "Humming TB/s / copy TB/s"))):
+            for layer in sorted({r["layer"] for r in rs}):
+                pts = sorted((r["M"], r[key]) for r in rs if r["layer"] == layer and key in r)
+                if pts:
+                    ax.plot(*zip(*pts), "o-", label=layer, ms=3)
+            if key.startswith("speedup"):
+                ax.axhline(1.0, color="k", lw=0.8)
+                ax.axhline(0.9, color="r", lw=0.6, ls="--")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{fmt}: {label}", fontsize=8)
+            ax.set_xlabel("M")
+            ax.legend(fontsize=6)
+    for ax, key in zip(axes[:nrow].flat, keys):
         rs = sorted([r for r in rows if (r["fmt"], r["layer"]) == key], key=lambda r: r["M"])
         for p, style in (("kestrel", "o-"), ("humming", "s--"), ("cublas", "^:"), ("gemlite", "x-.")):
             pts = [(r["M"], r[f"{p}_us"]) for r in rs if f"{p}_us" in r]
@@ -241,7 +282,7 @@ def plot(res, path):
         ax.set_title(f"{key[0]} {key[1]} {rs[0]['N']}x{rs[0]['K']}", fontsize=8)
         ax.set_xlabel("M"); ax.set_ylabel("µs")
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes[:nrow].flat)[len(keys):]:
         ax.axis("off")
     fig.suptitle(f"WNA16 GEMM on {res['meta']['gpu']} (lower is better)")
     fig.tight_layout()
