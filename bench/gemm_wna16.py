@@ -202,6 +202,15 @@ def main():
     print(open(os.path.join(args.out, "gemm_wna16.md")).read())
 
 
+def config_str(c) -> str:
+    if not c:
+        return ""
+    if c["kernel"] == "dequant_mm":
+        return "dequant+cuBLAS" + (f" {c['chunks']} blocks overlapped" if c.get("chunks", 1) > 1 else "")
+    return (f"{c['kernel']} {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}" +
+            (f" sk{c['split_k']}" if c["split_k"] > 1 else "") + (f" bk{c['block_k']}" if c["block_k"] else ""))
+
+
 def write_markdown(res, path):
     m, rows = res["meta"], res["rows"]
     f = lambda v, p=1: "" if v is None else f"{v:.{p}f}"
@@ -214,15 +223,16 @@ def write_markdown(res, path):
              "CUDA graph of 20 calls rotating over weight copies; TB/s = packed weight bytes / time; "
              "x Humming / x cuBLAS = their time / kestrel time (>1 = kestrel faster).", "",
              "| fmt | layer | M | N | K | kestrel µs | Humming µs | cuBLAS µs | gemlite µs | kestrel TB/s | % copy | "
-             "Humming TB/s | x Humming | x cuBLAS | kestrel rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Humming TB/s | x Humming | x cuBLAS | kestrel rel err | kestrel config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append("| " + " | ".join([r["fmt"], r["layer"], str(r["M"]), str(r["N"]), str(r["K"]),
                                          f(r.get("kestrel_us")), f(r.get("humming_us")), f(r.get("cublas_us")),
                                          f(r.get("gemlite_us")), f(r.get("kestrel_TBps"), 2),
                                          f(100 * r["kestrel_frac_copy"], 0) if "kestrel_frac_copy" in r else "",
                                          f(r.get("humming_TBps"), 2), f(r.get("speedup_vs_humming"), 2),
-                                         f(r.get("speedup_vs_cublas"), 2), f(r.get("kestrel_err"), 4)]) + " |")
+                                         f(r.get("speedup_vs_cublas"), 2), f(r.get("kestrel_err"), 4),
+                                         config_str(r.get("kestrel_config"))]) + " |")
     open(path, "w").write("\n".join(lines) + "\n")
 
 
