@@ -1,6 +1,6 @@
 """WNA16 GEMM on one GPU: kestrel vs Humming (same format) vs cuBLAS bf16 (vs gemlite where it runs), one process.
 
-Timing: each call is captured 20x in a CUDA graph rotating over several weight copies (so the L2 holds none of
+Timing: each call is captured 20x (8x from M = 1024) in a CUDA graph rotating over several weight copies (so the L2 holds none of
 them), median of 20 replays; plus triton's do_bench (median, one copy, Python launch included). Effective weight
 bandwidth = packed weight bytes / time, against a measured 4 GiB device-to-device copy (read + write).
 Writes raw JSON, a markdown table and a PNG plot to --out (default $OUT or bench_out).
@@ -79,6 +79,10 @@ def main():
     ap.add_argument("--copies", type=int, default=4,
                     help="minimum weight copies rotated through in the CUDA graph (more for small layers, >= 200 MB)")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--layers", default=None, help="keep only these layers (comma list, e.g. llama3-70b:o)")
+    ap.add_argument("--interleave", action="store_true", help="alternate the models' layers (a budget cut then "
+                    "leaves rows of every model)")
+    ap.add_argument("--no-dobench", action="store_true", help="skip the do_bench column (saves device time)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--from-json", nargs="+", metavar="JSON",
                     help="no GPU: merge these result files (rows of later files win) and rewrite the table + plot")
@@ -113,7 +117,12 @@ def main():
     if args.shapes:
         shapes = [("custom", tuple(int(v) for v in s.split(","))) for s in args.shapes.split(";")]
     else:
-        shapes = [(f"{m}:{LAYER_NAMES[i]}", nk) for m in args.models.split(",") for i, nk in enumerate(MODEL_SHAPES[m])]
+        per_model = [[(f"{m}:{LAYER_NAMES[i]}", nk) for i, nk in enumerate(MODEL_SHAPES[m])]
+                     for m in args.models.split(",")]
+        shapes = ([s for group in zip(*per_model) for s in group] if args.interleave else
+                  [s for group in per_model for s in group])
+        if args.layers:
+            shapes = [s for s in shapes if s[0] in args.layers.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     rows = []
     torch.manual_seed(0)
@@ -148,13 +157,15 @@ def main():
                     print(f"gemlite {fmt} failed: {ex!r}"[:400], flush=True)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                reps = 20 if m < 1024 else 8  # calls per graph: ms-long calls need fewer for a stable median
                 row = {"fmt": fmt, "layer": name, "M": m, "N": n, "K": k, "w_bytes": wbytes,
                        "kestrel_config": TuningConfig(gpu).lookup(LayerConfig(spec, n, k), m).to_dict()}
                 ref = x.float() @ deq0.t()
                 try:
                     row["kestrel_err"] = rel_err(gemm_wna16(x, qws[0]), ref)
-                    row["kestrel_us"] = graph_us([lambda q=q: gemm_wna16(x, q) for q in qws])
-                    row["kestrel_us_dobench"] = bench_us(lambda: gemm_wna16(x, qws[0]))
+                    row["kestrel_us"] = graph_us([lambda q=q: gemm_wna16(x, q) for q in qws], reps)
+                    if not args.no_dobench:
+                        row["kestrel_us_dobench"] = bench_us(lambda: gemm_wna16(x, qws[0]))
                 except Exception as ex:
                     traceback.print_exc()
                     row["kestrel_error"] = repr(ex)[:300]
@@ -164,8 +175,9 @@ def main():
                         row["humming_err_vs_own_quant"] = None
                         y = hum[0](x)
                         row["humming_first_call_s"] = round(time.time() - t0, 2)
-                        row["humming_us"] = graph_us([lambda L=L: L(x) for L in hum])
-                        row["humming_us_dobench"] = bench_us(lambda: hum[0](x))
+                        row["humming_us"] = graph_us([lambda L=L: L(x) for L in hum], reps)
+                        if not args.no_dobench:
+                            row["humming_us_dobench"] = bench_us(lambda: hum[0](x))
                         row["humming_config"] = str(hum_cfg)
                     except Exception as ex:
                         row["humming_error"] = repr(ex)[:300]
@@ -176,7 +188,7 @@ def main():
                     except Exception as ex:
                         row["gemlite_error"] = repr(ex)[:300]
                 if "cublas" in peers:
-                    row["cublas_us"] = graph_us([lambda w=w: torch.matmul(x, w.t()) for w in ws])
+                    row["cublas_us"] = graph_us([lambda w=w: torch.matmul(x, w.t()) for w in ws], reps)
                 for p in ("kestrel", "humming", "gemlite"):
                     if f"{p}_us" in row:
                         row[f"{p}_TBps"] = wbytes / (row[f"{p}_us"] * 1e-6) / 1e12
@@ -190,10 +202,8 @@ def main():
                                             if k2 != "kestrel_config"}), flush=True)
             del ws, qws, deq0, hum, gl
             torch.cuda.empty_cache()
-    meta["wall_s"] = round(time.time() - t_start, 1)
-    res = {"meta": meta, "rows": rows}
-    with open(os.path.join(args.out, "gemm_wna16.json"), "w") as f:
-        json.dump(res, f, indent=1)
+            save(meta, rows, t_start, args.out)  # after every shape: a killed run keeps what it measured
+    res = save(meta, rows, t_start, args.out)
     write_markdown(res, os.path.join(args.out, "gemm_wna16.md"))
     try:
         plot(res, os.path.join(args.out, "gemm_wna16.png"))
@@ -220,7 +230,7 @@ def write_markdown(res, path):
              *([f"gemlite failed: {m['gemlite_errors'][0]}", ""] if m.get("gemlite_errors") else []),
              f"Command: `{m['command']}`", "",
              f"Device-to-device copy (4 GiB, read+write): {m['copy']['rw_TBps']:.3f} TB/s. Times are µs per call, "
-             "CUDA graph of 20 calls rotating over weight copies; TB/s = packed weight bytes / time; "
+             "CUDA graph of 20 calls (8 from M = 1024) rotating over weight copies; TB/s = packed weight bytes / time; "
              "x Humming / x cuBLAS = their time / kestrel time (>1 = kestrel faster).", "",
              "| fmt | layer | M | N | K | kestrel µs | Humming µs | cuBLAS µs | gemlite µs | kestrel TB/s | % copy | "
              "Humming TB/s | x Humming | x cuBLAS | kestrel rel err | kestrel config |",
@@ -234,6 +244,14 @@ def write_markdown(res, path):
                                          f(r.get("speedup_vs_cublas"), 2), f(r.get("kestrel_err"), 4),
                                          config_str(r.get("kestrel_config"))]) + " |")
     open(path, "w").write("\n".join(lines) + "\n")
+
+
+def save(meta, rows, t_start, out) -> dict:
+    meta["wall_s"] = round(time.time() - t_start, 1)
+    res = {"meta": meta, "rows": rows}
+    with open(os.path.join(out, "gemm_wna16.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
 
 
 def replot(paths, out):

@@ -58,25 +58,20 @@ def sweep_configs(m: int, n: int, k: int, variants: bool = False) -> list[tuple[
 
 
 def wide_configs(m: int, n: int, k: int, spec) -> list[tuple[ComputeConfig, dict]]:
-    """the tuner's large-M grid (tuning.large_m_candidates) plus unstorable variants: grouped tile order and the
-    ring of reused dequant block buffers"""
+    """the tuner's large-M grid (tuning.large_m_candidates) plus an unstorable variant: grouped tile order"""
     base = large_m_candidates(LayerConfig(spec, n, k), m)
     out = [(c, {}) for c in base]
     tc = [c for c in base if c.kernel == "tc"]
     if m >= 1024 and tc:
         out += [(tc[0], {"group_m": 4}), (tc[0], {"group_m": 16})]
-    if m >= 256:
-        out += [(ComputeConfig("dequant_mm", 1, 128, 128, 1, 8, 1, chunks=ch), {"ring": 2}) for ch in (4, 8)]
     return out
 
 
-OVERRIDES = {"dec", "swap", "layout", "group_m", "ring"}  # sweep-entry keys beyond a ComputeConfig
+OVERRIDES = {"dec", "swap", "layout", "group_m"}  # sweep-entry keys beyond a ComputeConfig
 
 
 def path_call(x, c, fmt, kw):
     """the callable for one sweep entry (a config, tc kwargs, or a dequant + cuBLAS path)"""
-    if "ring" in kw:
-        return lambda q: tcmod.dequant_matmul_streamed(x, q, fmt, c.chunks, c.block_n, c.num_warps, kw["ring"])
     if kw:
         return lambda q: tcmod.gemm_wna16_tc(x, q, c, fmt, **kw)
     return lambda q: gemm_wna16(x, q, c)

@@ -126,29 +126,32 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
         bn = 128 if layer.n >= 2048 else 64
         split = max(1, min(_pow2_floor(max(1, 4 * num_sms // -(-layer.n // bn))), k_steps // 2, 16))
         return ComputeConfig("mv", 16, bn, 0, split, num_warps=2, num_stages=3)
-    if 16 < m <= 256:
+    if m <= 64 or (m <= 256 and layer.spec.is_int):
         return heuristic_tc(layer, m, num_sms)
-    # M > 256: dequant pass + cuBLAS, measured on H200 at 0.78-1.09x Humming (bench/results/gemm_wna16.md); the tc
-    # kernel competes there only through `kestrel tune` until it has been timed on the GPU
+    # M > 256 (and M > 64 for minifloat weights): dequant pass + cuBLAS. H200 round 1 of 2026-12-03
+    # (bench/results/gemm_wna16_largem.md): one pass beat the tc kernel at M = 1024/4096 on every measured shape
+    # (1.2-1.4x) and at M = 256 for mxfp4; overlapping the pass with cuBLAS in column blocks (chunks) did not win
+    # beyond noise, so chunks stay a tuner candidate
     return ComputeConfig("dequant_mm", 1, 64, fit_bk(128), 1, num_warps=4, num_stages=1)
 
 
 def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
-    """16 < M <= 256: the tensor-core "tc" kernel (gemm_wna16_tc.py) with 8-warp 128-wide tiles: vectorised smem
-    stores of the decoded tile, the paired packed decode, <= 128 registers and ~100 KB smem, so two CTAs share an
-    SM and one's decode overlaps the other's wgmma. Split-K only while the output tiles leave most SMs idle and each
-    split keeps >= 8 K steps. Chosen from the sm_90 SASS of triton 3.6 (bench/wna16_tc_sass.py; swap-AB tiles wait
-    on every wgmma there), not yet from H200 timings."""
-    if m <= 64:
-        bm, bn, warps, stages = 64, 128, 8, 3
-    else:  # one W tile decode feeds 128 rows
-        bm, bn, warps, stages = 128, 128, 8, 2
-    tiles = -(-m // bm) * -(-layer.n // bn)
+    """16 < M <= 256: the tensor-core "tc" kernel (gemm_wna16_tc.py) with 8-warp 128-wide tiles (vector smem stores,
+    paired packed decode). From the H200 round-1 sweep of 2026-12-03 (bench/results/gemm_wna16_largem.md):
+    - M <= 64: 64x128, 3 stages, split-K up to ~2 CTAs per SM (each split >= 8 K steps): 70B o 40.3 -> 36.6 us at
+      split 4; the decode and the wgmma of one CTA serialise, so a second CTA per SM is the overlap.
+    - M <= 256: 128x128; 4 stages while the tiles fit one wave (one CTA per SM anyway: 70B o 119.9 -> 80.3 us,
+      8B qkv 61.6 -> 41.7), else 2 stages so two CTAs share an SM (8B gate_up: 141.8 us at 2 stages, 161.9 at 4).
+      Split-K lost everywhere at M = 256."""
     k_steps = -(-layer.k // layer.spec.k_multiple)
-    split = 1
-    while tiles * split * 2 <= num_sms * 1.3 and split < 8 and k_steps // (split * 2) >= 8:
-        split *= 2
-    return ComputeConfig("tc", bm, bn, 0, split, num_warps=warps, num_stages=stages)
+    if m <= 64:
+        tiles = -(-layer.n // 128)
+        split = 1
+        while tiles * split * 2 <= 2 * num_sms and split < 8 and k_steps // (split * 2) >= 8:
+            split *= 2
+        return ComputeConfig("tc", 64, 128, 0, split, num_warps=8, num_stages=3)
+    tiles = -(-m // 128) * -(-layer.n // 128)
+    return ComputeConfig("tc", 128, 128, 0, 1, num_warps=8, num_stages=4 if tiles <= num_sms else 2)
 
 
 @dataclass(frozen=True)

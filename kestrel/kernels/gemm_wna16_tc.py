@@ -472,49 +472,34 @@ _SIDE_STREAMS: dict = {}
 
 
 def dequant_matmul_streamed(x2: torch.Tensor, qw: QuantizedWeight, fmt: dict, chunks: int = 4,
-                            block_n: int = 128, num_warps: int = 8, ring: int = 0) -> torch.Tensor:
+                            block_n: int = 128, num_warps: int = 8) -> torch.Tensor:
     """y = x2 @ dequant(W)^T with N cut into `chunks` column blocks: a side stream dequantizes block i+1 (memory-bound)
-    while cuBLAS multiplies block i (compute-bound) on the caller's stream, so the two overlap on the GPU. The whole
-    bf16 W is rebuilt every call (no caching); only its cost is hidden behind the matmul. ring >= 2 reuses that many
-    block buffers instead of one full W (block i waits for the matmul of block i - ring), so a rewritten block may
-    still sit in L2."""
+    while cuBLAS multiplies block i (compute-bound) on the caller's stream, so the two can overlap on the GPU. The
+    whole bf16 W is rebuilt every call (no caching). H200 round 1: within noise of the one-pass path (smaller cuBLAS
+    problems lose what the overlap gains), so it is a tuner candidate, not a default."""
     n, k = qw.shape
     m = x2.shape[0]
     step = -(-(-(-n // chunks)) // 128) * 128  # 128-aligned blocks keep the paired decode
     bounds = [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
-    ring = ring if 2 <= ring < len(bounds) else 0
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-    if ring:
-        bufs = [torch.empty((step, k), device=x2.device, dtype=x2.dtype) for _ in range(ring)]
-        blocks = [bufs[i % ring][: n1 - n0] for i, (n0, n1) in enumerate(bounds)]
-    else:
-        w = torch.empty((n, k), device=x2.device, dtype=x2.dtype)
-        bufs = [w]
-        blocks = [w[n0:n1] for n0, n1 in bounds]
+    w = torch.empty((n, k), device=x2.device, dtype=x2.dtype)
     if x2.device.type != "cuda":  # CPU interpreter: same blocks, one stream
-        for (n0, n1), wb in zip(bounds, blocks):
-            dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=wb, n0=n0, n1=n1)
-            y[:, n0:n1] = (x2.float() @ wb.float().t()).to(x2.dtype)
+        for n0, n1 in bounds:
+            dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=w[n0:n1], n0=n0, n1=n1)
+            y[:, n0:n1] = (x2.float() @ w[n0:n1].float().t()).to(x2.dtype)
         return y
     main = torch.cuda.current_stream(x2.device)
     side = _SIDE_STREAMS.get(x2.device)
     if side is None:
         side = _SIDE_STREAMS[x2.device] = torch.cuda.Stream(x2.device)
-    side.wait_stream(main)  # the weight, x2 and the fresh buffers are ready
-    mm_done = []
-    for i, ((n0, n1), wb) in enumerate(zip(bounds, blocks)):
+    side.wait_stream(main)  # the weight, x2 and the fresh w are ready
+    for n0, n1 in bounds:
         with torch.cuda.stream(side):
-            if ring and i >= ring:
-                side.wait_event(mm_done[i - ring])  # its buffer is free once that matmul has read it
-            dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=wb, n0=n0, n1=n1)
+            dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=w[n0:n1], n0=n0, n1=n1)
             ev = torch.cuda.Event()
             ev.record(side)
         main.wait_event(ev)
-        torch.matmul(x2, wb.t(), out=y[:, n0:n1])
-        if ring:
-            mm_done.append(torch.cuda.Event())
-            mm_done[-1].record(main)
+        torch.matmul(x2, w[n0:n1].t(), out=y[:, n0:n1])
     main.wait_stream(side)  # join the side stream (required to end a CUDA graph capture)
-    for b in bufs:
-        b.record_stream(side)  # allocated on main, written on side: the allocator must not hand it out early
+    w.record_stream(side)  # allocated on main, written on side: the allocator must not hand it out early
     return y

@@ -43,26 +43,22 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
 
 
 def tc_configs(m: int) -> list[ComputeConfig]:
-    """tensor-core "tc" tiles tried at this M (> 16), before split-K. 8-warp 128-wide tiles get vector smem stores
-    and the paired packed decode; 4-warp 64x64 tiles fit more CTAs per SM."""
+    """tensor-core "tc" tiles tried at this M (> 16), before split-K: the ones that won or came within ~10 % somewhere
+    in the H200 round-1 sweep of 2026-12-03 (32-row, 256-row, 256-deep-K tiles and "mv" at M = 64 lost everywhere)."""
     C = ComputeConfig
     if m <= 64:
         return [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 64, 0, 1, 4, 4),
-                C("tc", 64, 64, 0, 1, 4, 3), C("tc", 32, 128, 0, 1, 8, 4)]
+                C("tc", 64, 64, 0, 1, 4, 3)]
     if m <= 256:
-        return [C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 4), C("tc", 64, 128, 0, 1, 8, 3),
-                C("tc", 64, 128, 0, 1, 8, 4), C("tc", 128, 256, 0, 1, 8, 3), C("tc", 64, 64, 0, 1, 4, 4)]
-    if m <= 1024:
         return [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 4),
-                C("tc", 128, 256, 0, 1, 8, 3), C("tc", 128, 256, 0, 1, 8, 4), C("tc", 256, 128, 0, 1, 8, 3),
-                C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 256, 1, 8, 2)]
-    return [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 256, 0, 1, 8, 3), C("tc", 256, 128, 0, 1, 8, 3)]
+                C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 256, 0, 1, 8, 3)]
+    return [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 256, 0, 1, 8, 3)]
 
 
 def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeConfig]:
     """M > 16: the tc tiles, each also split over K while the tiles fill fewer than ~3 CTAs per SM and each split
-    keeps >= 8 K steps (M <= 256); the small-M "mv" kernel up to M = 64; from M = 256 the dequant + cuBLAS path as
-    one pass or as 2-8 column blocks overlapped with the matmul (chunks). Also the grid of bench/wna16_tc_sweep.py."""
+    keeps >= 8 K steps (M <= 256); from M = 256 the dequant + cuBLAS path as one pass, and from M = 1024 also as
+    2-8 column blocks overlapped with the matmul (chunks). Also the grid of bench/wna16_tc_sweep.py --wide."""
     C = ComputeConfig
     steps = -(-layer.k // layer.spec.k_multiple)
     out = []
@@ -73,11 +69,10 @@ def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[C
         while m <= 256 and tiles * sk <= 3 * num_sms and steps // sk >= 8 and sk <= 8:
             out.append(C(**{**c.to_dict(), "split_k": sk}))
             sk *= 2
-    if m <= 64:
-        out += [C("mv", 16, 128, 0, sk, w, 3) for w, sk in ((4, 1), (4, 2), (4, 4), (2, 2))]
     if m >= 256:
         out += [C("dequant_mm", 1, 64, 128, 1, 4, 1), C("dequant_mm", 1, 128, 128, 1, 8, 1)]
-        out += [C("dequant_mm", 1, 128, 128, 1, 8, 1, chunks=ch) for ch in ((2, 4, 8) if m >= 1024 else (2, 4))]
+        if m >= 1024:
+            out += [C("dequant_mm", 1, 128, 128, 1, 8, 1, chunks=ch) for ch in (2, 4, 8)]
     return out
 
 
