@@ -40,7 +40,7 @@ def _check(qw, m, cfg=None, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("spec", FORMATS, ids=lambda s: s.name)
-@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("m", [1, 5, 33, 100, 300])
 def test_formats_default_config(spec, m):
     W = torch.randn(N, K, generator=torch.Generator().manual_seed(1))
     _check(quantize(W, spec), m)
