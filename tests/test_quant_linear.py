@@ -64,6 +64,11 @@ def test_tune_cache_lookup(tmp_path, monkeypatch):
     assert tc.lookup(layer, 1000) == over and tc.lookup(layer, 1000).chunks == 4
     assert tc.lookup(layer, 200) == ComputeConfig("tc", 128, 128, 0, 1, 8, 4)
     assert tc.lookup(layer, 2000) == heuristic(layer, 2000)
+    # a neighbour shape's entry stands in at M <= 16 only (large-M tiles depend on the layer's own wave count)
+    near = LayerConfig(QuantSpec("int4"), 6144, 4096)
+    cache.write_text(json.dumps({cache_key("FakeGPU", near, 4): {"config": tuned.to_dict()},
+                                 cache_key("FakeGPU", near, 256): {"config": over.to_dict()}}))
+    assert tc.lookup(layer, 4) == tuned and tc.lookup(layer, 256) == heuristic(layer, 256)
 
 
 def test_packaged_cache_entries_are_valid():

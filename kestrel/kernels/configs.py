@@ -126,7 +126,10 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
         bn = 128 if layer.n >= 2048 else 64
         split = max(1, min(_pow2_floor(max(1, 4 * num_sms // -(-layer.n // bn))), k_steps // 2, 16))
         return ComputeConfig("mv", 16, bn, 0, split, num_warps=2, num_stages=3)
-    if m <= 64 or (m <= 256 and layer.spec.is_int):
+    # sub-wave tc grids (< ~0.75 waves of 128x128 tiles) lose to dequant + cuBLAS from M = 65: H200 2026-12-03,
+    # M = 256: 8B qkv (0.73 waves) tie 41.7 vs 40.8 us, 8B down (0.48) tc 135.2 us vs cuBLAS alone 49.0
+    sub_wave = -(-m // 128) * -(-layer.n // 128) < 0.75 * num_sms
+    if m <= 64 or (m <= 256 and layer.spec.is_int and not sub_wave):
         return heuristic_tc(layer, m, num_sms)
     # M > 256 (and M > 64 for minifloat weights): dequant pass + cuBLAS. H200 round 1 of 2026-12-03
     # (bench/results/gemm_wna16_largem.md): one pass beat the tc kernel at M = 1024/4096 on every measured shape
@@ -174,7 +177,11 @@ class TuningConfig:
         """Exact (GPU, format, N, K, M bucket) entry; else the tuned entry of the nearest shape of the same
         GPU/format/M bucket (shape class); else the heuristic. The user cache wins over the packaged one."""
         caches = [load_cache(p) for p in (user_cache_path(), PACKAGED_CACHE)]
+        # M > 16: exact entries only. A neighbour's tc tile/stages/split depend on its own wave count: on the H200
+        # (2026-12-03 round 2) 70B o's M=256 entry cost 70B qkv 156.5 us and 8B down 135.2 us, 8B qkv's M=64 entry
+        # cost 8B o 27.2 us (18.9 with the heuristic's tile class on 2026-12-02)
         entry = nearest_shape_entry(caches, self.gpu, layer.spec.name, layer.n, layer.k, m_bucket(m),
+                                    max_dist=2.0 if m <= 16 else 0.0,
                                     accept=lambda e: _config_of(e, layer) is not None)
         return heuristic(layer, m) if entry is None else _config_of(entry, layer)
 
