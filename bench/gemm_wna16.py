@@ -1,6 +1,6 @@
 """WNA16 GEMM on one GPU: kestrel vs Humming (same format) vs cuBLAS bf16 (vs gemlite where it runs), one process.
 
-Timing: each call is captured 20x in a CUDA graph rotating over several weight copies (so the L2 holds none of
+Timing: each call is captured 20x (8x from M = 1024) in a CUDA graph rotating over several weight copies (so the L2 holds none of
 them), median of 20 replays; plus triton's do_bench (median, one copy, Python launch included). Effective weight
 bandwidth = packed weight bytes / time, against a measured 4 GiB device-to-device copy (read + write).
 Writes raw JSON, a markdown table and a PNG plot to --out (default $OUT or bench_out).
@@ -101,10 +101,18 @@ def main():
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new shapes after this many seconds")
     ap.add_argument("--warm-workers", type=int, default=0,
                     help="first JIT-compile Humming and kestrel for every (format, shape) in this many worker processes")
+    ap.add_argument("--layers", default=None, help="keep only these layers (comma list, e.g. llama3-70b:o)")
+    ap.add_argument("--interleave", action="store_true", help="alternate the models' layers (a budget cut then "
+                    "leaves rows of every model)")
+    ap.add_argument("--no-dobench", action="store_true", help="skip the do_bench column (saves device time)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--from-json", nargs="+", metavar="JSON",
+                    help="no GPU: merge these result files (rows of later files win) and rewrite the table + plot")
     args = ap.parse_args()
-    t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
+    if args.from_json:
+        return replot(args.from_json, args.out)
+    t_start = time.time()
     import triton
     gpu = torch.cuda.get_device_name()
     meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -131,7 +139,12 @@ def main():
     if args.shapes:
         shapes = [("custom", tuple(int(v) for v in s.split(","))) for s in args.shapes.split(";")]
     else:
-        shapes = [(f"{m}:{LAYER_NAMES[i]}", nk) for m in args.models.split(",") for i, nk in enumerate(MODEL_SHAPES[m])]
+        per_model = [[(f"{m}:{LAYER_NAMES[i]}", nk) for i, nk in enumerate(MODEL_SHAPES[m])]
+                     for m in args.models.split(",")]
+        shapes = ([s for group in zip(*per_model) for s in group] if args.interleave else
+                  [s for group in per_model for s in group])
+        if args.layers:
+            shapes = [s for s in shapes if s[0] in args.layers.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     if args.warm_workers:
         import multiprocessing as mp
@@ -175,13 +188,15 @@ def main():
                     print(f"gemlite {fmt} failed: {ex!r}"[:400], flush=True)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                reps = 20 if m < 1024 else 8  # calls per graph: ms-long calls need fewer for a stable median
                 row = {"fmt": fmt, "layer": name, "M": m, "N": n, "K": k, "w_bytes": wbytes,
                        "kestrel_config": TuningConfig(gpu).lookup(LayerConfig(spec, n, k), m).to_dict()}
                 ref = x.float() @ deq0.t()
                 try:
                     row["kestrel_err"] = rel_err(gemm_wna16(x, qws[0]), ref)
-                    row["kestrel_us"] = graph_us([lambda q=q: gemm_wna16(x, q) for q in qws])
-                    row["kestrel_us_dobench"] = bench_us(lambda: gemm_wna16(x, qws[0]))
+                    row["kestrel_us"] = graph_us([lambda q=q: gemm_wna16(x, q) for q in qws], reps)
+                    if not args.no_dobench:
+                        row["kestrel_us_dobench"] = bench_us(lambda: gemm_wna16(x, qws[0]))
                 except Exception as ex:
                     traceback.print_exc()
                     row["kestrel_error"] = repr(ex)[:300]
@@ -191,8 +206,9 @@ def main():
                         row["humming_err_vs_own_quant"] = None
                         y = hum[0](x)
                         row["humming_first_call_s"] = round(time.time() - t0, 2)
-                        row["humming_us"] = graph_us([lambda L=L: L(x) for L in hum])
-                        row["humming_us_dobench"] = bench_us(lambda: hum[0](x))
+                        row["humming_us"] = graph_us([lambda L=L: L(x) for L in hum], reps)
+                        if not args.no_dobench:
+                            row["humming_us_dobench"] = bench_us(lambda: hum[0](x))
                         row["humming_config"] = str(hum_cfg)
                     except Exception as ex:
                         row["humming_error"] = repr(ex)[:300]
@@ -203,7 +219,7 @@ def main():
                     except Exception as ex:
                         row["gemlite_error"] = repr(ex)[:300]
                 if "cublas" in peers:
-                    row["cublas_us"] = graph_us([lambda w=w: torch.matmul(x, w.t()) for w in ws])
+                    row["cublas_us"] = graph_us([lambda w=w: torch.matmul(x, w.t()) for w in ws], reps)
                 for p in ("kestrel", "humming", "gemlite"):
                     if f"{p}_us" in row:
                         row[f"{p}_TBps"] = wbytes / (row[f"{p}_us"] * 1e-6) / 1e12
@@ -217,16 +233,23 @@ def main():
                                             if k2 != "kestrel_config"}), flush=True)
             del ws, qws, deq0, hum, gl
             torch.cuda.empty_cache()
-    meta["wall_s"] = round(time.time() - t_start, 1)
-    res = {"meta": meta, "rows": rows}
-    with open(os.path.join(args.out, "gemm_wna16.json"), "w") as f:
-        json.dump(res, f, indent=1)
+            save(meta, rows, t_start, args.out)  # after every shape: a killed run keeps what it measured
+    res = save(meta, rows, t_start, args.out)
     write_markdown(res, os.path.join(args.out, "gemm_wna16.md"))
     try:
         plot(res, os.path.join(args.out, "gemm_wna16.png"))
     except Exception as ex:
         print("plot failed:", ex)
     print(open(os.path.join(args.out, "gemm_wna16.md")).read())
+
+
+def config_str(c) -> str:
+    if not c:
+        return ""
+    if c["kernel"] == "dequant_mm":
+        return "dequant+cuBLAS" + (f" {c['chunks']} blocks overlapped" if c.get("chunks", 1) > 1 else "")
+    return (f"{c['kernel']} {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}" +
+            (f" sk{c['split_k']}" if c["split_k"] > 1 else "") + (f" bk{c['block_k']}" if c["block_k"] else ""))
 
 
 def write_markdown(res, path):
@@ -238,19 +261,47 @@ def write_markdown(res, path):
              *([f"gemlite failed: {m['gemlite_errors'][0]}", ""] if m.get("gemlite_errors") else []),
              f"Command: `{m['command']}`", "",
              f"Device-to-device copy (4 GiB, read+write): {m['copy']['rw_TBps']:.3f} TB/s. Times are µs per call, "
-             "CUDA graph of 20 calls rotating over weight copies; TB/s = packed weight bytes / time; "
+             "CUDA graph of 20 calls (8 from M = 1024) rotating over weight copies; TB/s = packed weight bytes / time; "
              "x Humming / x cuBLAS = their time / kestrel time (>1 = kestrel faster).", "",
              "| fmt | layer | M | N | K | kestrel µs | Humming µs | cuBLAS µs | gemlite µs | kestrel TB/s | % copy | "
-             "Humming TB/s | x Humming | x cuBLAS | kestrel rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Humming TB/s | x Humming | x cuBLAS | kestrel rel err | kestrel config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append("| " + " | ".join([r["fmt"], r["layer"], str(r["M"]), str(r["N"]), str(r["K"]),
                                          f(r.get("kestrel_us")), f(r.get("humming_us")), f(r.get("cublas_us")),
                                          f(r.get("gemlite_us")), f(r.get("kestrel_TBps"), 2),
                                          f(100 * r["kestrel_frac_copy"], 0) if "kestrel_frac_copy" in r else "",
                                          f(r.get("humming_TBps"), 2), f(r.get("speedup_vs_humming"), 2),
-                                         f(r.get("speedup_vs_cublas"), 2), f(r.get("kestrel_err"), 4)]) + " |")
+                                         f(r.get("speedup_vs_cublas"), 2), f(r.get("kestrel_err"), 4),
+                                         config_str(r.get("kestrel_config"))]) + " |")
     open(path, "w").write("\n".join(lines) + "\n")
+
+
+def save(meta, rows, t_start, out) -> dict:
+    meta["wall_s"] = round(time.time() - t_start, 1)
+    res = {"meta": meta, "rows": rows}
+    with open(os.path.join(out, "gemm_wna16.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+def replot(paths, out):
+    """Merge result files (e.g. the M <= 16 and the M >= 64 runs) into one table and plot, on any machine."""
+    merged, metas = {}, []
+    for p in paths:
+        res = json.load(open(p))
+        metas.append(res["meta"])
+        for r in res["rows"]:
+            merged[(r["fmt"], r["layer"], r["M"])] = r
+    meta = dict(metas[-1])
+    meta["command"] = " ; ".join(m["command"] for m in metas)
+    meta["date"] = " / ".join(m["date"] for m in metas)
+    res = {"meta": meta, "rows": sorted(merged.values(), key=lambda r: (r["fmt"], r["layer"], r["M"]))}
+    with open(os.path.join(out, "gemm_wna16.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    write_markdown(res, os.path.join(out, "gemm_wna16.md"))
+    plot(res, os.path.join(out, "gemm_wna16.png"))
+    print(open(os.path.join(out, "gemm_wna16.md")).read())
 
 
 def plot(res, path):
@@ -259,10 +310,28 @@ def plot(res, path):
     import matplotlib.pyplot as plt
     rows = res["rows"]
     keys = sorted({(r["fmt"], r["layer"]) for r in rows})
+    fmts = sorted({r["fmt"] for r in rows})
     cols = 4
     nrow = -(-len(keys) // cols)
-    fig, axes = plt.subplots(nrow, cols, figsize=(4.2 * cols, 3.2 * nrow), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
+    fig, axes = plt.subplots(nrow + len(fmts), cols, figsize=(4.2 * cols, 3.2 * (nrow + len(fmts))), squeeze=False)
+    for i, fmt in enumerate(fmts):  # one row per format: kestrel vs each peer and % of copy BW, all layers
+        rs = [r for r in rows if r["fmt"] == fmt]
+        for ax, (key, label) in zip(axes[nrow + i], (("speedup_vs_humming", "x Humming (>1: kestrel faster)"),
+                                                      ("speedup_vs_cublas", "x cuBLAS bf16"),
+                                                      ("kestrel_frac_copy", "kestrel TB/s / copy TB/s"),
+                                                      ("humming_frac_copy", "Humming TB/s / copy TB/s"))):
+            for layer in sorted({r["layer"] for r in rs}):
+                pts = sorted((r["M"], r[key]) for r in rs if r["layer"] == layer and key in r)
+                if pts:
+                    ax.plot(*zip(*pts), "o-", label=layer, ms=3)
+            if key.startswith("speedup"):
+                ax.axhline(1.0, color="k", lw=0.8)
+                ax.axhline(0.9, color="r", lw=0.6, ls="--")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{fmt}: {label}", fontsize=8)
+            ax.set_xlabel("M")
+            ax.legend(fontsize=6)
+    for ax, key in zip(axes[:nrow].flat, keys):
         rs = sorted([r for r in rows if (r["fmt"], r["layer"]) == key], key=lambda r: r["M"])
         for p, style in (("kestrel", "o-"), ("humming", "s--"), ("cublas", "^:"), ("gemlite", "x-.")):
             pts = [(r["M"], r[f"{p}_us"]) for r in rs if f"{p}_us" in r]
@@ -272,7 +341,7 @@ def plot(res, path):
         ax.set_title(f"{key[0]} {key[1]} {rs[0]['N']}x{rs[0]['K']}", fontsize=8)
         ax.set_xlabel("M"); ax.set_ylabel("µs")
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes[:nrow].flat)[len(keys):]:
         ax.axis("off")
     fig.suptitle(f"WNA16 GEMM on {res['meta']['gpu']} (lower is better)")
     fig.tight_layout()

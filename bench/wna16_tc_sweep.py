@@ -23,10 +23,12 @@ from gpu_timing import graph_us  # noqa: E402
 from kestrel.kernels import gemm_wna16_tc as tcmod  # noqa: E402
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig, cache_key, m_bucket  # noqa: E402
 from kestrel.kernels.gemm_wna16 import _format_args, gemm_wna16  # noqa: E402
-from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES, tc_configs  # noqa: E402
+from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES, large_m_candidates, tc_configs  # noqa: E402
 from kestrel.quant import dequantize, quantize  # noqa: E402
 
 NAMES = ["qkv", "o", "gate_up", "down"]
+HUMMING_WCFG = {"int4": {"dtype": "int4", "group_size": 128},
+                "mxfp4": {"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8e8m0"}}
 SHAPES = {f"{m[7:]}:{NAMES[i]}": nk for m in MODEL_SHAPES for i, nk in enumerate(MODEL_SHAPES[m])}
 
 
@@ -53,6 +55,26 @@ def sweep_configs(m: int, n: int, k: int, variants: bool = False) -> list[tuple[
         v = base[0]
         out += [(v, {"dec": 0}), (v, {"dec": 1})]
     return out
+
+
+def wide_configs(m: int, n: int, k: int, spec) -> list[tuple[ComputeConfig, dict]]:
+    """the tuner's large-M grid (tuning.large_m_candidates) plus an unstorable variant: grouped tile order"""
+    base = large_m_candidates(LayerConfig(spec, n, k), m)
+    out = [(c, {}) for c in base]
+    tc = [c for c in base if c.kernel == "tc"]
+    if m >= 1024 and tc:
+        out += [(tc[0], {"group_m": 4}), (tc[0], {"group_m": 16})]
+    return out
+
+
+OVERRIDES = {"dec", "swap", "layout", "group_m"}  # sweep-entry keys beyond a ComputeConfig
+
+
+def path_call(x, c, fmt, kw):
+    """the callable for one sweep entry (a config, tc kwargs, or a dequant + cuBLAS path)"""
+    if kw:
+        return lambda q: tcmod.gemm_wna16_tc(x, q, c, fmt, **kw)
+    return lambda q: gemm_wna16(x, q, c)
 
 
 def gpu_check(dev: str = "cuda", k: int = 1024):
@@ -101,6 +123,7 @@ def main():
     ap.add_argument("--ms", default="32,64,128,256,1024,4096")
     ap.add_argument("--format", default="int4", choices=sorted(FORMATS))
     ap.add_argument("--sweep", action="store_true", help="time every candidate tc config, not only the default")
+    ap.add_argument("--wide", action="store_true", help="with --sweep: the large-M grid (wide_configs)")
     ap.add_argument("--humming", action="store_true", help="run Humming live (else last session's numbers)")
     ap.add_argument("--check", action="store_true", help="first: GPU correctness of the packed-asm decodes")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
@@ -147,12 +170,12 @@ def main():
         deq0 = dequantize(qws[0])
         fmt = _format_args(qws[0])
         hum = None
-        if args.humming and args.format == "int4":
+        if args.humming and args.format in HUMMING_WCFG:
             try:
                 tb = time.time()
                 hum = []
                 for w in ws[:4]:  # <= 4 copies: the JIT and transform cost dominate this bench's wall time
-                    L = HummingLayer(shape_n=n, shape_k=k, weight_config={"dtype": "int4", "group_size": 128},
+                    L = HummingLayer(shape_n=n, shape_k=k, weight_config=dict(HUMMING_WCFG[args.format]),
                                      torch_dtype=torch.bfloat16).cuda()
                     L.load_from_unquantized(w)
                     L.transform()
@@ -185,12 +208,13 @@ def main():
                 row["default_error"] = repr(ex)[:300]
             if args.sweep:
                 row["sweep"] = []
-                for c, kw in sweep_configs(m, n, k, variants=(name == first_shape)):
+                cands = (wide_configs(m, n, k, spec) if args.wide else
+                         sweep_configs(m, n, k, variants=(name == first_shape)))
+                for c, kw in cands:
                     if not c.valid_for(LayerConfig(spec, n, k)):
                         continue
                     e = {"config": c.to_dict(), **kw}
-                    call = ((lambda q, c=c, kw=kw: tcmod.gemm_wna16_tc(x, q, c, fmt, **kw)) if kw else
-                            (lambda q, c=c: gemm_wna16(x, q, c)))
+                    call = path_call(x, c, fmt, kw)
                     try:
                         tc = time.time()
                         tcmod.LAST_LAUNCH.clear()
@@ -209,7 +233,11 @@ def main():
                     row["sweep"].append(e)
                     print("  ", json.dumps({a: (round(b, 4) if isinstance(b, float) else b) for a, b in e.items()}),
                           flush=True)
-                ok = [e for e in row["sweep"] if "us" in e and e["err"] < 0.02 and "dec" not in e]
+                # the tune cache can only store plain configs (no decode / path / group_m overrides)
+                ok = [e for e in row["sweep"] if "us" in e and e["err"] < 0.02 and not set(e) & OVERRIDES]
+                plain = [e for e in row["sweep"] if "us" in e and e["err"] < 0.02]
+                if plain:
+                    row["best_any"] = min(plain, key=lambda e: e["us"])
                 if ok:
                     best = min(ok, key=lambda e: e["us"])
                     row["best_sweep"] = best
@@ -233,6 +261,10 @@ def main():
                   f"x cublas {row.get('default_x_cublas', 0):.2f}) | best sweep {b.get('us', float('nan')):.1f}us "
                   f"x hum {row.get('best_x_humming', 0):.2f} {b.get('config') and _cfg_str(b['config'])} "
                   f"| cublas {row['cublas_us']:.1f} hum {hum_us}", flush=True)
+            ba = row.get("best_any")
+            if ba:
+                print(f"BEST_ANY {name} M={m}: {ba['us']:.1f}us {_cfg_str(ba['config'])} "
+                      f"{ {a: ba[a] for a in OVERRIDES if a in ba} } x hum {hum_us and hum_us / ba['us']}", flush=True)
         del ws, qws, deq0, hum
         if dev == "cuda":
             torch.cuda.empty_cache()
@@ -252,8 +284,10 @@ def main():
 
 
 def _cfg_str(c: dict) -> str:
+    if c["kernel"] == "dequant_mm":
+        return f"dequant_mm bn{c['block_n']} w{c['num_warps']}" + (f" ch{c['chunks']}" if c.get("chunks", 1) > 1 else "")
     if c["kernel"] != "tc":
-        return c["kernel"]
+        return c["kernel"] + f" {c['block_m']}x{c['block_n']} w{c['num_warps']} sk{c['split_k']}"
     return (f"tc {c['block_m']}x{c['block_n']}" + (f" bk{c['block_k']}" if c["block_k"] else "") +
             f" w{c['num_warps']} s{c['num_stages']}" + (f" sk{c['split_k']}" if c["split_k"] > 1 else "") +
             (" swap" if c.get("swap") or c["block_m"] < 64 else ""))

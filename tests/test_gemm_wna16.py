@@ -40,7 +40,7 @@ def _check(qw, m, cfg=None, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("spec", FORMATS, ids=lambda s: s.name)
-@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("m", [1, 5, 33, 100, 300])
 def test_formats_default_config(spec, m):
     W = torch.randn(N, K, generator=torch.Generator().manual_seed(1))
     _check(quantize(W, spec), m)
@@ -52,6 +52,7 @@ def test_formats_default_config(spec, m):
     ComputeConfig("dot", 16, 32, 0, split_k=2, num_stages=2),               # split-K tensor-core path
     ComputeConfig("dot", 32, 64, 0, split_k=1, num_stages=1, num_warps=2),
     ComputeConfig("dequant_mm", 1, 32, 64),                                  # Triton dequant + matmul
+    ComputeConfig("dequant_mm", 1, 32, 128, num_warps=4, chunks=2),          # column blocks (side stream on GPU)
 ], ids=lambda c: f"{c.kernel}-bn{c.block_n}-bk{c.block_k}-sk{c.split_k}")
 @pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128),
                                   QuantSpec("uint4", has_zero_point=True, group_size=64, scale_dtype="fp16"),

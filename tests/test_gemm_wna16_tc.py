@@ -208,6 +208,8 @@ def test_configs_valid_for_llama_shapes():
             for m in (17, 32, 64, 128, 256, 512, 1024, 4096):
                 assert heuristic(lay, m).valid_for(lay)
             assert any(c.kernel == "tc" for c in candidates(lay, 256))
+            assert any(c.kernel == "dequant_mm" and c.chunks > 1 for c in candidates(lay, 1024))
+            assert all(c.valid_for(lay) for m in (32, 64, 256, 4096) for c in candidates(lay, m))
     lay = LayerConfig(FORMATS["int4"], 4096, 4096)
     assert not ComputeConfig("tc", 64, 64, 384).valid_for(lay)  # K step not a power-of-two number of blocks
     assert not ComputeConfig("tc", 8, 64, 0).valid_for(lay)
@@ -217,10 +219,10 @@ def test_configs_valid_for_llama_shapes():
                                   QuantSpec("int8", group_size=-1), QuantSpec("fp8_e4m3", group_size=-1,
                                                                               scale_dtype="fp32")],
                          ids=lambda s: s.name)
-def test_dequantize_tc_and_chunked(spec):
+def test_dequantize_tc_and_streamed(spec):
     # the large-M dequant pass built on the tc decode (_w_tile): columns n0..n1 of W, and the N-chunked
-    # dequant + matmul (reused scratch, ragged last chunk), both vs the float64 reference dequantize
-    from kestrel.kernels.gemm_wna16_tc import dequant_matmul_chunked, dequantize_tc
+    # dequant + matmul (side-stream column blocks, ragged last one), both vs the float64 reference dequantize
+    from kestrel.kernels.gemm_wna16_tc import dequant_matmul_streamed, dequantize_tc
     qw = _weight(spec, n=200, seed=9)
     ref = dequantize(qw).double()
     qd = qw.to(DEV)
@@ -230,6 +232,7 @@ def test_dequantize_tc_and_chunked(spec):
     w2 = dequantize_tc(qd, fmt, torch.bfloat16, block_n=32, num_warps=4, n0=64, n1=200).cpu().double()
     assert w2.shape == (136, 256) and ((w2 - ref[64:]).norm() / ref[64:].norm()).item() < TOL
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
-    y = dequant_matmul_chunked(x.to(DEV), qd, fmt, 96, block_n=32, num_warps=4).cpu().double()
     r = x.double() @ ref.t()
+    # the two-stream dequant + matmul (one stream on the CPU): 128-aligned column blocks, ragged last one
+    y = dequant_matmul_streamed(x.to(DEV), qd, fmt, 2, block_n=32, num_warps=4).cpu().double()
     assert ((y - r).norm() / r.norm()).item() < TOL

@@ -55,6 +55,34 @@ def test_tune_cache_lookup(tmp_path, monkeypatch):
     bad = ComputeConfig("dequant_mm", 16, 128, 96)  # does not divide K: ignored
     cache.write_text(json.dumps({cache_key("FakeGPU", layer, 4): {"config": bad.to_dict()}}))
     assert tc.lookup(layer, 4) == heuristic(layer, 4)
+    # large M: the overlapped dequant + cuBLAS entry keeps its chunks; an entry written before `chunks` existed
+    # reads as one pass
+    over = ComputeConfig("dequant_mm", 1, 128, 128, 1, 8, 1, chunks=4)
+    old_entry = {k: v for k, v in ComputeConfig("tc", 128, 128, 0, 1, 8, 4).to_dict().items() if k != "chunks"}
+    cache.write_text(json.dumps({cache_key("FakeGPU", layer, 1024): {"config": over.to_dict()},
+                                 cache_key("FakeGPU", layer, 256): {"config": old_entry}}))
+    assert tc.lookup(layer, 1000) == over and tc.lookup(layer, 1000).chunks == 4
+    assert tc.lookup(layer, 200) == ComputeConfig("tc", 128, 128, 0, 1, 8, 4)
+    assert tc.lookup(layer, 2000) == heuristic(layer, 2000)
+    # a neighbour shape's entry stands in at M <= 16 only (large-M tiles depend on the layer's own wave count)
+    near = LayerConfig(QuantSpec("int4"), 6144, 4096)
+    cache.write_text(json.dumps({cache_key("FakeGPU", near, 4): {"config": tuned.to_dict()},
+                                 cache_key("FakeGPU", near, 256): {"config": over.to_dict()}}))
+    assert tc.lookup(layer, 4) == tuned and tc.lookup(layer, 256) == heuristic(layer, 256)
+
+
+def test_packaged_cache_entries_are_valid():
+    # every entry of the shipped H200 cache must parse and fit its own (format, N, K): a bad entry would be
+    # skipped silently at run time
+    from kestrel.kernels.configs import PACKAGED_CACHE, _config_of
+    from kestrel.kernels.tuning import FORMATS
+    names = {s.name: s for s in FORMATS.values()}
+    entries = json.loads(PACKAGED_CACHE.read_text())
+    assert entries
+    for key, entry in entries.items():
+        _, name, n, k, _ = key.split("|")
+        layer = LayerConfig(names[name], int(n[1:]), int(k[1:]))
+        assert _config_of(entry, layer) is not None, key
 
 
 def test_heuristic_configs_are_valid():
@@ -71,7 +99,7 @@ def test_tune_cli_list_and_bad_shape(capsys):
     from kestrel.kernels import tune_cli
     p = argparse.ArgumentParser()
     tune_cli.add_parser(p.add_subparsers())
-    assert tune_cli.run(p.parse_args(["tune", "--shape", "4096,4096", "--m", "1,16", "--list"])) == 0
+    assert tune_cli.run(p.parse_args(["tune", "--shape", "4096,4096", "--m", "1,16,64,256,1024,4096", "--list"])) == 0
     assert "measurements" in capsys.readouterr().out
     with pytest.raises(ValueError):
         tune_cli.run(p.parse_args(["tune", "--shape", "4096x4096", "--list"]))

@@ -38,12 +38,14 @@ class ComputeConfig:
     kernel: str = "dot"
     block_m: int = 16
     block_n: int = 64
-    block_k: int = 0  # dequant_mm: dequant K tile; gemv/dot step one planar block (packing.py) at a time
+    block_k: int = 0  # tc/mv: K step (0 = one planar block, packing.py); dequant_mm: unused (one block per program)
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False  # "tc": y^T = W^T x^T (decoded W as the wgmma A operand, x^T as B)
     prefetch: int = 0  # "mv"/"mvs": planar blocks kept in flight to the L2 ahead of the loads (bulk prefetch)
+    # "dequant_mm": N column blocks; > 1 dequantizes block i+1 on a side stream while cuBLAS multiplies block i
+    chunks: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,7 +64,7 @@ class ComputeConfig:
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):
                 return False
             return -(-k_steps // kb) >= self.split_k
-        if self.kernel == "dequant_mm" and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
+        if self.kernel == "dequant_mm" and (self.block_k < 16 or self.block_k & (self.block_k - 1) or self.chunks < 1):
             return False
         if self.kernel in ("dot", "mv", "mvs") and self.block_m < 16:
             return False
@@ -128,29 +130,35 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
         bn = 128 if layer.n >= 2048 else 64
         split = max(1, min(_pow2_floor(max(1, 4 * num_sms // -(-layer.n // bn))), k_steps // 2, 16))
         return ComputeConfig("mv", 16, bn, 0, split, num_warps=2, num_stages=3)
-    if 16 < m <= 256:
+    # sub-wave tc grids (< ~0.75 waves of 128x128 tiles) lose to dequant + cuBLAS from M = 65: H200 2026-12-03,
+    # M = 256: 8B qkv (0.73 waves) tie 41.7 vs 40.8 us, 8B down (0.48) tc 135.2 us vs cuBLAS alone 49.0
+    sub_wave = -(-m // 128) * -(-layer.n // 128) < 0.75 * num_sms
+    if m <= 64 or (m <= 256 and layer.spec.is_int and not sub_wave):
         return heuristic_tc(layer, m, num_sms)
-    # M > 256: dequant pass + cuBLAS, measured on H200 at 0.78-1.09x Humming (bench/results/gemm_wna16.md); the tc
-    # kernel competes there only through `kestrel tune` until it has been timed on the GPU
+    # M > 256 (and M > 64 for minifloat weights): dequant pass + cuBLAS. H200 round 1 of 2026-12-03
+    # (bench/results/gemm_wna16_largem.md): one pass beat the tc kernel at M = 1024/4096 on every measured shape
+    # (1.2-1.4x) and at M = 256 for mxfp4; overlapping the pass with cuBLAS in column blocks (chunks) did not win
+    # beyond noise, so chunks stay a tuner candidate
     return ComputeConfig("dequant_mm", 1, 64, fit_bk(128), 1, num_warps=4, num_stages=1)
 
 
 def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
-    """16 < M <= 256: the tensor-core "tc" kernel (gemm_wna16_tc.py) with 8-warp 128-wide tiles: vectorised smem
-    stores of the decoded tile, the paired packed decode, <= 128 registers and ~100 KB smem, so two CTAs share an
-    SM and one's decode overlaps the other's wgmma. Split-K only while the output tiles leave most SMs idle and each
-    split keeps >= 8 K steps. Chosen from the sm_90 SASS of triton 3.6 (bench/wna16_tc_sass.py; swap-AB tiles wait
-    on every wgmma there), not yet from H200 timings."""
-    if m <= 64:
-        bm, bn, warps, stages = 64, 128, 8, 3
-    else:  # one W tile decode feeds 128 rows
-        bm, bn, warps, stages = 128, 128, 8, 2
-    tiles = -(-m // bm) * -(-layer.n // bn)
+    """16 < M <= 256: the tensor-core "tc" kernel (gemm_wna16_tc.py) with 8-warp 128-wide tiles (vector smem stores,
+    paired packed decode). From the H200 round-1 sweep of 2026-12-03 (bench/results/gemm_wna16_largem.md):
+    - M <= 64: 64x128, 3 stages, split-K up to ~2 CTAs per SM (each split >= 8 K steps): 70B o 40.3 -> 36.6 us at
+      split 4; the decode and the wgmma of one CTA serialise, so a second CTA per SM is the overlap.
+    - M <= 256: 128x128; 4 stages while the tiles fit one wave (one CTA per SM anyway: 70B o 119.9 -> 80.3 us,
+      8B qkv 61.6 -> 41.7), else 2 stages so two CTAs share an SM (8B gate_up: 141.8 us at 2 stages, 161.9 at 4).
+      Split-K lost everywhere at M = 256."""
     k_steps = -(-layer.k // layer.spec.k_multiple)
-    split = 1
-    while tiles * split * 2 <= num_sms * 1.3 and split < 8 and k_steps // (split * 2) >= 8:
-        split *= 2
-    return ComputeConfig("tc", bm, bn, 0, split, num_warps=warps, num_stages=stages)
+    if m <= 64:
+        tiles = -(-layer.n // 128)
+        split = 1
+        while tiles * split * 2 <= 2 * num_sms and split < 8 and k_steps // (split * 2) >= 8:
+            split *= 2
+        return ComputeConfig("tc", 64, 128, 0, split, num_warps=8, num_stages=3)
+    tiles = -(-m // 128) * -(-layer.n // 128)
+    return ComputeConfig("tc", 128, 128, 0, 1, num_warps=8, num_stages=4 if tiles <= num_sms else 2)
 
 
 @dataclass(frozen=True)
@@ -173,7 +181,11 @@ class TuningConfig:
         """Exact (GPU, format, N, K, M bucket) entry; else the tuned entry of the nearest shape of the same
         GPU/format/M bucket (shape class); else the heuristic. The user cache wins over the packaged one."""
         caches = [load_cache(p) for p in (user_cache_path(), PACKAGED_CACHE)]
+        # M > 16: exact entries only. A neighbour's tc tile/stages/split depend on its own wave count: on the H200
+        # (2026-12-03 round 2) 70B o's M=256 entry cost 70B qkv 156.5 us and 8B down 135.2 us, 8B qkv's M=64 entry
+        # cost 8B o 27.2 us (18.9 with the heuristic's tile class on 2026-12-02)
         entry = nearest_shape_entry(caches, self.gpu, layer.spec.name, layer.n, layer.k, m_bucket(m),
+                                    max_dist=2.0 if m <= 16 else 0.0,
                                     accept=lambda e: _config_of(e, layer) is not None)
         return heuristic(layer, m) if entry is None else _config_of(entry, layer)
 

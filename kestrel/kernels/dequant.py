@@ -66,12 +66,3 @@ def decode_scale(s, SCALE_KIND: tl.constexpr):
         return minifloat_to_f32(s.to(tl.int32), 4, 3)
     else:
         return s.to(tl.float32)
-
-
-@triton.jit
-def decode_codes(c, zero, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr):
-    """codes -> unscaled fp32 values: integer code - zero, or the minifloat value."""
-    if IS_INT:
-        return int_to_f32(c) - zero
-    else:
-        return minifloat_to_f32(c, EXP_BITS, MAN_BITS)

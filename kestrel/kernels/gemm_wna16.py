@@ -7,7 +7,8 @@ Kernels (JIT-specialised by constexprs per format and ComputeConfig; ComputeConf
 - "tc" (M > 16): gemm_wna16_tc.py.
 - "dot"   (older tensor-core path): tensor cores on the same planar tiles: each bit field is an exact unscaled bf16/fp16
   [16, BN] operand for a K=16 MMA against x; group scales multiply the partial products.
-- "dequant_mm" (large M, compute-bound): one bandwidth-bound Triton pass writes W as bf16, then cuBLAS.
+- "dequant_mm" (large M, compute-bound): one bandwidth-bound Triton pass writes W as bf16, then cuBLAS; with
+  chunks > 1 the pass for column block i+1 runs on a side stream under cuBLAS's matmul of block i.
 """
 from __future__ import annotations
 
@@ -16,40 +17,14 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig
-from kestrel.kernels.dequant import decode_codes, decode_scale, fp_plane, int_to_f32
+from kestrel.kernels.dequant import decode_scale, fp_plane, int_to_f32
 from kestrel.kernels.gemm_wna16_small import gemm_small
 from kestrel.kernels.gemm_wna16_stream import gemm_stream
-from kestrel.kernels.gemm_wna16_tc import gemm_wna16_tc
+from kestrel.kernels.gemm_wna16_tc import dequant_matmul_streamed, dequantize_tc, gemm_wna16_tc
 from kestrel.quant.packing import PLANE_ROWS
 from kestrel.quant.weight import QuantizedWeight
 
 _SCALE_KIND = {"fp16": 0, "bf16": 0, "fp32": 0, "e8m0": 1, "fp8_e4m3": 2}
-
-@triton.jit
-def _gather_tile(qw_ptr, s_ptr, z_ptr, k, k_mask, offs_n, n_mask, N,
-                 BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
-                 MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
-                 SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 SCALE_INSIDE: tl.constexpr, R: tl.constexpr):
-    """Rows k (a [BK] vector of input channels) of W^T -> fp32 [BK, BN]; scaled only when SCALE_INSIDE."""
-    PB: tl.constexpr = R * EPW
-    wrow = (k // PB) * R + (k % R)
-    shift = ((k % PB) // R) * BITS
-    mask = k_mask[:, None] & n_mask[None, :]
-    q = tl.load(qw_ptr + wrow[:, None] * N + offs_n[None, :], mask=mask, other=0)
-    c = (q >> shift[:, None]) & ((1 << BITS) - 1)
-    if PER_CHANNEL:
-        g_off = offs_n[None, :] + 0 * k[:, None]
-    else:
-        g_off = (k // GROUP_SIZE)[:, None] * N + offs_n[None, :]
-    if HAS_ZERO:
-        zero = tl.load(z_ptr + g_off, mask=mask, other=0).to(tl.float32)
-    else:
-        zero = CODE_OFFSET * 1.0
-    v = decode_codes(c, zero, IS_INT, EXP_BITS, MAN_BITS)
-    if SCALE_INSIDE:
-        v = v * decode_scale(tl.load(s_ptr + g_off, mask=mask, other=0), SCALE_KIND)
-    return v
 
 @triton.jit
 def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
@@ -118,24 +93,6 @@ def _dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, 
         tl.atomic_add(y_ptrs, acc, mask=mask)
 
 
-@triton.jit
-def _dequant_kernel(qw_ptr, s_ptr, z_ptr, gs_ptr, w_ptr, N, K,
-                    BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
-                    MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
-                    SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                    HAS_GSCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr):
-    """W[N, K] in the activation dtype (for the cuBLAS large-M path)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    k_mask = k < K
-    v = _gather_tile(qw_ptr, s_ptr, z_ptr, k, k_mask, offs_n, n_mask, N, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS,
-                     CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, True, R)
-    if HAS_GSCALE:
-        v = v * tl.load(gs_ptr)
-    tl.store(w_ptr + offs_n[None, :] * K + k[:, None], v.to(w_ptr.dtype.element_ty),
-             mask=k_mask[:, None] & n_mask[None, :])
-
 def _gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -148,15 +105,9 @@ def _format_args(qw: QuantizedWeight) -> dict:
                 SCALE_KIND=_SCALE_KIND[spec.scale_dtype], GROUP_SIZE=qw.group_size,
                 PER_CHANNEL=per_channel, HAS_GSCALE=qw.global_scale is not None, R=PLANE_ROWS)
 
-def dequantize_gpu(qw: QuantizedWeight, dtype=torch.bfloat16, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
-    """W[N, K] in `dtype`, decoded by the Triton kernel (the same decode the GEMM uses)."""
-    n, k = qw.shape
-    w = torch.empty((n, k), device=qw.qweight.device, dtype=dtype)
-    z = qw.zeros if qw.zeros is not None else qw.scales
-    gsc = qw.global_scale if qw.global_scale is not None else qw.scales
-    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](qw.qweight, qw.scales, z, gsc, w, n, k,
-                                                              BLOCK_N=block_n, BLOCK_K=block_k, **_format_args(qw))
-    return w
+def dequantize_gpu(qw: QuantizedWeight, dtype=torch.bfloat16, block_n: int = 128, num_warps: int = 8) -> torch.Tensor:
+    """W[N, K] in `dtype`, decoded on the device with the tc GEMM's own tile decode (gemm_wna16_tc.dequantize_tc)."""
+    return dequantize_tc(qw, _format_args(qw), dtype, block_n, num_warps)
 
 def gemm_wna16(x: torch.Tensor, qw: QuantizedWeight, config: ComputeConfig | None = None) -> torch.Tensor:
     """x [..., K] bf16/fp16 -> [..., N] in x's dtype. `config` overrides the tuned/heuristic choice."""
@@ -177,9 +128,12 @@ def gemm_wna16(x: torch.Tensor, qw: QuantizedWeight, config: ComputeConfig | Non
         raise ValueError(f"compute config {cfg} does not fit layer {layer.key}")
     if m == 0:
         return x2.new_empty((*lead, n))
-    if cfg.kernel == "dequant_mm":
-        w = dequantize_gpu(qw, x.dtype, cfg.block_n, cfg.block_k)
-        return (x2 @ w.t()).reshape(*lead, n)
+    if cfg.kernel == "dequant_mm":  # bf16 W is rebuilt every call (no caching of dequantized weights)
+        if cfg.chunks > 1:
+            y = dequant_matmul_streamed(x2, qw, _format_args(qw), cfg.chunks, cfg.block_n, cfg.num_warps)
+        else:
+            y = x2 @ dequantize_tc(qw, _format_args(qw), x.dtype, cfg.block_n, cfg.num_warps).t()
+        return y.reshape(*lead, n)
     if cfg.kernel == "tc":
         return gemm_wna16_tc(x2, qw, cfg, _format_args(qw)).reshape(*lead, n)
     if cfg.kernel == "stream":

@@ -468,18 +468,38 @@ def dequantize_tc(qw: QuantizedWeight, fmt: dict, dtype=torch.bfloat16, block_n:
     return w
 
 
-def dequant_matmul_chunked(x2: torch.Tensor, qw: QuantizedWeight, fmt: dict, chunk_n: int,
-                           block_n: int = 128, num_warps: int = 8) -> torch.Tensor:
-    """y = x2 @ dequant(W)^T, N cut into chunks: each chunk is dequantized into one reused scratch buffer and
-    multiplied by cuBLAS right away, so the bf16 chunk can be read back from L2 (50 MB) instead of HBM."""
+_SIDE_STREAMS: dict = {}
+
+
+def dequant_matmul_streamed(x2: torch.Tensor, qw: QuantizedWeight, fmt: dict, chunks: int = 4,
+                            block_n: int = 128, num_warps: int = 8) -> torch.Tensor:
+    """y = x2 @ dequant(W)^T with N cut into `chunks` column blocks: a side stream dequantizes block i+1 (memory-bound)
+    while cuBLAS multiplies block i (compute-bound) on the caller's stream, so the two can overlap on the GPU. The
+    whole bf16 W is rebuilt every call (no caching). H200 round 1: within noise of the one-pass path (smaller cuBLAS
+    problems lose what the overlap gains), so it is a tuner candidate, not a default."""
     n, k = qw.shape
     m = x2.shape[0]
+    step = -(-(-(-n // chunks)) // 128) * 128  # 128-aligned blocks keep the paired decode
+    bounds = [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-    chunk_n = min(n, chunk_n)
-    scratch = torch.empty((chunk_n, k), device=x2.device, dtype=x2.dtype)
-    for n0 in range(0, n, chunk_n):
-        n1 = min(n, n0 + chunk_n)
-        w = scratch[: n1 - n0]
-        dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=w, n0=n0, n1=n1)
-        torch.matmul(x2, w.t(), out=y[:, n0:n1])
+    w = torch.empty((n, k), device=x2.device, dtype=x2.dtype)
+    if x2.device.type != "cuda":  # CPU interpreter: same blocks, one stream
+        for n0, n1 in bounds:
+            dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=w[n0:n1], n0=n0, n1=n1)
+            y[:, n0:n1] = (x2.float() @ w[n0:n1].float().t()).to(x2.dtype)
+        return y
+    main = torch.cuda.current_stream(x2.device)
+    side = _SIDE_STREAMS.get(x2.device)
+    if side is None:
+        side = _SIDE_STREAMS[x2.device] = torch.cuda.Stream(x2.device)
+    side.wait_stream(main)  # the weight, x2 and the fresh w are ready
+    for n0, n1 in bounds:
+        with torch.cuda.stream(side):
+            dequantize_tc(qw, fmt, x2.dtype, block_n, num_warps, out=w[n0:n1], n0=n0, n1=n1)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        main.wait_event(ev)
+        torch.matmul(x2, w[n0:n1].t(), out=y[:, n0:n1])
+    main.wait_stream(side)  # join the side stream (required to end a CUDA graph capture)
+    w.record_stream(side)  # allocated on main, written on side: the allocator must not hand it out early
     return y

@@ -30,15 +30,7 @@ MODEL_SHAPES = {  # (N, K) of the linear layers (fused qkv and gate_up)
 
 
 def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
-    out = []
-    if m <= 16:
-        out += small_m_candidates(layer, m)
-    if m > 16:
-        for c, sk in itertools.product(tc_configs(m), (1, 2, 4, 8) if m <= 256 else (1,)):
-            out.append(ComputeConfig(**{**c.to_dict(), "split_k": sk}))
-    if m > 256:  # few dequant_mm tiles (the pass is bandwidth-bound), so --max-candidates still reaches tc
-        for bn, bk in ((64, 128), (128, 128), (64, 256)):
-            out.append(ComputeConfig("dequant_mm", 1, bn, bk, 1, 4, 1))
+    out = small_m_candidates(layer, m) if m <= 16 else large_m_candidates(layer, m)
     h = heuristic(layer, m)
     seen, uniq = set(), []
     for c in [h] + out:
@@ -51,17 +43,37 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
 
 
 def tc_configs(m: int) -> list[ComputeConfig]:
-    """tensor-core "tc" tiles tried at this M (> 16), before split-K; 8-warp 128-wide tiles: vector smem stores,
-    paired packed decode. Also the base of bench/wna16_tc_sweep.py."""
+    """tensor-core "tc" tiles tried at this M (> 16), before split-K: the ones that won or came within ~10 % somewhere
+    in the H200 round-1 sweep of 2026-12-03 (32-row, 256-row, 256-deep-K tiles and "mv" at M = 64 lost everywhere)."""
     C = ComputeConfig
     if m <= 64:
-        return [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 128, 0, 1, 8, 3, swap=True),
-                C("tc", 32, 128, 0, 1, 8, 4, swap=True), C("tc", 64, 64, 0, 1, 4, 4)]
+        return [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 64, 0, 1, 4, 4),
+                C("tc", 64, 64, 0, 1, 4, 3)]
     if m <= 256:
-        return [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
-                C("tc", 128, 128, 0, 1, 8, 3, swap=True), C("tc", 128, 256, 0, 1, 8, 2)]
-    return [C("tc", 128, 256, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3),
-            C("tc", 256, 128, 0, 1, 8, 2), C("tc", 128, 256, 0, 1, 8, 3)]
+        return [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 4),
+                C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 256, 0, 1, 8, 3)]
+    return [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 256, 0, 1, 8, 3)]
+
+
+def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeConfig]:
+    """M > 16: the tc tiles, each also split over K while the tiles fill fewer than ~3 CTAs per SM and each split
+    keeps >= 8 K steps (M <= 256); from M = 256 the dequant + cuBLAS path as one pass, and from M = 1024 also as
+    2-8 column blocks overlapped with the matmul (chunks). Also the grid of bench/wna16_tc_sweep.py --wide."""
+    C = ComputeConfig
+    steps = -(-layer.k // layer.spec.k_multiple)
+    out = []
+    for c in tc_configs(m):
+        out.append(c)
+        tiles = -(-m // c.block_m) * -(-layer.n // c.block_n)
+        sk = 2
+        while m <= 256 and tiles * sk <= 3 * num_sms and steps // sk >= 8 and sk <= 8:
+            out.append(C(**{**c.to_dict(), "split_k": sk}))
+            sk *= 2
+    if m >= 256:
+        out += [C("dequant_mm", 1, 64, 128, 1, 4, 1), C("dequant_mm", 1, 128, 128, 1, 8, 1)]
+        if m >= 1024:
+            out += [C("dequant_mm", 1, 128, 128, 1, 8, 1, chunks=ch) for ch in (2, 4, 8)]
+    return out
 
 
 def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
@@ -114,20 +126,10 @@ def make_weights(layer: LayerConfig, device, min_bytes: int = 256 << 20, max_cop
     return out
 
 
-def time_config(fn_for_copy, n_copies: int, rep_ms: int = 40) -> float:
-    """Median µs per call of fn over rotating weight copies (triton.testing.do_bench)."""
-    from triton.testing import do_bench
-    state = {"i": 0}
-
-    def step():
-        fn_for_copy(state["i"] % n_copies)
-        state["i"] += 1
-    return do_bench(step, warmup=10, rep=rep_ms, return_mode="median") * 1e3
-
-
 def time_config_graph(fn_for_copy, n_copies: int, calls: int = 20, replays: int = 10) -> float:
-    """Median µs per call inside a CUDA graph of `calls` calls rotating over the weight copies: what decode
-    (graph mode) sees; do_bench would time the Python launch of these few-µs kernels instead."""
+    """Median µs per call inside a CUDA graph of `calls` calls rotating over the weight copies: what the engine
+    (graph mode) sees; do_bench would time the Python launch of few-µs kernels, and of the multi-launch
+    dequant + cuBLAS paths, instead."""
     return graph_time_us([lambda i=i: fn_for_copy(i) for i in range(n_copies)], calls=calls, replays=replays)
 
 
@@ -159,15 +161,13 @@ def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progr
         cands = candidates(layer, m)
         if max_candidates:
             cands = cands[:max_candidates]
-        ref = gemm_wna16(x, weights[0], heuristic(layer, m)).float() if m <= 16 else None
+        ref = gemm_wna16(x, weights[0], heuristic(layer, m)).float()
 
         def measure(cfg):
-            if ref is not None:  # never store a config that computes something else
-                y = gemm_wna16(x, weights[0], cfg).float()
-                if not ((y - ref).norm() <= 1e-2 * ref.norm()):
-                    raise ValueError(f"{cfg} disagrees with the heuristic config")
-            timer = time_config_graph if m <= 16 else time_config
-            return timer(lambda i: gemm_wna16(x, weights[i], cfg), len(weights))
+            y = gemm_wna16(x, weights[0], cfg).float()  # never store a config that computes something else
+            if not ((y - ref).norm() <= 1e-2 * ref.norm()):
+                raise ValueError(f"{cfg} disagrees with the heuristic config")
+            return time_config_graph(lambda i: gemm_wna16(x, weights[i], cfg), len(weights))
         best, best_t, times = fastest(cands, measure, progress)
         heur_t = next((t for c, t in zip(cands, times) if c == heuristic(layer, m)), None)
         if best is not None:
