@@ -249,6 +249,16 @@ def _qgemm_kernel(
                     w_lo, w_hi = int4_halves_to_e4m3(wp, ASM)
                     part = tl.dot(w_lo, at_lo)
                     part = tl.dot(w_hi, at_hi, part)
+                elif A_FMT == 0:  # bf16 activations (W4A16): unscaled int4 values are exact in bf16, the group scale
+                    # (constant over the tile: WG >= BK) multiplies the [BN, BM] partial below, not every weight
+                    w_lo = int4_to_f32(wp & 0xF)
+                    w_hi = int4_to_f32(wp >> 4)
+                    if DOT_F32:  # interpreter: its bf16 dot is wrong; the values are bf16-exact either way
+                        part = tl.dot(w_lo, at_lo.to(tl.float32))
+                        part = tl.dot(w_hi, at_hi.to(tl.float32), part)
+                    else:
+                        part = tl.dot(w_lo.to(tl.bfloat16), at_lo)
+                        part = tl.dot(w_hi.to(tl.bfloat16), at_hi, part)
                 else:
                     part = tl.dot(int4_value(wp & 0xF).to(tl.int8), at_lo, out_dtype=tl.int32)
                     part = tl.dot(int4_value(wp >> 4).to(tl.int8), at_hi, part, out_dtype=tl.int32).to(tl.float32)
@@ -283,7 +293,6 @@ def _qgemm_kernel(
     if SWAP:
         acc = tl.trans(acc)  # once per tile, back to [BM, BN] for the shared epilogue
 
-    # ---- epilogue: scales constant over K
     # ---- epilogue: scales constant over K
     if (A_FMT == 1 or A_FMT == 2) and A_G == 0:
         acc = acc * tl.load(as_ptr + a_rows * stride_asm)[:, None]
@@ -378,6 +387,8 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
     stride_wse = ws.stride(0) if moe is not None else 0
     stride_wsn = ws.stride(-2) if (w.group and ws.dim() >= 2) else ws.stride(-1)
     a_s = a.scale if a.scale is not None else a.data
+    # swapped operands: 8-bit MMA (always for halves weights), or a halves int4 weight x bf16 when the config asks
+    swap = bool(cfg.SWAP_AB or w.halves) and uses_mma8(a, w) or bool(cfg.SWAP_AB and w.halves and a.fmt == A_BF16)
     dummy = out
     if moe is None:
         grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), cfg.SPLIT_K)
@@ -389,7 +400,7 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
         mul_routed = topk_w is not None
         topk_w = topk_w if mul_routed else dummy
         num_valid, a_div = moe["num_valid"], moe["a_div"]
-        grid = (expert_ids.numel() * triton.cdiv(N, cfg.BN), 1)
+        grid = (expert_ids.numel() * triton.cdiv(N, cfg.BN), cfg.SPLIT_K)  # split-K: out zeroed fp32 (atomics)
     _qgemm_kernel[grid](
         a.data, a_s, a.global_scale if a.global_scale is not None else a_s,
         wd, ws, w.global_scale if w.global_scale is not None else ws, out,
@@ -401,7 +412,7 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
         WG=w.group, WGN=w.group_n, HAS_WGS=w.global_scale is not None,
         IS_MOE=moe is not None, MUL_ROUTED=mul_routed, SPLIT_K=cfg.SPLIT_K,
         BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M, DOT_F32=not out.is_cuda, MMA8=uses_mma8(a, w),
-        OUT_BF16=out.dtype == torch.bfloat16, SWAP=bool(cfg.SWAP_AB or w.halves) and uses_mma8(a, w), HALVES=w.halves,
+        OUT_BF16=out.dtype == torch.bfloat16, SWAP=swap, HALVES=w.halves,
         ASM=0 if not out.is_cuda else DECODE_ASM,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

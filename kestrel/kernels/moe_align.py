@@ -67,6 +67,80 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, npost_ptr, T, E, n_blocks
         cursor += tl.sum(onehot, axis=0)
 
 
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, pos_ptr, sorted_ptr, T, E, fill_total,
+                        BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """many CTAs, pass 1: this chunk's per-expert counts are added atomically to counts[E] (zeroed by the caller);
+    the old value is where the chunk's slots of that expert start within the expert, so each slot learns its
+    position (chunks land in atomic order, slots within a chunk in order). Also fills a stripe of the sentinels."""
+    pid = tl.program_id(0)
+    e_idx = tl.arange(0, BLOCK_E)
+    t_idx = tl.arange(0, BLOCK_T)
+    t = pid * BLOCK_T + t_idx
+    ids = tl.load(ids_ptr + t, mask=t < T, other=BLOCK_E)
+    onehot = (ids[:, None] == e_idx[None, :]).to(tl.int32)
+    local = tl.sum(onehot, axis=0)
+    base = tl.atomic_add(counts_ptr + e_idx, local, mask=(e_idx < E) & (local > 0))
+    earlier = (ids[:, None] == ids[None, :]) & (t_idx[None, :] < t_idx[:, None])
+    pos = tl.sum(onehot * base[None, :], axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
+    tl.store(pos_ptr + t, pos, mask=t < T)
+    step = tl.num_programs(0) * BLOCK_T
+    for f0 in range(pid * BLOCK_T, fill_total, step):
+        tl.store(sorted_ptr + f0 + t_idx, tl.zeros([BLOCK_T], tl.int32) + T, mask=f0 + t_idx < fill_total)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, counts_ptr, pos_ptr, sorted_ptr, expert_ids_ptr, npost_ptr, T, E, n_blocks,
+                          BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """pass 2: every CTA turns counts into padded expert offsets (E values: cheap to redo per CTA), scatters its
+    chunk's slots, and writes a stripe of the block -> expert table."""
+    pid = tl.program_id(0)
+    e_idx = tl.arange(0, BLOCK_E)
+    t_idx = tl.arange(0, BLOCK_T)
+    counts = tl.load(counts_ptr + e_idx, mask=e_idx < E, other=0)
+    padded = (counts + BM - 1) // BM * BM
+    cum = tl.cumsum(padded, axis=0)
+    start = cum - padded
+    t = pid * BLOCK_T + t_idx
+    ids = tl.load(ids_ptr + t, mask=t < T, other=BLOCK_E)
+    onehot = (ids[:, None] == e_idx[None, :]).to(tl.int32)
+    dest = tl.sum(onehot * start[None, :], axis=1) + tl.load(pos_ptr + t, mask=t < T, other=0)
+    tl.store(sorted_ptr + dest, t, mask=t < T)
+    if pid == 0:
+        tl.store(npost_ptr, tl.sum(padded, axis=0))
+    cum_blk = cum // BM
+    step = tl.num_programs(0) * BLOCK_T
+    for b0 in range(pid * BLOCK_T, n_blocks, step):
+        b = b0 + t_idx
+        e_of_b = tl.sum((cum_blk[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + b, tl.minimum(e_of_b, E - 1), mask=b < n_blocks)
+
+
+def moe_align_fast(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """moe_align in two many-CTA Triton launches (+ a memset), any size, no host sync. Same blocks, block experts
+    and num_post as moe_align_torch; within an expert the slots may come in another order (chunks land in atomic
+    order), which changes nothing in the GEMM: each output row is computed from its own slot alone."""
+    T = topk_ids.numel()
+    dev = topk_ids.device
+    if not topk_ids.is_cuda:
+        _check_ids(topk_ids, num_experts)
+    B = max_blocks(T, num_experts, block_m)
+    sorted_ids = torch.empty(B * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(B, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    pos = torch.empty(max(T, 1), dtype=torch.int32, device=dev)
+    flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    BLOCK_E = triton.next_power_of_2(num_experts)
+    BLOCK_T = max(16, min(128, 8192 // BLOCK_E))
+    grid = (max(1, triton.cdiv(T, BLOCK_T)),)
+    _align_count_kernel[grid](flat, counts, pos, sorted_ids, T, num_experts, B * block_m,
+                              BLOCK_E=BLOCK_E, BLOCK_T=BLOCK_T, num_warps=4)
+    _align_scatter_kernel[grid](flat, counts, pos, sorted_ids, expert_ids, num_post, T, num_experts, B,
+                                BM=block_m, BLOCK_E=BLOCK_E, BLOCK_T=BLOCK_T, num_warps=4)
+    return sorted_ids, expert_ids, num_post
+
+
 _TRITON_ALIGN_OK = [True]
 
 

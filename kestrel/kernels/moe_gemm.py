@@ -119,4 +119,11 @@ def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int
     E, N, K = w.shape
     moe = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post=num_post, num_valid=num_slots, a_div=a_div,
                topk_weights=topk_weights)
+    if cfg.SPLIT_K > 1:  # the K splits add their partials atomically into a zeroed fp32 buffer
+        acc = out.zero_() if out.dtype == torch.float32 else torch.zeros(out.shape, dtype=torch.float32,
+                                                                          device=out.device)
+        launch(a, w.operand(), acc, num_slots, N, K, cfg, moe=moe)
+        if acc is not out:
+            out.copy_(acc)
+        return out
     return launch(a, w.operand(), out, num_slots, N, K, cfg, moe=moe)
