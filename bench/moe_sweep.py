@@ -28,6 +28,8 @@ from kestrel.kernels import moe_align as ma  # noqa: E402
 from kestrel.kernels.gemm_w4a8 import W4Weight  # noqa: E402
 from kestrel.kernels.lowbit_gemm import A_BF16, GemmConfig, Operand  # noqa: E402
 from kestrel.kernels.moe_gemm import ExpertWeights, grouped_gemm, moe_config  # noqa: E402
+from kestrel.kernels.moe_mv import MvConfig, PlanarW4, grouped_gemm_planar  # noqa: E402
+from kestrel.quant.packing import unpack_codes  # noqa: E402
 
 DEV = os.environ.get("SWEEP_DEVICE", "cuda")
 if DEV == "cpu":  # smoke test: each call runs once, no timing
@@ -47,13 +49,17 @@ def C(bm, bn, w, st, sk=1, swap=0):
     return GemmConfig(BM=bm, BN=bn, BK=128, SPLIT_K=sk, num_warps=w, num_stages=st, SWAP_AB=swap)
 
 
-DECODE = [C(16, 64, 4, 4), C(16, 128, 4, 4), C(16, 64, 4, 4, 2), C(16, 64, 4, 4, 4), C(16, 128, 4, 3, 2),
-          C(16, 64, 4, 4, 1, 1), C(16, 128, 4, 4, 1, 1), C(16, 64, 4, 4, 2, 1), C(16, 128, 4, 4, 2, 1),
-          C(16, 128, 4, 4, 4, 1), C(16, 256, 8, 3, 1, 1), C(16, 256, 8, 3, 2, 1), C(16, 64, 2, 6, 1, 1),
-          C(16, 128, 8, 4, 1, 1), C(16, 64, 4, 6, 2, 1)]
-LARGE = [C(64, 128, 4, 3), C(64, 128, 4, 4), C(64, 64, 4, 4), C(64, 256, 8, 3), C(128, 128, 8, 3), C(128, 256, 8, 3),
-         C(128, 128, 4, 3), C(32, 128, 4, 4), C(64, 128, 4, 4, 1, 1), C(64, 64, 4, 4, 1, 1), C(128, 128, 8, 3, 1, 1),
-         C(32, 128, 4, 4, 1, 1)]
+DECODE = [C(16, 64, 4, 4), C(16, 128, 4, 4), C(16, 64, 4, 4, 2), C(16, 64, 4, 4, 1, 1), C(16, 128, 4, 4, 1, 1),
+          C(16, 64, 4, 4, 2, 1), C(16, 128, 4, 4, 4, 1), C(16, 256, 8, 3, 2, 1)]
+LARGE = [C(64, 128, 4, 3), C(64, 128, 4, 4), C(128, 128, 8, 3), C(128, 256, 8, 3), C(32, 128, 4, 4),
+         C(64, 128, 4, 4, 1, 1), C(128, 128, 8, 3, 1, 1)]
+# the planar-int4 kernel (moe_mv.py): WNA16 decode's "mv" K loop
+PDECODE = [MvConfig(16, 128, sk, 2, 3) for sk in (1, 2, 4, 8)] + [
+    MvConfig(16, 64, 4, 2, 3), MvConfig(16, 128, 4, 4, 3), MvConfig(16, 128, 2, 2, 4), MvConfig(16, 128, 4, 2, 3, 1),
+    MvConfig(16, 128, 2, 2, 3, 0, 2)]
+PLARGE = [MvConfig(64, 128, 1, 4, 3), MvConfig(64, 128, 1, 8, 3), MvConfig(128, 128, 1, 8, 3),
+          MvConfig(64, 64, 1, 4, 3), MvConfig(64, 128, 1, 4, 3, 1), MvConfig(128, 128, 1, 8, 3, 1),
+          MvConfig(32, 128, 1, 4, 3)]
 
 
 def random_w4(E, N, K, gen_seed=0):
@@ -61,6 +67,23 @@ def random_w4(E, N, K, gen_seed=0):
     packed = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device=DEV, generator=g)
     scale = torch.rand(E, N, K // 128, device=DEV, generator=g) * 0.02 + 0.001
     return ExpertWeights("int4", w4=W4Weight("int4", packed, scale, 128, layout="halves"))
+
+
+def random_planar(E, N, K, gen_seed=1):
+    g = torch.Generator(device=DEV).manual_seed(gen_seed)
+    qw = torch.randint(-2**31, 2**31 - 1, (E, K // 8, N), dtype=torch.int32, device=DEV, generator=g)
+    scale = torch.rand(E, K // 128, N, device=DEV, generator=g) * 0.02 + 0.001
+    return PlanarW4(qw, scale, 128)
+
+
+def ref_rows_planar(x, P: PlanarW4, ids, slots, k):
+    K = x.shape[1]
+    out = []
+    for t in slots:
+        e = int(ids.reshape(-1)[t])
+        we = (unpack_codes(P.qweight[e], 4, K) - 8).float() * P.scales[e].t().repeat_interleave(128, dim=1)
+        out.append(x[t // k].float() @ we.t())
+    return torch.stack(out)
 
 
 def routing(M, E, k, seed):
@@ -103,6 +126,7 @@ def humming_call(L, x, ids, E, k):
 def sweep_shape(name, ms, rows, args):
     E, k, N, K = SHAPES[name]
     W = random_w4(E, N, K)
+    P = random_planar(E, N, K)
     hum = None
     if name in args.humming.split(",") and time.time() - T0 < args.humming_by_s:
         try:
@@ -128,9 +152,29 @@ def sweep_shape(name, ms, rows, args):
         ref = ref_rows(x, W, idss[0], slots, k)
         bms = sorted({c.BM for c in cfgs})
         aligns = {bm: [ma.moe_align(i, E, bm) for i in idss] for bm in bms}
+        pcfgs = PDECODE if T / E <= 16 else PLARGE
+        pref = ref_rows_planar(x, P, idss[0], slots, k)
+        for bm in {c.BM for c in pcfgs} - set(aligns):
+            aligns[bm] = [ma.moe_align(i, E, bm) for i in idss]
+        for cfg in pcfgs:
+            r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "kernel": "planar", "cfg": cfg.as_dict(),
+                 "touched_experts": touched}
+            try:
+                outs = [torch.empty(T, N, device=DEV, dtype=torch.bfloat16) for _ in idss]
+                grouped_gemm_planar(x, P, aligns[cfg.BM][0], T, k, outs[0], cfg)
+                r["err"] = ((outs[0][slots].float() - pref).norm() / pref.norm()).item()
+                r["us"] = safe_us([lambda i=i: grouped_gemm_planar(x, P, aligns[cfg.BM][i], T, k, outs[i], cfg)
+                                   for i in range(len(idss))])
+                if r["us"]:
+                    r["GBps"] = round(nbytes / r["us"] / 1e3, 1)
+            except Exception as ex:
+                traceback.print_exc()
+                r["error"] = repr(ex)[:300]
+            rows.append(r)
+            log("ROW", json.dumps(r))
         for cfg in cfgs:
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "cfg": cfg.as_dict(),
-                 "default": cfg == default, "touched_experts": touched}
+                 "default": cfg == default, "touched_experts": touched, "kernel": "lowbit"}
             try:
                 outs = [torch.empty(T, N, device=DEV, dtype=torch.bfloat16) for _ in idss]
                 grouped_gemm(a, W, aligns[cfg.BM][0], T, k, outs[0], cfg)
@@ -157,10 +201,12 @@ def sweep_shape(name, ms, rows, args):
                 r["error"] = repr(ex)[:300]
             rows.append(r)
             log("ROW", json.dumps(r))
-        best = min((r for r in rows if r.get("shape") == name and r["M"] == M and r.get("us") and "cfg" in r),
-                   key=lambda r: r["us"], default=None)
-        if best:
-            log(f"BEST {name} M={M}: {best['us']:.1f} us {best.get('GBps')} GB/s {best['cfg']}")
+        for kern in ("lowbit", "planar", None):
+            best = min((r for r in rows if r.get("shape") == name and r["M"] == M and r.get("us") and
+                        r.get("kernel") == kern), key=lambda r: r["us"], default=None)
+            if best:
+                log(f"BEST {name} M={M} {kern or 'humming'}: {best['us']:.1f} us {best.get('GBps')} GB/s "
+                    f"{best.get('cfg')}")
 
 
 def align_equivalent(got, want, ids, bm) -> bool:
@@ -202,7 +248,7 @@ def main():
     p.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "tiny"))
     p.add_argument("--ms", default="1,64,1024")
     p.add_argument("--deadline-s", type=float, default=1e9)
-    p.add_argument("--humming", default="qwen3-30b-a3b,mixtral-8x7b", help="shapes on which Humming runs too")
+    p.add_argument("--humming", default="qwen3-30b-a3b", help="shapes on which Humming runs too")
     p.add_argument("--humming-by-s", type=float, default=60, help="build no Humming layer after this many seconds")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args()
