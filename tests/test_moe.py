@@ -7,9 +7,10 @@ import torch
 
 from kestrel.kernels import act_quant as aq
 from kestrel.kernels.lowbit_gemm import A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4, Operand
-from kestrel.kernels.moe_align import max_blocks, moe_align, moe_align_torch, route_topk
+from kestrel.kernels.moe_align import max_blocks, moe_align, moe_align_fast, moe_align_torch, route_topk
 from kestrel.kernels.moe_gemm import grouped_gemm, moe_config, quantize_experts
 from kestrel.kernels.moe_layer import FusedMoE, ref_moe
+from kestrel.kernels.moe_mv import MvConfig, grouped_gemm_planar, planar_from_codes
 
 pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (or a GPU)")
 
@@ -39,6 +40,12 @@ def test_align_covers_every_slot_once(M, k, E, bm):
     # the single-launch Triton align and the torch-ops one agree exactly (both stable)
     for got, want in zip((sorted_ids, expert_ids, num_post), moe_align_torch(ids, E, bm)):
         assert torch.equal(got, want)
+    # the many-CTA align: same blocks; within an expert the slot order may differ (atomic order on a GPU)
+    fs, fe, fn = moe_align_fast(ids, E, bm)
+    assert torch.equal(fe, expert_ids) and torch.equal(fn, num_post) and torch.equal(fs < T, sorted_ids < T)
+    assert torch.equal(fs.sort().values, sorted_ids.sort().values)
+    fv = fs < T
+    assert (ids.flatten()[fs[fv].long()] == fe.repeat_interleave(bm)[fv]).all()
 
 
 def test_route_topk_renormalizes():
@@ -74,7 +81,8 @@ PAIRS = [("bf16", "bf16"), ("int4", "bf16"), ("fp8", "fp8"), ("int8", "int8"), (
 
 @pytest.mark.parametrize("wfmt,act,swap,group", [p + (0, 64) for p in PAIRS] + [
     ("fp8", "fp8", 1, 64), ("int8", "int8", 1, 64), ("int4", "fp8", 1, 64), ("mxfp4", "fp8", 1, 64),
-    ("int4", "bf16", 0, 128), ("int4", "fp8", 0, 128), ("int4", "int8", 0, 128)])  # g128: int4 "halves" packing
+    ("int4", "bf16", 0, 128), ("int4", "fp8", 0, 128), ("int4", "int8", 0, 128),  # g128: int4 "halves" packing
+    ("int4", "bf16", 1, 128), ("int4", "bf16", 3, 128), ("int4", "fp8", 2, 128)])  # swap 2/3: + split-K 2
 def test_grouped_gemm_vs_per_expert_loop(wfmt, act, swap, group):
     g = torch.Generator().manual_seed(11)
     M, k, E, N, K = 6, 2, 4, 48, 256
@@ -85,14 +93,36 @@ def test_grouped_gemm_vs_per_expert_loop(wfmt, act, swap, group):
     topk_w = torch.rand(M, k, generator=g)
     a, a_deq = _act(x, act)
     T = M * k
-    cfg = dataclasses.replace(moe_config(T, E, act), SWAP_AB=swap)  # swap: C^T = W @ A^T (8-bit MMA)
+    # swap & 1: C^T = W @ A^T (8-bit MMA, or halves int4 x bf16); swap & 2: split-K over 2 (fp32 atomics)
+    cfg = dataclasses.replace(moe_config(T, E, act), SWAP_AB=swap & 1, SPLIT_K=1 + (swap >> 1))
     out = torch.full((T, N), float("nan"))  # poisoned: every slot must be written
     grouped_gemm(a, W, moe_align(ids, E, cfg.BM), T, k, out, cfg, topk_weights=topk_w.reshape(-1))
     Wd = W.dequantize()
-    if wfmt == "int4" and act == "bf16":
-        Wd = Wd.to(torch.bfloat16).float()  # W4A16 dequantizes the weight tile to bf16 in registers
+    if wfmt == "int4" and act == "bf16" and not swap & 1:
+        Wd = Wd.to(torch.bfloat16).float()  # W4A16 dequantizes the weight tile to bf16 in registers (swapped: exact)
     ref = torch.stack([a_deq[t // k] @ Wd[ids.flatten()[t]].t() * topk_w.flatten()[t] for t in range(T)])
-    assert _rel(out, ref) < (2e-3 if (wfmt, act) == ("int4", "bf16") else 1e-5)
+    assert _rel(out, ref) < (2e-3 if (wfmt, act, swap & 1) == ("int4", "bf16", 0) else 1e-5)
+
+
+@pytest.mark.parametrize("group,cfg", [(128, MvConfig()), (128, MvConfig(BN=32, SPLIT_K=2)),
+                                       (64, MvConfig(BM=32, BN=16, SWAP=1, KB=2)), (128, MvConfig(SPLIT_K=2, SWAP=1))])
+def test_planar_grouped_gemm_vs_float64_loop(group, cfg):
+    """planar int4 grouped GEMM (moe_mv) vs a per-slot float64 loop on the dequantized expert weights."""
+    g = torch.Generator().manual_seed(3)
+    M, k, E, N, K = 5, 2, 4, 48, 256
+    q = torch.randint(-8, 8, (E, N, K), generator=g)
+    sc = torch.rand(E, N, K // group, generator=g) * 0.1 + 0.01
+    w = planar_from_codes(q, sc, group)
+    Wd = q.double() * sc.double().repeat_interleave(group, -1)
+    assert torch.allclose(w.dequantize().double(), Wd, atol=1e-6)  # the layout round trip
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
+    tw = torch.rand(M, k, generator=g)
+    T = M * k
+    ref = torch.stack([x[t // k].double() @ Wd[ids.flatten()[t]].t() * tw.flatten()[t] for t in range(T)])
+    out = torch.full((T, N), float("nan"))  # poisoned: every slot must be written
+    grouped_gemm_planar(x, w, moe_align(ids, E, cfg.BM), T, k, out, cfg, topk_weights=tw.reshape(-1))
+    assert _rel(out, ref) < 1e-6
 
 
 # per-activation-format tolerance of the whole layer vs the loop: the loop computes the intermediate in another
