@@ -157,3 +157,19 @@ def test_moe_bad_inputs():
     with pytest.raises(ValueError):
         moe(torch.randn(3, 32))
     assert moe(torch.randn(0, 64)).shape == (0, 64)  # an empty batch is fine
+
+
+def test_fused_moe_planar_int4_vs_reference_loop():
+    """the layer with planar int4 experts (moe_mv kernel for both projections) vs the per-expert loop."""
+    torch.manual_seed(6)
+    M, H, I, E, k = 5, 128, 128, 4, 2
+    router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=64, planar=True)
+    assert moe.w13.planar is not None and moe.w2.planar is not None
+    x = torch.randn(M, H).to(torch.bfloat16)
+    tw, ti = moe.route(x)
+    y = moe(x)
+    ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")
+    assert _rel(y, ref) < LAYER_TOL["bf16"]
+    # same quantized values as the halves/pairs int4 layer
+    assert torch.equal(moe.w13.dequantize(), FusedMoE.from_float(router, w13, w2, k, "int4", group=64).w13.dequantize())

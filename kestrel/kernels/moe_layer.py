@@ -7,7 +7,8 @@ import torch
 
 from kestrel.kernels import act_quant
 from kestrel.kernels.moe_align import moe_align, route_topk
-from kestrel.kernels.moe_gemm import ExpertWeights, check_pair, grouped_gemm, moe_config, quant_act, quantize_experts
+from kestrel.kernels.moe_gemm import (ExpertWeights, check_pair, grouped_gemm, moe_config, moe_configs, quant_act,
+                                      quantize_experts)
 
 
 class FusedMoE(torch.nn.Module):
@@ -29,9 +30,10 @@ class FusedMoE(torch.nn.Module):
 
     @classmethod
     def from_float(cls, router, w13, w2, top_k: int, weight_fmt: str = "bf16", act: str = "bf16", group: int = 128,
-                   renormalize: bool = True):
-        return cls(router.to(torch.bfloat16), quantize_experts(w13, weight_fmt, group),
-                   quantize_experts(w2, weight_fmt, group), top_k, act, renormalize)
+                   renormalize: bool = True, planar: bool = False):
+        """planar: int4 weights in the WNA16 planar layout (moe_mv kernel; bf16 activations)."""
+        return cls(router.to(torch.bfloat16), quantize_experts(w13, weight_fmt, group, planar=planar),
+                   quantize_experts(w2, weight_fmt, group, planar=planar), top_k, act, renormalize)
 
     def to(self, device):
         self.router = self.router.to(device)
@@ -58,7 +60,7 @@ class FusedMoE(torch.nn.Module):
         if not act_quant.use_triton(x):
             return ref_moe(x, topk_w, topk_ids, self.w13.dequantize(), self.w2.dequantize(), self.act).to(x.dtype)
         T = M * self.top_k
-        cfg = moe_config(T, self.num_experts, self.act)
+        cfg, cfg2 = moe_configs(T, self.num_experts, self.act, self.w13, self.w2)
         if align is None:
             align = moe_align(topk_ids, self.num_experts, cfg.BM)
         h = torch.empty((T, 2 * self.inter), dtype=torch.bfloat16, device=x.device)
@@ -69,7 +71,6 @@ class FusedMoE(torch.nn.Module):
             a2 = Operand(A_FP8, q, s)
         else:
             a2 = quant_act(act_quant.silu_mul(h), self.act)
-        cfg2 = moe_config(T, self.num_experts, self.act)
         y = torch.empty((T, self.hidden), dtype=torch.float32, device=x.device)
         grouped_gemm(a2, self.w2, align, T, 1, y, cfg2, topk_weights=topk_w.reshape(-1).float().contiguous())
         return y.view(M, self.top_k, self.hidden).sum(1).to(x.dtype)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _mv_block, _workspace
+from kestrel.kernels.lowbit import round_bf16
 from kestrel.quant.packing import PLANE_ROWS, pack_codes, unpack_codes
 
 EPW = 8  # int4 codes per int32 word
@@ -100,6 +101,8 @@ def _moe_mv_kernel(x_ptr, qw_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, topk_w_ptr, sor
         acc = tl.trans(acc)
     if MUL_ROUTED:
         acc = acc * tl.load(topk_w_ptr + tok, mask=row_ok, other=0.0)[:, None]
+    if DOT_F32 and not SPLIT and y_ptr.dtype.element_ty == tl.bfloat16:
+        acc = round_bf16(acc)  # interpreter: its bf16 cast truncates, the GPU's rounds to nearest
     _finish(acc, y_ptr, ws_ptr, cnt_ptr, tok.to(tl.int64), offs_n, row_ok, n_mask, num_valid, N, stride_ym,
             pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
 
