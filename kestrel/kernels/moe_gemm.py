@@ -130,11 +130,21 @@ def moe_config(num_slots: int, num_experts: int, act: str) -> GemmConfig:
     return GemmConfig(BM=bm, BN=128 if bm >= 64 else 64, BK=bk, num_warps=warps, num_stages=3 if bm >= 128 else 4)
 
 
-def moe_configs(num_slots: int, num_experts: int, act: str, w13: ExpertWeights, w2: ExpertWeights,
+def moe_configs(num_tokens: int, top_k: int, num_experts: int, act: str, w13: ExpertWeights, w2: ExpertWeights,
                 num_sms: int = 132):
-    """(up, down) compute configs of one MoE layer call. They share block_m (one sort/align serves both)."""
-    base = moe_config(num_slots, num_experts, act)
-    return tuple(_projection_config(base, num_slots, num_experts, w, num_sms) for w in (w13, w2))
+    """(up, down) compute configs of one MoE layer call: the tune cache's entry (`kestrel tune --moe`) where one
+    exists for this GPU, projection shape and token bucket, else the heuristic. Both share block_m (one sort/align
+    serves both projections)."""
+    from kestrel.kernels.moe_tune import kernel_name, lookup
+    T = num_tokens * top_k
+    base = moe_config(T, num_experts, act)
+    out = []
+    for w in (w13, w2):
+        E, N, K = w.shape
+        name = kernel_name(w, act)
+        tuned = lookup(name, num_tokens, E, top_k, N, K, base.BM) if name and w.shape[0] else None
+        out.append(tuned or _projection_config(base, T, num_experts, w, num_sms))
+    return tuple(out)
 
 
 def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: ExpertWeights, num_sms: int):

@@ -60,7 +60,7 @@ class FusedMoE(torch.nn.Module):
         if not act_quant.use_triton(x):
             return ref_moe(x, topk_w, topk_ids, self.w13.dequantize(), self.w2.dequantize(), self.act).to(x.dtype)
         T = M * self.top_k
-        cfg, cfg2 = moe_configs(T, self.num_experts, self.act, self.w13, self.w2)
+        cfg, cfg2 = moe_configs(M, self.top_k, self.num_experts, self.act, self.w13, self.w2)
         if align is None:
             align = moe_align(topk_ids, self.num_experts, cfg.BM)
         h = torch.empty((T, 2 * self.inter), dtype=torch.bfloat16, device=x.device)

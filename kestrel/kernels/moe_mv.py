@@ -10,7 +10,7 @@ tile sums the fp32 partials in split order), so the output is written once, in b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -120,6 +120,10 @@ class MvConfig:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MvConfig":
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def grouped_gemm_planar(x: torch.Tensor, w: PlanarW4, align, num_slots: int, a_div: int, out: torch.Tensor,
