@@ -123,6 +123,9 @@ def test_planar_grouped_gemm_vs_float64_loop(group, cfg):
     out = torch.full((T, N), float("nan"))  # poisoned: every slot must be written
     grouped_gemm_planar(x, w, moe_align(ids, E, cfg.BM), T, k, out, cfg, topk_weights=tw.reshape(-1))
     assert _rel(out, ref) < 1e-6
+    red = torch.full((M, N), float("nan"))  # reduce_k: each token's k slots summed by the kernel (zeroes it first)
+    grouped_gemm_planar(x, w, moe_align(ids, E, cfg.BM), T, k, red, cfg, topk_weights=tw.reshape(-1), reduce_k=k)
+    assert _rel(red, ref.view(M, k, N).sum(1)) < 1e-6
 
 
 # per-activation-format tolerance of the whole layer vs the loop: the loop computes the intermediate in another
@@ -171,5 +174,7 @@ def test_fused_moe_planar_int4_vs_reference_loop():
     y = moe(x)
     ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")
     assert _rel(y, ref) < LAYER_TOL["bf16"]
+    moe.fused_reduce = False  # down GEMM writes [T, H] slots, summed after: the same result up to fp32 order
+    assert _rel(moe(x), y) < 5e-3 and _rel(moe(x), ref) < LAYER_TOL["bf16"]
     # same quantized values as the halves/pairs int4 layer
     assert torch.equal(moe.w13.dequantize(), FusedMoE.from_float(router, w13, w2, k, "int4", group=64).w13.dequantize())

@@ -163,11 +163,14 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
 
 
 def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int, out: torch.Tensor,
-                 cfg, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+                 cfg, topk_weights: torch.Tensor | None = None, reduce_k: int = 0) -> torch.Tensor:
     """out[slot] = A[slot // a_div] @ W[expert(slot)]^T (x routing weight) for every valid slot, one launch.
-    cfg: a GemmConfig (lowbit_gemm kernel) or, for planar int4 weights, an MvConfig (moe_mv kernel)."""
+    cfg: a GemmConfig (lowbit_gemm kernel) or, for planar int4 weights, an MvConfig (moe_mv kernel). reduce_k
+    (planar only): out [slots // reduce_k, N] fp32 gets each token's sum over its slots (moe_mv)."""
     if w.planar is not None:
-        return grouped_gemm_planar(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights)
+        return grouped_gemm_planar(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)
+    if reduce_k:
+        raise ValueError("reduce_k is implemented by the planar kernel only")
     sorted_ids, expert_ids, num_post = align
     E, N, K = w.shape
     moe = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post=num_post, num_valid=num_slots, a_div=a_div,

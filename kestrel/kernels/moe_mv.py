@@ -60,10 +60,10 @@ def planar_from_codes(q: torch.Tensor, scale: torch.Tensor, group: int) -> Plana
 
 @triton.jit
 def _moe_mv_kernel(x_ptr, qw_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr,
-                   num_valid, a_div, N, K, stride_xm, stride_ym, stride_qe, stride_se, split_k,
+                   num_valid, a_div, out_div, N, K, stride_xm, stride_ym, stride_qe, stride_se, split_k,
                    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                    NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr,
-                   MUL_ROUTED: tl.constexpr, KB: tl.constexpr, R: tl.constexpr):
+                   MUL_ROUTED: tl.constexpr, REDUCE: tl.constexpr, KB: tl.constexpr, R: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -101,10 +101,15 @@ def _moe_mv_kernel(x_ptr, qw_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, topk_w_ptr, sor
         acc = tl.trans(acc)
     if MUL_ROUTED:
         acc = acc * tl.load(topk_w_ptr + tok, mask=row_ok, other=0.0)[:, None]
-    if DOT_F32 and not SPLIT and y_ptr.dtype.element_ty == tl.bfloat16:
-        acc = round_bf16(acc)  # interpreter: its bf16 cast truncates, the GPU's rounds to nearest
-    _finish(acc, y_ptr, ws_ptr, cnt_ptr, tok.to(tl.int64), offs_n, row_ok, n_mask, num_valid, N, stride_ym,
-            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
+    if REDUCE:  # sum over each token's k slots here: fp32 atomics into y[token] (zeroed), K splits included
+        y_rows = (tok // out_div).to(tl.int64)
+        tl.atomic_add(y_ptr + y_rows[:, None] * stride_ym + offs_n[None, :], acc,
+                      mask=row_ok[:, None] & n_mask[None, :])
+    else:
+        if DOT_F32 and not SPLIT and y_ptr.dtype.element_ty == tl.bfloat16:
+            acc = round_bf16(acc)  # interpreter: its bf16 cast truncates, the GPU's rounds to nearest
+        _finish(acc, y_ptr, ws_ptr, cnt_ptr, tok.to(tl.int64), offs_n, row_ok, n_mask, num_valid, N, stride_ym,
+                pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
 
 
 @dataclass(frozen=True)
@@ -127,9 +132,11 @@ class MvConfig:
 
 
 def grouped_gemm_planar(x: torch.Tensor, w: PlanarW4, align, num_slots: int, a_div: int, out: torch.Tensor,
-                        cfg: MvConfig, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+                        cfg: MvConfig, topk_weights: torch.Tensor | None = None, reduce_k: int = 0) -> torch.Tensor:
     """out[slot] = x[slot // a_div] @ W[expert(slot)]^T (x routing weight) for every valid slot, one launch.
-    x bf16/fp16 [tokens, K] contiguous, out [num_slots, N] (any float dtype)."""
+    x bf16/fp16 [tokens, K] contiguous, out [num_slots, N] (any float dtype). reduce_k > 0: out is fp32
+    [num_slots // reduce_k, N] and receives the sum over each token's reduce_k slots (out[t] = sum_j slot t*k+j;
+    zeroed here, filled by atomics: the order of the k additions is not fixed)."""
     sorted_ids, expert_ids, num_post = align
     E, N, K = w.shape
     if x.shape[-1] != K or K % BLOCK_K:
@@ -140,7 +147,12 @@ def grouped_gemm_planar(x: torch.Tensor, w: PlanarW4, align, num_slots: int, a_d
         raise ValueError(f"the sort/align was made for another block size than BM={cfg.BM}")
     split = max(1, min(cfg.SPLIT_K, K // BLOCK_K))
     on_gpu = x.is_cuda
-    if split > 1:
+    if reduce_k:
+        if out.dtype != torch.float32 or out.shape[0] * reduce_k != num_slots:
+            raise ValueError(f"reduce_k={reduce_k}: out must be fp32 [{num_slots // reduce_k}, N]")
+        out.zero_()
+        ws, cnt = out, out
+    elif split > 1:
         if blocks * n_tiles > _CNT_SLOTS:
             raise ValueError(f"split-K over {blocks * n_tiles} tiles exceeds {_CNT_SLOTS} counters")
         ws, cnt = _workspace(x.device, split * num_slots * N)
@@ -149,8 +161,10 @@ def grouped_gemm_planar(x: torch.Tensor, w: PlanarW4, align, num_slots: int, a_d
     tw = topk_weights if topk_weights is not None else out
     _moe_mv_kernel[(n_tiles, blocks, split)](
         x, w.qweight, w.scales, out, ws, cnt, tw, sorted_ids, expert_ids, num_post,
-        num_slots, a_div, N, K, x.stride(0), out.stride(0), w.qweight.stride(0), w.scales.stride(0), split,
+        num_slots, a_div, max(reduce_k, 1), N, K, x.stride(0), out.stride(0), w.qweight.stride(0),
+        w.scales.stride(0), split,
         GROUP_SIZE=w.group, BLOCK_M=cfg.BM, BLOCK_N=cfg.BN, SPLIT=split > 1, NUM_STAGES=cfg.num_stages,
-        SWAP=bool(cfg.SWAP), DOT_F32=not on_gpu, ASM=on_gpu, MUL_ROUTED=topk_weights is not None, KB=cfg.KB,
+        SWAP=bool(cfg.SWAP), DOT_F32=not on_gpu, ASM=on_gpu, MUL_ROUTED=topk_weights is not None,
+        REDUCE=reduce_k > 0, KB=cfg.KB,
         R=PLANE_ROWS, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
