@@ -274,5 +274,41 @@ def main():
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--markdown" not in sys.argv:
     main()
+
+
+def to_markdown(d: dict) -> str:
+    """tables of a moe_sweep.json: configs per (shape, M) fastest first, then the align timings."""
+    rows, meta = d["rows"], d["meta"]
+    out = [f"GPU {meta['gpu']}, {meta['date']}, `{meta['command']}`", ""]
+    keys = list(dict.fromkeys((r["shape"], r["M"]) for r in rows if "shape" in r))
+    for shape, M in keys:
+        sr = sorted((r for r in rows if r.get("shape") == shape and r["M"] == M), key=lambda r: r.get("us") or 1e9)
+        r0 = sr[0]
+        out += [f"### {shape} M={M} (E={r0['E']} top-{r0['top_k']}, N={r0['N']} K={r0['K']}, "
+                f"{r0.get('touched_experts', 0):.1f} experts touched per call)", "",
+                "| kernel | BM | BN | split | warps | stages | swap | KB | us | GB/s | err |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sr:
+            c = r.get("cfg") or {}
+            swap = c.get("SWAP", c.get("SWAP_AB", ""))
+            us = f"{r['us']:.1f}" if r.get("us") else r.get("error", "-")[:40]
+            err = f"{r['err']:.1e}" if r.get("err") is not None else "-"
+            out.append(f"| {r.get('kernel', r.get('peer'))}{' (default)' if r.get('default') else ''} | {c.get('BM', '')} | "
+                       f"{c.get('BN', '')} | {c.get('SPLIT_K', '')} | {c.get('num_warps', '')} | "
+                       f"{c.get('num_stages', '')} | {swap} | {c.get('KB', '')} | {us} | {r.get('GBps', '-')} | {err} |")
+        out.append("")
+    al = [r for r in rows if r.get("align")]
+    if al:
+        out += ["### sort/align (us)", "", "| E | top-k | M | BM | torch | single-CTA default | many-CTA fast | fast == torch blocks |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in al:
+            f = lambda k: f"{r[k]:.1f}" if r.get(k) else "-"  # noqa: E731
+            out.append(f"| {r['E']} | {r['top_k']} | {r['M']} | {r['BM']} | {f('torch_us')} | {f('default_us')} | "
+                       f"{f('fast_us')} | {r.get('fast_same')} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--markdown":
+    print(to_markdown(json.load(open(sys.argv[2]))))
