@@ -49,10 +49,10 @@ def int4_to_e4m3(nibble):
 # int4 -> e4m3 for a whole 32-bit register (4 packed bytes, "halves" packing) in 15 integer / f16x2 instructions
 # instead of ~6 scalar ops per nibble: a LOP3 puts two nibbles (xor 8) into the mantissas of an f16x2 whose exponent is
 # 2^10, one f16x2 sub / fma removes the bias (the high nibble sits 4 bits up: x 1/16 in the same fma), one cvt packs
-# two e4m3, one PRMT restores the byte order. Exact (the integers -8..7 are f16 and e4m3 values). GPU only: the
-# interpreter has no PTX, it runs int4_to_e4m3 (same values). DECODE_ASM: 0 = Triton ops, 1 / 2 = asm (two byte
-# orders of the final PRMT; the bench checks both against the reference on the device, see lowbit_decode docs).
-DECODE_ASM = 0  # set to the variant the device check verified (bench/w4a8_decode_sweep.py); 0 until then
+# two e4m3, one PRMT restores the byte order (0x3120: cvt puts the upper f16's byte in the upper byte, PTX ISA; the
+# other order once kept as a variant is wrong, tests/test_gemm_w4a.py emulates both). Exact (the integers -8..7 are
+# f16 and e4m3 values). GPU only: the interpreter has no PTX, it runs int4_to_e4m3 (same values).
+DECODE_ASM = 0  # 1 = the asm decode (bench/w4a8_decode_sweep.py checks it on the device and times it against 0)
 
 
 def _int4x4_asm(sel: str) -> str:
@@ -69,14 +69,19 @@ def _int4x4_asm(sel: str) -> str:
             f"prmt.b32 $0, p, 0, {sel};\nprmt.b32 $1, q, 0, {sel};\n}}")
 
 
+# a module-level constexpr: a jit function may reference a global of this kind, not call a Python function (Triton
+# 3.6 rejects that when it hashes the kernel's dependencies)
+_ASM_INT4X4 = tl.constexpr(_int4x4_asm("0x3120"))
+
+
 @triton.jit
 def int4_halves_to_e4m3(wp, ASM: tl.constexpr):
     """packed int4 bytes (uint8 tile) -> (low nibbles, high nibbles) as float8e4nv tiles of the same shape."""
     if ASM == 0:
         return int4_to_e4m3(wp & 0xF), int4_to_e4m3(wp >> 4)
     else:
-        lo, hi = tl.inline_asm_elementwise(_int4x4_asm("0x3120") if ASM == 1 else _int4x4_asm("0x2031"),
-                                           "=r,=r,r", [wp], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(_ASM_INT4X4, "=r,=r,r", [wp], dtype=(tl.uint8, tl.uint8), is_pure=True,
+                                           pack=4)
         return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
 
 
