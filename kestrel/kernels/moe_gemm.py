@@ -119,11 +119,12 @@ def quant_act(x: torch.Tensor, act: str) -> Operand:
     return Operand(A_NVFP4, q, s, gs)
 
 
-def moe_config(num_slots: int, num_experts: int, act: str) -> GemmConfig:
-    """block_m follows the average rows per expert (decode: 16, so padding waste stays small). Not yet in the tune
-    cache: up and down projections must share block_m (one sort/align serves both)."""
+def moe_config(num_slots: int, num_experts: int, act: str, planar: bool = False) -> GemmConfig:
+    """block_m follows the average rows per expert (decode: 16, so padding waste stays small); up and down
+    projections share it (one sort/align serves both). The planar kernel stops at 64 (its 128-row blocks measured
+    1.5x slower than 64-row swapped ones on Mixtral at M = 1024, bench/results/moe_h200_run4.md)."""
     per_expert = num_slots / max(num_experts, 1)
-    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 else 128
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 or planar else 128
     dq16 = act in ("bf16", "mxfp4", "nvfp4")
     bk = 64 if dq16 else 128
     warps = 8 if bm >= 128 else 4
@@ -137,7 +138,7 @@ def moe_configs(num_tokens: int, top_k: int, num_experts: int, act: str, w13: Ex
     serves both projections)."""
     from kestrel.kernels.moe_tune import kernel_name, lookup
     T = num_tokens * top_k
-    base = moe_config(T, num_experts, act)
+    base = moe_config(T, num_experts, act, planar=w13.planar is not None)
     out = []
     for w in (w13, w2):
         E, N, K = w.shape
@@ -148,18 +149,22 @@ def moe_configs(num_tokens: int, top_k: int, num_experts: int, act: str, w13: Ex
 
 
 def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: ExpertWeights, num_sms: int):
+    """the heuristic for one projection; planar int4 from the H200 sweep (bench/results/moe_h200_run4.md)."""
     if w.planar is None:
         return base
     E, N, K = w.shape
     bm = base.BM
-    if bm <= 16:  # decode: a weight stream; K splits until ~4 programs per SM (the WNA16 decode rule)
-        bn = 128 if N >= 2048 else 64
+    if bm <= 16:
+        # decode: a weight stream. K splits while the programs (touched experts x N tiles, at most min(E, slots)
+        # experts) stay under ~8 per SM: Qwen3 M=1 (96 programs) split 4, DeepSeek-V3 (256) 2-4, Mixtral (448) 2
+        bn = 128 if N >= 1024 else 64
         progs = min(num_experts, num_slots) * triton.cdiv(N, bn)
         split = 1
-        while split < 16 and progs * split * 2 <= 4 * num_sms and K // (128 * split * 2) >= 2:
+        while split < 4 and progs * split * 2 <= 8 * num_sms and K // (128 * split * 2) >= 2:
             split *= 2
         return MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=2, num_stages=3)
-    return MvConfig(BM=bm, BN=128, num_warps=4 if bm <= 64 else 8, num_stages=3)
+    # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
+    return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
 
 
 def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int, out: torch.Tensor,

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _mv_block, _workspace
-from kestrel.kernels.gemm_wna16_tc import _w_tile
 from kestrel.kernels.lowbit import round_bf16
 from kestrel.quant.packing import PLANE_ROWS, pack_codes, unpack_codes
 
@@ -113,69 +112,6 @@ def _moe_mv_kernel(x_ptr, qw_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, topk_w_ptr, sor
                 pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
 
 
-@triton.jit
-def _moe_tc_kernel(x_ptr, qw_ptr, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr,
-                   num_valid, a_div, out_div, N, K, stride_xm, stride_ym, stride_qe, stride_se,
-                   GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                   NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr, DEC: tl.constexpr,
-                   MUL_ROUTED: tl.constexpr, REDUCE: tl.constexpr, OUT_BF16: tl.constexpr, KB: tl.constexpr,
-                   R: tl.constexpr):
-    """Larger blocks: the WNA16 "tc" K step (gemm_wna16_tc._w_tile: KB planar blocks decoded into one [BK, BN]
-    tile, one wide dot per step, so Triton emits wgmma) over the block's gathered token rows. Split-K and REDUCE
-    add fp32 partials atomically (y zeroed by the caller)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    if pid_m * BLOCK_M >= tl.load(npost_ptr):
-        return
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
-    tok = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = tok < num_valid
-    a_rows = tl.where(row_ok, tok // a_div, 0).to(tl.int64)
-    PB: tl.constexpr = R * 8
-    BK: tl.constexpr = KB * PB
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_n_ld = tl.minimum(offs_n, N - 1)
-    n_blocks = K // PB
-    n_steps = n_blocks // KB
-    per_split = tl.cdiv(n_steps, SPLIT_K)
-    s0 = pid_k * per_split
-    s1 = tl.minimum(s0 + per_split, n_steps)
-    qw_e = qw_ptr + expert * stride_qe
-    s_e = s_ptr + expert * stride_se
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in tl.range(s0, s1, num_stages=NUM_STAGES):
-        kx = step * BK + tl.arange(0, BK)
-        x = tl.load(x_ptr + a_rows[:, None] * stride_xm + kx[None, :])  # padding rows read token 0, not stored
-        # format constexprs: 4-bit ints, 8 per word, symmetric (code offset 8), fp32 scales, groups along K
-        w = _w_tile(qw_e, s_e, s_e, step, n_blocks, offs_n_ld, n_mask, N, None, None, 4, 8, True, 1, 0, 8, False,
-                    0, GROUP_SIZE, False, KB, BLOCK_N, 0, True, 0, R, DEC, x_ptr.dtype.element_ty)
-        if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        if SWAP:
-            acc = tl.dot(tl.trans(w), tl.trans(x), acc)
-        else:
-            acc = tl.dot(x, w, acc)
-    if SWAP:
-        acc = tl.trans(acc)
-    if MUL_ROUTED:
-        acc = acc * tl.load(topk_w_ptr + tok, mask=row_ok, other=0.0)[:, None]
-    y_rows = (tok // out_div).to(tl.int64)
-    y_ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_n[None, :]
-    mask = row_ok[:, None] & n_mask[None, :]
-    if REDUCE or SPLIT_K > 1:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
-    elif OUT_BF16:
-        tl.store(y_ptrs, round_bf16(acc).to(tl.bfloat16), mask=mask)
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
 @dataclass(frozen=True)
 class MvConfig:
     """compute config of the planar grouped kernel (BM = rows per expert block, shared with moe_align)."""
@@ -186,7 +122,6 @@ class MvConfig:
     num_stages: int = 3
     SWAP: int = 0  # 1: W is the MMA A operand ("mvs")
     KB: int = 1  # planar blocks per pipeline step
-    TC: int = 0  # 1: the wide-dot "tc" K step (_moe_tc_kernel; larger blocks) instead of the per-field mv one
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -212,8 +147,6 @@ def grouped_gemm_planar(x: torch.Tensor, w: PlanarW4, align, num_slots: int, a_d
         raise ValueError(f"the sort/align was made for another block size than BM={cfg.BM}")
     split = max(1, min(cfg.SPLIT_K, K // BLOCK_K))
     on_gpu = x.is_cuda
-    if cfg.TC:
-        return _launch_tc(x, w, align, num_slots, a_div, out, cfg, topk_weights, reduce_k, split)
     if reduce_k:
         if out.dtype != torch.float32 or out.shape[0] * reduce_k != num_slots:
             raise ValueError(f"reduce_k={reduce_k}: out must be fp32 [{num_slots // reduce_k}, N]")
@@ -236,28 +169,3 @@ def grouped_gemm_planar(x: torch.Tensor, w: PlanarW4, align, num_slots: int, a_d
         R=PLANE_ROWS, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
-
-def _launch_tc(x, w: PlanarW4, align, num_slots, a_div, out, cfg: MvConfig, topk_weights, reduce_k, split):
-    sorted_ids, expert_ids, num_post = align
-    E, N, K = w.shape
-    if (K // BLOCK_K) % cfg.KB:
-        raise ValueError(f"K={K} is not a multiple of KB={cfg.KB} planar blocks")
-    atomics = reduce_k > 0 or split > 1
-    if reduce_k and (out.dtype != torch.float32 or out.shape[0] * reduce_k != num_slots):
-        raise ValueError(f"reduce_k={reduce_k}: out must be fp32 [{num_slots // reduce_k}, N]")
-    y = out
-    if atomics:
-        y = out.zero_() if out.dtype == torch.float32 else torch.zeros(out.shape, dtype=torch.float32,
-                                                                        device=out.device)
-    # packed-asm int4 decode on the GPU (gemm_wna16_tc: DEC 2 only on the tile shape whose layout it was checked on)
-    dec = 0 if not x.is_cuda else 2 if (cfg.BN == 128 and cfg.num_warps == 8 and cfg.KB == 1 and N % 128 == 0) else 1
-    _moe_tc_kernel[(triton.cdiv(N, cfg.BN), expert_ids.numel(), split)](
-        x, w.qweight, w.scales, y, topk_weights if topk_weights is not None else y, sorted_ids, expert_ids, num_post,
-        num_slots, a_div, max(reduce_k, 1), N, K, x.stride(0), y.stride(0), w.qweight.stride(0), w.scales.stride(0),
-        GROUP_SIZE=w.group, BLOCK_M=cfg.BM, BLOCK_N=cfg.BN, SPLIT_K=split, NUM_STAGES=cfg.num_stages,
-        SWAP=bool(cfg.SWAP), DOT_F32=not x.is_cuda, DEC=dec, MUL_ROUTED=topk_weights is not None,
-        REDUCE=reduce_k > 0, OUT_BF16=y.dtype == torch.bfloat16, KB=cfg.KB, R=PLANE_ROWS,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if y is not out:
-        out.copy_(y)
-    return out

@@ -70,14 +70,12 @@ def candidates(kernel: str, M: int, E: int, top_k: int, N: int, K: int, heuristi
     bm = moe_config(M * top_k, E, act).BM
     decode = bm <= 16
     out = []
-    if planar:  # the mv K loop (decode) and the tc one (one wide dot per K step), swapped or not
-        for tc in (0, 1):
-            for bn in ((64, 128) if decode else (64, 128, 256)):
-                for split in ((1, 2, 4, 8) if decode else (1, 2)):
-                    for warps in (((2, 4) if not tc else (4,)) if decode else (4, 8)):
-                        for swap in ((0, 1) if not tc or not decode else (1,)):
-                            out.append(MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=warps, num_stages=3,
-                                                SWAP=swap, TC=tc))
+    if planar:  # the mv K loop; swapped operands (W as the MMA A operand) pay off from 32-row blocks up
+        for bn in ((32, 64, 128) if decode else (64, 128, 256)):
+            for split in ((1, 2, 4, 8) if decode else (1, 2)):
+                for warps in ((1, 2, 4) if decode else (4, 8)):
+                    for swap in ((0,) if decode else (0, 1)):
+                        out.append(MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=warps, num_stages=3, SWAP=swap))
     else:
         swaps = (0, 1) if act != "bf16" or kernel == "moe-int4" else (0,)
         for bn in ((64, 128, 256) if decode else (64, 128, 256)):
