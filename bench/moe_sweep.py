@@ -42,6 +42,10 @@ SHAPES = {  # name -> experts, top_k, N (2 x moe intermediate), K (hidden)
     "qwen3-30b-a3b": (128, 8, 1536, 2048),
     "mixtral-8x7b": (8, 2, 28672, 4096),
     "deepseek-v3": (256, 8, 4096, 7168),
+    # down projections [E, H, I] (the sweep feeds them tokens, not slots: the weight stream is the same)
+    "qwen3-30b-a3b-down": (128, 8, 2048, 768),
+    "mixtral-8x7b-down": (8, 2, 4096, 14336),
+    "deepseek-v3-down": (256, 8, 7168, 2048),
 }
 
 
@@ -123,6 +127,9 @@ def humming_call(L, x, ids, E, k):
                      compute_config={"gemm_type": "indexed"}, tuning_config=cfg)
 
 
+SAVE = [None]
+
+
 def sweep_shape(name, ms, rows, args):
     E, k, N, K = SHAPES[name]
     W = random_w4(E, N, K)
@@ -201,6 +208,8 @@ def sweep_shape(name, ms, rows, args):
                 r["error"] = repr(ex)[:300]
             rows.append(r)
             log("ROW", json.dumps(r))
+        if SAVE[0]:
+            SAVE[0]()  # after every M: a time-boxed run keeps what it measured
         for kern in ("lowbit", "planar", None):
             best = min((r for r in rows if r.get("shape") == name and r["M"] == M and r.get("us") and
                         r.get("kernel") == kern), key=lambda r: r["us"], default=None)
@@ -245,9 +254,10 @@ def align_timings(rows):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "tiny"))
+    p.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "tiny" and not s.endswith("-down")))
     p.add_argument("--ms", default="1,64,1024")
     p.add_argument("--deadline-s", type=float, default=1e9)
+    p.add_argument("--align", type=int, default=1, help="time the sort/align implementations first")
     p.add_argument("--humming", default="qwen3-30b-a3b", help="shapes on which Humming runs too")
     p.add_argument("--humming-by-s", type=float, default=60, help="build no Humming layer after this many seconds")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -257,10 +267,15 @@ def main():
     rows = []
     meta = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(sys.argv)}
-    try:
-        align_timings(rows)
-    except Exception:
-        traceback.print_exc()
+    def save():
+        with open(os.path.join(args.out, "moe_sweep.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    SAVE[0] = save
+    if args.align:
+        try:
+            align_timings(rows)
+        except Exception:
+            traceback.print_exc()
     for name in args.shapes.split(","):
         if time.time() - t0 > args.deadline_s:
             log("deadline: skipping", name)

@@ -12,10 +12,9 @@ import triton
 
 from kestrel.kernels import act_quant
 from kestrel.kernels.gemm_w4a8 import W4Weight, quantize_weight_w4
-from kestrel.kernels.lowbit import unpack_nibbles
 from kestrel.kernels.lowbit_gemm import (A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4, W_BF16, W_FP8, W_INT8, GemmConfig,
                                          Operand, launch)
-from kestrel.kernels.moe_mv import MvConfig, PlanarW4, grouped_gemm_planar, planar_from_codes
+from kestrel.kernels.moe_mv import MvConfig, PlanarW4, grouped_gemm_planar, planar_from_nibbles
 
 WEIGHT_FORMATS = ("bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4")
 ACT_FORMATS = ("bf16", "fp8", "int8", "mxfp4", "nvfp4")
@@ -81,8 +80,7 @@ def quantize_experts(w: torch.Tensor, fmt: str, group: int = 128, kernel_layout:
     if planar:
         if fmt != "int4":
             raise ValueError(f"the planar layout holds int4 weights only, got {fmt!r}")
-        codes = ((unpack_nibbles(w4.packed).to(torch.int32) ^ 8) - 8)  # two's complement nibbles -> -8..7
-        return ExpertWeights(fmt, planar=planar_from_codes(codes, w4.scale, w4.group))
+        return ExpertWeights(fmt, planar=planar_from_nibbles(w4.packed, w4.scale, w4.group))
     return ExpertWeights(fmt, w4=w4.kernel_layout() if kernel_layout else w4)
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _mv_block, _workspace
-from kestrel.kernels.lowbit import round_bf16
+from kestrel.kernels.lowbit import round_bf16, unpack_nibbles
 from kestrel.quant.packing import PLANE_ROWS, pack_codes, unpack_codes
 
 EPW = 8  # int4 codes per int32 word
@@ -49,12 +49,24 @@ class PlanarW4:
         return PlanarW4(self.qweight.to(device), self.scales.to(device), self.group)
 
 
+def _check_planar(K: int, group: int):
+    if K % BLOCK_K or group % PLANE_ROWS or (group < BLOCK_K and BLOCK_K % group):
+        raise ValueError(f"planar int4 needs K % {BLOCK_K} == 0 and a group that tiles the 16-row planes, "
+                         f"got K={K}, group={group}")
+
+
 def planar_from_codes(q: torch.Tensor, scale: torch.Tensor, group: int) -> PlanarW4:
     """q int [E, N, K] in -8..7, scale [E, N, K // group] -> PlanarW4."""
-    if q.shape[-1] % BLOCK_K or group % PLANE_ROWS or (group < BLOCK_K and BLOCK_K % group):
-        raise ValueError(f"planar int4 needs K % {BLOCK_K} == 0 and a group that tiles the 16-row planes, "
-                         f"got K={q.shape[-1]}, group={group}")
+    _check_planar(q.shape[-1], group)
     qw = torch.stack([pack_codes((qe.to(torch.int32) + 8), 4) for qe in q])
+    return PlanarW4(qw, scale.float().transpose(1, 2).contiguous(), group)
+
+
+def planar_from_nibbles(packed: torch.Tensor, scale: torch.Tensor, group: int) -> PlanarW4:
+    """two's complement int4 nibbles, uint8 [E, N, K // 2] (low nibble = even k), scale [E, N, K // group] ->
+    PlanarW4; one expert at a time, so the int32 temporaries stay one expert large (DeepSeek-V3: 0.1 GB, not 30)."""
+    _check_planar(packed.shape[-1] * 2, group)
+    qw = torch.stack([pack_codes(unpack_nibbles(p).to(torch.int32) ^ 8, 4) for p in packed])  # c ^ 8 = q + 8
     return PlanarW4(qw, scale.float().transpose(1, 2).contiguous(), group)
 
 
