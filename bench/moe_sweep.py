@@ -289,7 +289,7 @@ def main():
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
-if __name__ == "__main__" and "--markdown" not in sys.argv:
+if __name__ == "__main__" and "--markdown" not in sys.argv and "--to-cache" not in sys.argv:
     main()
 
 
@@ -325,5 +325,33 @@ def to_markdown(d: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def to_cache(files: list[str], cache: str) -> dict:
+    """the fastest planar config per (shape, M) of sweep JSONs -> entries of a low-bit tune cache file (those whose
+    block_m is the one FusedMoE uses at that M: moe_config's; the others cannot be looked up)."""
+    from kestrel.kernels.configs import load_cache, m_bucket, shape_key
+    from pathlib import Path
+    best = {}
+    for fn in files:
+        d = json.load(open(fn))
+        gpu = d["meta"]["gpu"]
+        for r in d["rows"]:
+            if r.get("kernel") != "planar" or not r.get("us") or (r.get("err") or 1) > 1e-2 or r["cfg"].get("TC"):
+                continue  # (TC: a variant measured in round 1 and removed since)
+            E, k, N, K, M = r["E"], r["top_k"], r["N"], r["K"], r["M"]
+            if r["cfg"]["BM"] != moe_config(M * k, E, "bf16", planar=True).BM:
+                continue
+            key = shape_key(gpu, f"moe-int4p-e{E}k{k}", N, K, m_bucket(M))
+            if key not in best or r["us"] < best[key]["us"]:
+                cfg = {k_: v_ for k_, v_ in r["cfg"].items() if k_ != "TC"}
+                best[key] = {"config": cfg, "kind": "mv", "us": round(r["us"], 3), "source": os.path.basename(fn)}
+    data = dict(load_cache(Path(cache)))
+    data.update(best)
+    Path(cache).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return best
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--markdown":
     print(to_markdown(json.load(open(sys.argv[2]))))
+if __name__ == "__main__" and len(sys.argv) >= 4 and sys.argv[1] == "--to-cache":  # --to-cache CACHE JSON...
+    for k_, v_ in to_cache(sys.argv[3:], sys.argv[2]).items():
+        print(k_, v_["us"], v_["config"])
