@@ -300,7 +300,7 @@ def to_markdown(d: dict) -> str:
     keys = list(dict.fromkeys((r["shape"], r["M"]) for r in rows if "shape" in r))
     for shape, M in keys:
         sr = sorted((r for r in rows if r.get("shape") == shape and r["M"] == M), key=lambda r: r.get("us") or 1e9)
-        r0 = sr[0]
+        r0 = next((r for r in sr if "touched_experts" in r), sr[0])
         out += [f"### {shape} M={M} (E={r0['E']} top-{r0['top_k']}, N={r0['N']} K={r0['K']}, "
                 f"{r0.get('touched_experts', 0):.1f} experts touched per call)", "",
                 "| kernel | BM | BN | split | warps | stages | swap | KB | us | GB/s | err |",
