@@ -11,7 +11,6 @@ the routing touches (packed weights + scales) / time. Also times the sort/align 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from gemm_w8a8 import T0, log, safe_us  # noqa: E402
+from gemm_w8a8 import T0, log, safe_us as graph_safe_us  # noqa: E402
 
 from kestrel.kernels import moe_align as ma  # noqa: E402
 from kestrel.kernels.gemm_w4a8 import W4Weight  # noqa: E402
@@ -32,11 +31,16 @@ from kestrel.kernels.moe_mv import MvConfig, PlanarW4, grouped_gemm_planar  # no
 from kestrel.quant.packing import unpack_codes  # noqa: E402
 
 DEV = os.environ.get("SWEEP_DEVICE", "cuda")
-if DEV == "cpu":  # smoke test: each call runs once, no timing
-    def safe_us(fns):
-        for f in fns:
-            f()
-        return 1.0
+
+
+def safe_us(fns):
+    if DEV != "cpu":
+        return graph_safe_us(fns)
+    for f in fns:  # CPU smoke test of the script: each call runs once, no timing
+        f()
+    return 1.0
+
+
 SHAPES = {  # name -> experts, top_k, N (2 x moe intermediate), K (hidden)
     "tiny": (4, 2, 64, 256),  # CPU smoke test of this script (SWEEP_DEVICE=cpu, TRITON_INTERPRET=1)
     "qwen3-30b-a3b": (128, 8, 1536, 2048),
