@@ -8,6 +8,9 @@ projection.
 """
 from __future__ import annotations
 
+import os
+from functools import lru_cache
+
 import torch
 
 from kestrel.kernels.configs import load_cache, m_bucket, nearest_shape_entry, shape_key, store_cache
@@ -46,13 +49,32 @@ def _config_of(entry):
         return None
 
 
+_LOOKUPS: dict = {}  # memo: every MoE layer call looks its two projections up (the nearest-shape scan is not free)
+
+
+@lru_cache(maxsize=8)
+def _user_cache(env_value):  # cache_path() costs ~30 us (home directory lookup); once per setting of the variable
+    return cache_path()
+
+
+def _mtime(path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def lookup(kernel: str, M: int, E: int, top_k: int, N: int, K: int, block_m: int):
     """tuned config of this projection for M tokens, or None (then moe_gemm's heuristic). Only an entry with the
     block_m the layer uses counts."""
-    caches = [load_cache(cache_path()), load_cache(PACKAGED_CACHE)]
-    entry = nearest_shape_entry(caches, gpu_name(), _name(kernel, E, top_k), N, K, m_bucket(M),
-                                accept=lambda e: getattr(_config_of(e), "BM", None) == block_m)
-    return None if entry is None else _config_of(entry)
+    user = _user_cache(os.environ.get("KESTREL_LOWBIT_TUNE_CACHE"))
+    key = (gpu_name(), kernel, E, top_k, N, K, m_bucket(M), block_m, str(user), _mtime(user), _mtime(PACKAGED_CACHE))
+    if key not in _LOOKUPS:
+        caches = [load_cache(user), load_cache(PACKAGED_CACHE)]
+        entry = nearest_shape_entry(caches, gpu_name(), _name(kernel, E, top_k), N, K, m_bucket(M),
+                                    accept=lambda e: getattr(_config_of(e), "BM", None) == block_m)
+        _LOOKUPS[key] = None if entry is None else _config_of(entry)
+    return _LOOKUPS[key]
 
 
 def store(kernel: str, M: int, E: int, top_k: int, N: int, K: int, cfg, us=None, heuristic_us=None) -> None:
