@@ -293,7 +293,7 @@ def main():
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
-if __name__ == "__main__" and "--markdown" not in sys.argv and "--to-cache" not in sys.argv:
+if __name__ == "__main__" and not {"--markdown", "--to-cache", "--plot"} & set(sys.argv):
     main()
 
 
@@ -354,6 +354,29 @@ def to_cache(files: list[str], cache: str) -> dict:
     return best
 
 
+def plot(files: list[str], png: str) -> None:
+    """bar chart: the fastest config of each kernel (and Humming) per (shape, M), as achieved GB/s."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for fn in files for r in json.load(open(fn))["rows"] if r.get("shape") and r.get("GBps")]
+    cases = list(dict.fromkeys((r["shape"], r["M"]) for r in rows))
+    kinds = ("lowbit", "planar", "humming_int4")
+    fig, ax = plt.subplots(figsize=(max(6, len(cases) * 0.9), 4.5))
+    for j, kind in enumerate(kinds):
+        vals = [max((r["GBps"] for r in rows if (r["shape"], r["M"]) == c and (r.get("kernel") or r.get("peer")) == kind),
+                    default=0) for c in cases]
+        ax.bar([i + (j - 1) * 0.27 for i in range(len(cases))], vals, 0.27, label=kind)
+    ax.set_xticks(range(len(cases)), [f"{s.split('-')[0]} M={m}" for s, m in cases], rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel("GB/s of touched expert weights (best config)")
+    ax.set_title("grouped MoE up projection, int4 g128 W4A16, H200")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+if __name__ == "__main__" and len(sys.argv) >= 4 and sys.argv[1] == "--plot":  # --plot PNG JSON...
+    plot(sys.argv[3:], sys.argv[2])
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--markdown":
     print(to_markdown(json.load(open(sys.argv[2]))))
 if __name__ == "__main__" and len(sys.argv) >= 4 and sys.argv[1] == "--to-cache":  # --to-cache CACHE JSON...
