@@ -4,7 +4,8 @@
      precomputed and the whole loop captured in a CUDA graph, so it pays no host sync or launch gaps)
   vs Humming's MoE GEMM ("indexed" grouped GEMM, fp8 W8A8 and int4 W4A16) composed the same way (its sort/align
      runs outside the timed region: a Python loop in humming.testing; SiLU·mul and the weighted sum in torch).
-Timed region: given x [M, H] and the router's top-k (weights, ids) -> output [M, H]. CUDA graph of 20 calls.
+Timed region: given x [M, H] and the router's top-k (weights, ids) -> output [M, H]. CUDA graph of 20 calls rotating
+over --routings token batches with their own routings (other experts each call: the L2 stays cold, as across layers).
 kestrel_<fmt>_us includes kestrel's sort/align; kestrel_<fmt>_noalign_us takes it precomputed (FusedMoE.plan), as
 the peers' timed regions exclude theirs (Humming: metadata built before; loop: index lists built before);
 kestrel_align_us is the sort/align alone.
@@ -39,18 +40,21 @@ MODELS = {  # experts, top_k, hidden, moe intermediate
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "deepseek-v3": (256, 8, 7168, 2048),
 }
-# name -> (weight fmt, activation fmt, kernel layout); int4p = int4 in the interchange "pairs" nibble packing
-FMT = {"bf16": ("bf16", "bf16", True), "fp8": ("fp8", "fp8", True), "int4": ("int4", "bf16", True),
-       "int4p": ("int4", "bf16", False)}
+# name -> (weight fmt, activation fmt, kernel layout, planar); int4 = W4A16 in the WNA16 planar layout (moe_mv
+# kernel), int4h = the byte-packed "halves" layout (lowbit_gemm kernel), int4p = the interchange "pairs" packing
+FMT = {"bf16": ("bf16", "bf16", True, False), "fp8": ("fp8", "fp8", True, False), "int4": ("int4", "bf16", True, True),
+       "int4h": ("int4", "bf16", True, False), "int4p": ("int4", "bf16", False, False)}
 HUMMING = {"fp8": ({"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}),
            "int4": ({"dtype": "int4", "group_size": 128}, None)}
+HUMMING_OF = {"fp8": "fp8", "int4": "int4", "int4h": "int4", "int4p": "int4"}  # the Humming layer each is held to
 
 
 # both peers are timed without their sort / index-list building, so the fair kestrel column is *_noalign; the
 # align-included ratio is listed too (kestrel's align is one or three launches inside the layer)
 RATIOS = [(f"kestrel {f} vs {peer}{tag}", col, f"kestrel_{f}{suffix}_us")
-          for f in ("bf16", "fp8", "int4", "int4p")
-          for peer, col in (("per-expert cuBLAS bf16 loop", "cublas_loop_us"), (f"Humming {f}", f"humming_{f}_us"))
+          for f in ("bf16", "fp8", "int4", "int4h", "int4p")
+          for peer, col in (("per-expert cuBLAS bf16 loop", "cublas_loop_us"),
+                            (f"Humming {HUMMING_OF.get(f, f)}", f"humming_{HUMMING_OF.get(f, f)}_us"))
           for tag, suffix in ((" (both excl. sort/align)", "_noalign"), (" (kestrel incl. align)", ""))]
 
 
@@ -111,7 +115,7 @@ def humming_forward(layers, x, topk_w, topk_ids, E, top_k):
     return run
 
 
-def run_model(name, ms, fmts, rows, budget):
+def run_model(name, ms, fmts, rows, budget, routings=8):
     E, k, H, I = MODELS[name]
     log(f"== {name}: E={E} top{k} H={H} I={I}")
     w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -119,22 +123,25 @@ def run_model(name, ms, fmts, rows, budget):
     router = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
     ours = {}
     for f in fmts:
-        wf, af, kl = FMT[f]
-        ours[f] = FusedMoE(router, quantize_experts(w13, wf, kernel_layout=kl), quantize_experts(w2, wf, kernel_layout=kl),
-                           k, af)
+        wf, af, kl, pl = FMT[f]
+        ours[f] = FusedMoE(router, quantize_experts(w13, wf, kernel_layout=kl, planar=pl),
+                           quantize_experts(w2, wf, kernel_layout=kl, planar=pl), k, af)
     hum = {}
-    for f in fmts:
-        layers = humming_build(f"{f} MoE layers", lambda: humming_moe(f, w13, w2, E, k), budget) if f in HUMMING else None
+    for h in dict.fromkeys(HUMMING_OF[f] for f in fmts if f in HUMMING_OF):
+        layers = humming_build(f"{h} MoE layers", lambda: humming_moe(h, w13, w2, E, k), budget)
         if layers is not None:
-            hum[f] = layers
+            hum[h] = layers
     check = E * 2 * I * H < 1.5e9  # the fp32 reference loop needs the dequantized weights in memory
     for M in ms:
         if past_deadline():
             break
-        x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
-        tw, ti = route_topk(x @ router.t(), k)
-        r = {"section": name, "M": M, "N": 2 * I, "K": H, "E": E, "top_k": k}
-        r["cublas_loop_us"] = safe_us([cublas_loop(x, tw, ti, w13, w2)])
+        # R token batches with their own routings, timed in rotation: each call touches other experts, as the MoE
+        # layers of consecutive transformer blocks do, so the L2 (50 MB) does not keep a decode step's experts warm
+        xs = [torch.randn(M, H, device="cuda", dtype=torch.bfloat16) for _ in range(routings)]
+        rts = [route_topk(xi @ router.t(), k) for xi in xs]
+        x, (tw, ti) = xs[0], rts[0]
+        r = {"section": name, "M": M, "N": 2 * I, "K": H, "E": E, "top_k": k, "routings": routings}
+        r["cublas_loop_us"] = safe_us([cublas_loop(xi, a, b, w13, w2) for xi, (a, b) in zip(xs, rts)])
         for f in fmts:
             moe = ours[f]
             try:
@@ -142,23 +149,26 @@ def run_model(name, ms, fmts, rows, budget):
                 if M <= 256 and check:  # the reference loop is slow at large M; correctness shown at small M
                     ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), moe.act)
                     r[f"{f}_err_vs_dequant"] = rel(y, ref)
-                r[f"kestrel_{f}_us"] = safe_us([lambda moe=moe: moe(x, (tw, ti))])
-                plan = moe.plan(ti)  # sort/align outside the timed region, as Humming's and the loop's are
-                r[f"kestrel_{f}_noalign_us"] = safe_us([lambda moe=moe, plan=plan: moe(x, (tw, ti), align=plan)])
+                r[f"kestrel_{f}_us"] = safe_us([lambda moe=moe, xi=xi, rt=rt: moe(xi, rt) for xi, rt in zip(xs, rts)])
+                # sort/align outside the timed region, as Humming's and the loop's are
+                plans = [moe.plan(rt[1]) for rt in rts]
+                r[f"kestrel_{f}_noalign_us"] = safe_us([lambda moe=moe, xi=xi, rt=rt, pl=pl: moe(xi, rt, align=pl)
+                                                        for xi, rt, pl in zip(xs, rts, plans)])
                 if f == fmts[0]:
-                    r["kestrel_align_us"] = safe_us([lambda moe=moe: moe.plan(ti)])
+                    r["kestrel_align_us"] = safe_us([lambda moe=moe, rt=rt: moe.plan(rt[1]) for rt in rts])
             except Exception as ex:
                 traceback.print_exc()
                 r[f"kestrel_{f}_error"] = repr(ex)[:200]
-            if f in hum:
+            h = HUMMING_OF.get(f)
+            if h in hum and f"humming_{h}_us" not in r:
                 try:
-                    run = humming_forward(hum[f], x, tw, ti, E, k)
+                    runs = [humming_forward(hum[h], xi, a, b, E, k) for xi, (a, b) in zip(xs, rts)]
                     if M <= 256 and check:
-                        r[f"humming_{f}_err_vs_bf16"] = rel(run(), ref_moe(x, tw, ti, w13.float(), w2.float()))
-                    r[f"humming_{f}_us"] = safe_us([run])
+                        r[f"humming_{h}_err_vs_bf16"] = rel(runs[0](), ref_moe(x, tw, ti, w13.float(), w2.float()))
+                    r[f"humming_{h}_us"] = safe_us(runs)
                 except Exception as ex:
                     traceback.print_exc()
-                    r[f"humming_{f}_error"] = repr(ex)[:200]
+                    r[f"humming_{h}_error"] = repr(ex)[:200]
         rows.append(r)
         log("ROW", json.dumps(r))
     del ours, hum, w13, w2
@@ -169,9 +179,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {','.join(MODELS)}")
     p.add_argument("--ms", default="1,16,64,256,1024,4096", help="comma list of token counts M")
-    p.add_argument("--formats", default="bf16,fp8,int4", help="comma list of bf16,fp8,int4 (int4 = W4A16 g128)")
+    p.add_argument("--formats", default="bf16,fp8,int4",
+                   help="comma list of bf16,fp8,int4,int4h,int4p (int4* = W4A16 g128: planar / halves / pairs)")
     p.add_argument("--humming-models", default="qwen3-30b-a3b,mixtral-8x7b",
                    help="models on which Humming runs too (its JIT costs ~10 s per layer and format)")
+    p.add_argument("--routings", type=int, default=8, help="distinct token batches / routings timed in rotation")
     add_run_args(p, budget_s=240)
     args = p.parse_args()
     meta = start_run(args, "bench/moe.py")
@@ -184,7 +196,7 @@ def main():
         if past_deadline():
             break
         try:
-            run_model(name, ms, fmts, rows, args.budget_s if name in hm else -1)
+            run_model(name, ms, fmts, rows, args.budget_s if name in hm else -1, args.routings)
         except Exception:
             traceback.print_exc()
         write_report(rows, args.out, meta, stem="moe", ratios=RATIOS)

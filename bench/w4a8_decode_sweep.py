@@ -30,7 +30,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="8192x8192")
     p.add_argument("--ms", default="1,16,128,1024,4096")
-    p.add_argument("--variants", default="0,1,2")
+    p.add_argument("--variants", default="0,1")
     p.add_argument("--humming", type=int, default=1)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args()

@@ -165,3 +165,69 @@ def test_w4a8_asm_decode_matches_reference():
     finally:
         lowbit_gemm.DECODE_ASM = old
     assert ((y - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def _run_w4a8_ptx(asm: str, word: int) -> tuple[int, int]:
+    """Tiny emulator of the PTX in lowbit_gemm._int4x4_asm, following the PTX ISA: lop3 by its truth table, f16x2
+    math rounded once (exact here), cvt .f16x2 -> e4m3x2 puts the upper half's byte in the upper byte, prmt picks
+    byte sel_k of {b, a} (a = bytes 0..3), mov {lo, hi} packs lo in the low half."""
+    regs = {"$2": word}
+
+    def val(t):
+        return regs[t] if t in regs else int(t, 0)
+
+    def f16(v):
+        return torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+
+    def pack16(x):
+        h = x.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+        return int(h[0]) | (int(h[1]) << 16)
+
+    body = asm.strip().strip("{}")
+    for ins in (i.strip() for i in body.replace("\n", ";").split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        if "{" in args:  # mov.b32 d, {lo, hi}
+            d, rest = args.split(",", 1)
+            lo, hi = (t.strip() for t in rest.strip().strip("{}").split(","))
+            regs[d.strip()] = val(lo) | (val(hi) << 16)
+            continue
+        d, *src = [t.strip() for t in args.split(",")]
+        v = [val(t) for t in src]
+        if op == "mov.b32":
+            r = v[0]
+        elif op == "shr.b32":
+            r = v[0] >> v[1]
+        elif op == "lop3.b32":
+            r = sum((((v[3] >> (((v[0] >> i) & 1) << 2 | ((v[1] >> i) & 1) << 1 | ((v[2] >> i) & 1))) & 1) << i)
+                    for i in range(32))
+        elif op == "sub.f16x2":
+            r = pack16(f16(v[0]) - f16(v[1]))
+        elif op == "fma.rn.f16x2":
+            r = pack16(f16(v[0]) * f16(v[1]) + f16(v[2]))
+        elif op == "cvt.rn.satfinite.e4m3x2.f16x2":
+            e = f16(v[0]).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
+            r = int(e[0]) | (int(e[1]) << 8)
+        elif op == "prmt.b32":
+            both = v[0] | (v[1] << 32)
+            r = sum(((both >> (8 * ((v[2] >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4))
+        else:
+            raise AssertionError(f"emulator lacks {op}")
+        regs[d] = r & 0xFFFFFFFF
+    return regs["$0"], regs["$1"]
+
+
+def test_w4a8_asm_decode_ptx_semantics():
+    """DECODE_ASM variant 1 (byte order 0x3120) decodes 4 packed bytes to the e4m3 codes of their signed nibbles;
+    variant 2 (0x2031) would be right only if cvt packed the halves the other way round, which the ISA rules out."""
+    from kestrel.kernels import lowbit_gemm
+    g = torch.Generator().manual_seed(5)
+    for word in [0, 0xFFFFFFFF, 0x87654321] + [int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (64,), generator=g)]:
+        nib = [(word >> (4 * i)) & 15 for i in range(8)]
+        e4m3 = lambda c: int(torch.tensor([float((c ^ 8) - 8)]).to(torch.float8_e4m3fn).view(torch.uint8))  # noqa: E731
+        want_lo = sum(e4m3(nib[2 * b]) << (8 * b) for b in range(4))  # low nibble of byte b -> byte b of $0
+        want_hi = sum(e4m3(nib[2 * b + 1]) << (8 * b) for b in range(4))
+        assert _run_w4a8_ptx(lowbit_gemm._int4x4_asm("0x3120"), word) == (want_lo, want_hi), hex(word)
+        if word not in (0, 0xFFFFFFFF):
+            assert _run_w4a8_ptx(lowbit_gemm._int4x4_asm("0x2031"), word) != (want_lo, want_hi)

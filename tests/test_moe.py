@@ -7,9 +7,11 @@ import torch
 
 from kestrel.kernels import act_quant as aq
 from kestrel.kernels.lowbit_gemm import A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4, Operand
-from kestrel.kernels.moe_align import max_blocks, moe_align, moe_align_torch, route_topk
+from kestrel.kernels.moe_align import (max_blocks, moe_align, moe_align_fast, moe_align_single, moe_align_torch,
+                                       route_topk)
 from kestrel.kernels.moe_gemm import grouped_gemm, moe_config, quantize_experts
 from kestrel.kernels.moe_layer import FusedMoE, ref_moe
+from kestrel.kernels.moe_mv import MvConfig, grouped_gemm_planar, planar_from_codes
 
 pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (or a GPU)")
 
@@ -36,9 +38,16 @@ def test_align_covers_every_slot_once(M, k, E, bm):
         blk = sorted_ids[b * bm:(b + 1) * bm]
         blk = blk[blk < T].long()
         assert (ids.flatten()[blk] == expert_ids[b]).all()
+    want = moe_align_torch(ids, E, bm)
     # the single-launch Triton align and the torch-ops one agree exactly (both stable)
-    for got, want in zip((sorted_ids, expert_ids, num_post), moe_align_torch(ids, E, bm)):
-        assert torch.equal(got, want)
+    for got, ref in zip(moe_align_single(ids, E, bm), want):
+        assert torch.equal(got, ref)
+    # the many-CTA align: same blocks; within an expert the slot order may differ (atomic order on a GPU)
+    fs, fe, fn = moe_align_fast(ids, E, bm)
+    assert torch.equal(fe, want[1]) and torch.equal(fn, want[2]) and torch.equal(fs < T, want[0] < T)
+    assert torch.equal(fs.sort().values, want[0].sort().values)
+    fv = fs < T
+    assert (ids.flatten()[fs[fv].long()] == fe.repeat_interleave(bm)[fv]).all()
 
 
 def test_route_topk_renormalizes():
@@ -74,7 +83,8 @@ PAIRS = [("bf16", "bf16"), ("int4", "bf16"), ("fp8", "fp8"), ("int8", "int8"), (
 
 @pytest.mark.parametrize("wfmt,act,swap,group", [p + (0, 64) for p in PAIRS] + [
     ("fp8", "fp8", 1, 64), ("int8", "int8", 1, 64), ("int4", "fp8", 1, 64), ("mxfp4", "fp8", 1, 64),
-    ("int4", "bf16", 0, 128), ("int4", "fp8", 0, 128), ("int4", "int8", 0, 128)])  # g128: int4 "halves" packing
+    ("int4", "bf16", 0, 128), ("int4", "fp8", 0, 128), ("int4", "int8", 0, 128),  # g128: int4 "halves" packing
+    ("int4", "bf16", 1, 128), ("int4", "bf16", 3, 128), ("int4", "fp8", 2, 128)])  # swap 2/3: + split-K 2
 def test_grouped_gemm_vs_per_expert_loop(wfmt, act, swap, group):
     g = torch.Generator().manual_seed(11)
     M, k, E, N, K = 6, 2, 4, 48, 256
@@ -85,14 +95,40 @@ def test_grouped_gemm_vs_per_expert_loop(wfmt, act, swap, group):
     topk_w = torch.rand(M, k, generator=g)
     a, a_deq = _act(x, act)
     T = M * k
-    cfg = dataclasses.replace(moe_config(T, E, act), SWAP_AB=swap)  # swap: C^T = W @ A^T (8-bit MMA)
+    # swap & 1: C^T = W @ A^T (8-bit MMA, or halves int4 x bf16); swap & 2: split-K over 2 (fp32 atomics)
+    cfg = dataclasses.replace(moe_config(T, E, act), SWAP_AB=swap & 1, SPLIT_K=1 + (swap >> 1))
     out = torch.full((T, N), float("nan"))  # poisoned: every slot must be written
     grouped_gemm(a, W, moe_align(ids, E, cfg.BM), T, k, out, cfg, topk_weights=topk_w.reshape(-1))
     Wd = W.dequantize()
-    if wfmt == "int4" and act == "bf16":
-        Wd = Wd.to(torch.bfloat16).float()  # W4A16 dequantizes the weight tile to bf16 in registers
+    if wfmt == "int4" and act == "bf16" and not swap & 1:
+        Wd = Wd.to(torch.bfloat16).float()  # W4A16 dequantizes the weight tile to bf16 in registers (swapped: exact)
     ref = torch.stack([a_deq[t // k] @ Wd[ids.flatten()[t]].t() * topk_w.flatten()[t] for t in range(T)])
-    assert _rel(out, ref) < (2e-3 if (wfmt, act) == ("int4", "bf16") else 1e-5)
+    assert _rel(out, ref) < (2e-3 if (wfmt, act, swap & 1) == ("int4", "bf16", 0) else 1e-5)
+
+
+@pytest.mark.parametrize("group,cfg", [(128, MvConfig()), (128, MvConfig(BN=32, SPLIT_K=2)),
+                                       (64, MvConfig(BM=32, BN=16, SWAP=1, KB=2)), (128, MvConfig(SPLIT_K=2, SWAP=1))])
+def test_planar_grouped_gemm_vs_float64_loop(group, cfg):
+    """planar int4 grouped GEMM (moe_mv) vs a per-slot float64 loop on the dequantized expert weights."""
+    g = torch.Generator().manual_seed(3)
+    M, k, E, N, K = 5, 2, 4, 48, 256
+    q = torch.randint(-8, 8, (E, N, K), generator=g)
+    sc = torch.rand(E, N, K // group, generator=g) * 0.1 + 0.01
+    w = planar_from_codes(q, sc, group)
+    Wd = q.double() * sc.double().repeat_interleave(group, -1)
+    assert torch.allclose(w.dequantize().double(), Wd, atol=1e-6)  # the layout round trip
+    tol = 1e-6
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
+    tw = torch.rand(M, k, generator=g)
+    T = M * k
+    ref = torch.stack([x[t // k].double() @ Wd[ids.flatten()[t]].t() * tw.flatten()[t] for t in range(T)])
+    out = torch.full((T, N), float("nan"))  # poisoned: every slot must be written
+    grouped_gemm_planar(x, w, moe_align(ids, E, cfg.BM), T, k, out, cfg, topk_weights=tw.reshape(-1))
+    assert _rel(out, ref) < tol
+    red = torch.full((M, N), float("nan"))  # reduce_k: each token's k slots summed by the kernel (zeroes it first)
+    grouped_gemm_planar(x, w, moe_align(ids, E, cfg.BM), T, k, red, cfg, topk_weights=tw.reshape(-1), reduce_k=k)
+    assert _rel(red, ref.view(M, k, N).sum(1)) < tol
 
 
 # per-activation-format tolerance of the whole layer vs the loop: the loop computes the intermediate in another
@@ -127,3 +163,22 @@ def test_moe_bad_inputs():
     with pytest.raises(ValueError):
         moe(torch.randn(3, 32))
     assert moe(torch.randn(0, 64)).shape == (0, 64)  # an empty batch is fine
+
+
+def test_fused_moe_planar_int4_vs_reference_loop():
+    """the layer with planar int4 experts (moe_mv kernel for both projections) vs the per-expert loop."""
+    torch.manual_seed(6)
+    M, H, I, E, k = 5, 128, 128, 4, 2
+    router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=64)  # planar by default here
+    assert moe.w13.planar is not None and moe.w2.planar is not None
+    x = torch.randn(M, H).to(torch.bfloat16)
+    tw, ti = moe.route(x)
+    y = moe(x)
+    ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")
+    assert _rel(y, ref) < LAYER_TOL["bf16"]
+    moe.fused_reduce = False  # down GEMM writes [T, H] slots, summed after: the same result up to fp32 order
+    assert _rel(moe(x), y) < 5e-3 and _rel(moe(x), ref) < LAYER_TOL["bf16"]
+    # same quantized values as the halves/pairs int4 layer
+    halves = FusedMoE.from_float(router, w13, w2, k, "int4", group=64, planar=False)
+    assert halves.w13.planar is None and torch.equal(moe.w13.dequantize(), halves.w13.dequantize())

@@ -49,10 +49,13 @@ def int4_to_e4m3(nibble):
 # int4 -> e4m3 for a whole 32-bit register (4 packed bytes, "halves" packing) in 15 integer / f16x2 instructions
 # instead of ~6 scalar ops per nibble: a LOP3 puts two nibbles (xor 8) into the mantissas of an f16x2 whose exponent is
 # 2^10, one f16x2 sub / fma removes the bias (the high nibble sits 4 bits up: x 1/16 in the same fma), one cvt packs
-# two e4m3, one PRMT restores the byte order. Exact (the integers -8..7 are f16 and e4m3 values). GPU only: the
-# interpreter has no PTX, it runs int4_to_e4m3 (same values). DECODE_ASM: 0 = Triton ops, 1 / 2 = asm (two byte
-# orders of the final PRMT; the bench checks both against the reference on the device, see lowbit_decode docs).
-DECODE_ASM = 0  # set to the variant the device check verified (bench/w4a8_decode_sweep.py); 0 until then
+# two e4m3, one PRMT restores the byte order (0x3120: cvt puts the upper f16's byte in the upper byte, PTX ISA; the
+# other order once kept as a variant is wrong, tests/test_gemm_w4a.py emulates both). Exact (the integers -8..7 are
+# f16 and e4m3 values). GPU only: the interpreter has no PTX, it runs int4_to_e4m3 (same values).
+# 1 = the asm decode: on the H200 (bench/results/gemm_w8a8_h200_run3.md, bench/w4a8_decode_sweep.py) as exact as
+# the Triton-ops decode (0; rel. err 1.66e-3 both, vs float64) and faster: 8192x8192 W4A8 GEMM 33.1 -> 24.0 us at
+# M = 1, 33.8 -> 26.1 at 16, 286 -> 205 at 1024
+DECODE_ASM = 1
 
 
 def _int4x4_asm(sel: str) -> str:
@@ -69,14 +72,19 @@ def _int4x4_asm(sel: str) -> str:
             f"prmt.b32 $0, p, 0, {sel};\nprmt.b32 $1, q, 0, {sel};\n}}")
 
 
+# a module-level constexpr: a jit function may reference a global of this kind, not call a Python function (Triton
+# 3.6 rejects that when it hashes the kernel's dependencies)
+_ASM_INT4X4 = tl.constexpr(_int4x4_asm("0x3120"))
+
+
 @triton.jit
 def int4_halves_to_e4m3(wp, ASM: tl.constexpr):
     """packed int4 bytes (uint8 tile) -> (low nibbles, high nibbles) as float8e4nv tiles of the same shape."""
     if ASM == 0:
         return int4_to_e4m3(wp & 0xF), int4_to_e4m3(wp >> 4)
     else:
-        lo, hi = tl.inline_asm_elementwise(_int4x4_asm("0x3120") if ASM == 1 else _int4x4_asm("0x2031"),
-                                           "=r,=r,r", [wp], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(_ASM_INT4X4, "=r,=r,r", [wp], dtype=(tl.uint8, tl.uint8), is_pure=True,
+                                           pack=4)
         return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
 
 
@@ -249,6 +257,16 @@ def _qgemm_kernel(
                     w_lo, w_hi = int4_halves_to_e4m3(wp, ASM)
                     part = tl.dot(w_lo, at_lo)
                     part = tl.dot(w_hi, at_hi, part)
+                elif A_FMT == 0:  # bf16 activations (W4A16): unscaled int4 values are exact in bf16, the group scale
+                    # (constant over the tile: WG >= BK) multiplies the [BN, BM] partial below, not every weight
+                    w_lo = int4_to_f32(wp & 0xF)
+                    w_hi = int4_to_f32(wp >> 4)
+                    if DOT_F32:  # interpreter: its bf16 dot is wrong; the values are bf16-exact either way
+                        part = tl.dot(w_lo, at_lo.to(tl.float32))
+                        part = tl.dot(w_hi, at_hi.to(tl.float32), part)
+                    else:
+                        part = tl.dot(w_lo.to(tl.bfloat16), at_lo)
+                        part = tl.dot(w_hi.to(tl.bfloat16), at_hi, part)
                 else:
                     part = tl.dot(int4_value(wp & 0xF).to(tl.int8), at_lo, out_dtype=tl.int32)
                     part = tl.dot(int4_value(wp >> 4).to(tl.int8), at_hi, part, out_dtype=tl.int32).to(tl.float32)
@@ -283,7 +301,6 @@ def _qgemm_kernel(
     if SWAP:
         acc = tl.trans(acc)  # once per tile, back to [BM, BN] for the shared epilogue
 
-    # ---- epilogue: scales constant over K
     # ---- epilogue: scales constant over K
     if (A_FMT == 1 or A_FMT == 2) and A_G == 0:
         acc = acc * tl.load(as_ptr + a_rows * stride_asm)[:, None]
@@ -378,6 +395,8 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
     stride_wse = ws.stride(0) if moe is not None else 0
     stride_wsn = ws.stride(-2) if (w.group and ws.dim() >= 2) else ws.stride(-1)
     a_s = a.scale if a.scale is not None else a.data
+    # swapped operands: 8-bit MMA (always for halves weights), or a halves int4 weight x bf16 when the config asks
+    swap = bool(cfg.SWAP_AB or w.halves) and uses_mma8(a, w) or bool(cfg.SWAP_AB and w.halves and a.fmt == A_BF16)
     dummy = out
     if moe is None:
         grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), cfg.SPLIT_K)
@@ -389,7 +408,7 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
         mul_routed = topk_w is not None
         topk_w = topk_w if mul_routed else dummy
         num_valid, a_div = moe["num_valid"], moe["a_div"]
-        grid = (expert_ids.numel() * triton.cdiv(N, cfg.BN), 1)
+        grid = (expert_ids.numel() * triton.cdiv(N, cfg.BN), cfg.SPLIT_K)  # split-K: out zeroed fp32 (atomics)
     _qgemm_kernel[grid](
         a.data, a_s, a.global_scale if a.global_scale is not None else a_s,
         wd, ws, w.global_scale if w.global_scale is not None else ws, out,
@@ -401,7 +420,7 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
         WG=w.group, WGN=w.group_n, HAS_WGS=w.global_scale is not None,
         IS_MOE=moe is not None, MUL_ROUTED=mul_routed, SPLIT_K=cfg.SPLIT_K,
         BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M, DOT_F32=not out.is_cuda, MMA8=uses_mma8(a, w),
-        OUT_BF16=out.dtype == torch.bfloat16, SWAP=bool(cfg.SWAP_AB or w.halves) and uses_mma8(a, w), HALVES=w.halves,
+        OUT_BF16=out.dtype == torch.bfloat16, SWAP=swap, HALVES=w.halves,
         ASM=0 if not out.is_cuda else DECODE_ASM,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -8,11 +8,13 @@ block's expert id and token rows, and the down projection multiplies by the rout
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from kestrel.kernels import act_quant
 from kestrel.kernels.gemm_w4a8 import W4Weight, quantize_weight_w4
 from kestrel.kernels.lowbit_gemm import (A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4, W_BF16, W_FP8, W_INT8, GemmConfig,
                                          Operand, launch)
+from kestrel.kernels.moe_mv import MvConfig, PlanarW4, grouped_gemm_planar, planar_from_nibbles
 
 WEIGHT_FORMATS = ("bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4")
 ACT_FORMATS = ("bf16", "fp8", "int8", "mxfp4", "nvfp4")
@@ -25,9 +27,12 @@ class ExpertWeights:
     data: torch.Tensor | None = None  # bf16 / fp8 / int8 [E, N, K]
     scale: torch.Tensor | None = None  # fp32 [E, N] for fp8 / int8
     w4: W4Weight | None = None
+    planar: PlanarW4 | None = None  # int4 in the WNA16 planar layout (moe_mv.py; bf16 activations)
 
     @property
     def shape(self):
+        if self.planar is not None:
+            return self.planar.shape
         if self.w4 is not None:
             return (self.w4.packed.shape[0],) + tuple(self.w4.shape)
         return tuple(self.data.shape)
@@ -41,6 +46,8 @@ class ExpertWeights:
 
     def dequantize(self) -> torch.Tensor:
         """CPU reference, fp32 [E, N, K]."""
+        if self.planar is not None:
+            return self.planar.dequantize()
         if self.w4 is not None:
             return self.w4.dequantize()
         if self.fmt == "bf16":
@@ -50,12 +57,15 @@ class ExpertWeights:
     def to(self, device):
         return ExpertWeights(self.fmt, None if self.data is None else self.data.to(device),
                              None if self.scale is None else self.scale.to(device),
-                             None if self.w4 is None else self.w4.to(device))
+                             None if self.w4 is None else self.w4.to(device),
+                             None if self.planar is None else self.planar.to(device))
 
 
-def quantize_experts(w: torch.Tensor, fmt: str, group: int = 128, kernel_layout: bool = True) -> ExpertWeights:
+def quantize_experts(w: torch.Tensor, fmt: str, group: int = 128, kernel_layout: bool = True,
+                     planar: bool = False) -> ExpertWeights:
     """RTN-quantize stacked expert weights [E, N, K] into `fmt`. kernel_layout: int4 in the "halves" packing where it
-    applies (W4Weight.kernel_layout: no nibble interleave in the kernel)."""
+    applies (W4Weight.kernel_layout: no nibble interleave in the kernel). planar: int4 in the WNA16 planar layout
+    for the moe_mv kernel (bf16 activations only)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"MoE weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
     if w.dim() != 3:
@@ -67,6 +77,10 @@ def quantize_experts(w: torch.Tensor, fmt: str, group: int = 128, kernel_layout:
         parts = [quant(we.float()) for we in w]  # one expert at a time: bounded fp32 temporaries
         return ExpertWeights(fmt, torch.stack([q for q, _ in parts]), torch.stack([s.view(-1) for _, s in parts]))
     w4 = quantize_weight_w4(w, fmt, group)
+    if planar:
+        if fmt != "int4":
+            raise ValueError(f"the planar layout holds int4 weights only, got {fmt!r}")
+        return ExpertWeights(fmt, planar=planar_from_nibbles(w4.packed, w4.scale, w4.group))
     return ExpertWeights(fmt, w4=w4.kernel_layout() if kernel_layout else w4)
 
 
@@ -82,6 +96,8 @@ def check_pair(act: str, w: ExpertWeights):
         raise ValueError(f"MoE activation format must be one of {ACT_FORMATS}, got {act!r}")
     if w.fmt not in ok[act]:
         raise ValueError(f"activation {act!r} cannot be paired with {w.fmt!r} weights (allowed: {ok[act]})")
+    if w.planar is not None and act != "bf16":
+        raise ValueError(f"planar int4 expert weights take bf16 activations, got {act!r}")
 
 
 def quant_act(x: torch.Tensor, act: str) -> Operand:
@@ -101,22 +117,72 @@ def quant_act(x: torch.Tensor, act: str) -> Operand:
     return Operand(A_NVFP4, q, s, gs)
 
 
-def moe_config(num_slots: int, num_experts: int, act: str) -> GemmConfig:
-    """block_m follows the average rows per expert (decode: 16, so padding waste stays small). Not yet in the tune
-    cache: up and down projections must share block_m (one sort/align serves both)."""
+def moe_config(num_slots: int, num_experts: int, act: str, planar: bool = False) -> GemmConfig:
+    """block_m follows the average rows per expert (decode: 16, so padding waste stays small); up and down
+    projections share it (one sort/align serves both). The planar kernel stops at 64 (its 128-row blocks measured
+    1.5x slower than 64-row swapped ones on Mixtral at M = 1024, bench/results/moe_h200_run4.md)."""
     per_expert = num_slots / max(num_experts, 1)
-    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 else 128
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 or planar else 128
     dq16 = act in ("bf16", "mxfp4", "nvfp4")
     bk = 64 if dq16 else 128
     warps = 8 if bm >= 128 else 4
     return GemmConfig(BM=bm, BN=128 if bm >= 64 else 64, BK=bk, num_warps=warps, num_stages=3 if bm >= 128 else 4)
 
 
+def moe_configs(num_tokens: int, top_k: int, num_experts: int, act: str, w13: ExpertWeights, w2: ExpertWeights,
+                num_sms: int = 132):
+    """(up, down) compute configs of one MoE layer call: the tune cache's entry (`kestrel tune --moe`) where one
+    exists for this GPU, projection shape and token bucket, else the heuristic. Both share block_m (one sort/align
+    serves both projections)."""
+    from kestrel.kernels.moe_tune import kernel_name, lookup
+    T = num_tokens * top_k
+    base = moe_config(T, num_experts, act, planar=w13.planar is not None)
+    out = []
+    for w in (w13, w2):
+        E, N, K = w.shape
+        name = kernel_name(w, act)
+        tuned = lookup(name, num_tokens, E, top_k, N, K, base.BM) if name and w.shape[0] else None
+        out.append(tuned or _projection_config(base, T, num_experts, w, num_sms))
+    return tuple(out)
+
+
+def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: ExpertWeights, num_sms: int):
+    """the heuristic for one projection; planar int4 from the H200 sweep (bench/results/moe_h200_run4.md)."""
+    if w.planar is None:
+        return base
+    E, N, K = w.shape
+    bm = base.BM
+    if bm <= 16:
+        # decode: a weight stream. K splits while the programs (touched experts x N tiles, at most min(E, slots)
+        # experts) stay under ~8 per SM: Qwen3 M=1 (96 programs) split 4, DeepSeek-V3 (256) 2-4, Mixtral (448) 2
+        bn = 128 if N >= 1024 else 64
+        progs = min(num_experts, num_slots) * triton.cdiv(N, bn)
+        split = 1
+        while split < 4 and progs * split * 2 <= 8 * num_sms and K // (128 * split * 2) >= 2:
+            split *= 2
+        return MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=2, num_stages=3)
+    # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
+    return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
+
+
 def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int, out: torch.Tensor,
-                 cfg: GemmConfig, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """out[slot] = A[slot // a_div] @ W[expert(slot)]^T (x routing weight) for every valid slot, one launch."""
+                 cfg, topk_weights: torch.Tensor | None = None, reduce_k: int = 0) -> torch.Tensor:
+    """out[slot] = A[slot // a_div] @ W[expert(slot)]^T (x routing weight) for every valid slot, one launch.
+    cfg: a GemmConfig (lowbit_gemm kernel) or, for planar int4 weights, an MvConfig (moe_mv kernel). reduce_k
+    (planar only): out [slots // reduce_k, N] fp32 gets each token's sum over its slots (moe_mv)."""
+    if w.planar is not None:
+        return grouped_gemm_planar(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)
+    if reduce_k:
+        raise ValueError("reduce_k is implemented by the planar kernel only")
     sorted_ids, expert_ids, num_post = align
     E, N, K = w.shape
     moe = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post=num_post, num_valid=num_slots, a_div=a_div,
                topk_weights=topk_weights)
+    if cfg.SPLIT_K > 1:  # the K splits add their partials atomically into a zeroed fp32 buffer
+        acc = out.zero_() if out.dtype == torch.float32 else torch.zeros(out.shape, dtype=torch.float32,
+                                                                          device=out.device)
+        launch(a, w.operand(), acc, num_slots, N, K, cfg, moe=moe)
+        if acc is not out:
+            out.copy_(acc)
+        return out
     return launch(a, w.operand(), out, num_slots, N, K, cfg, moe=moe)

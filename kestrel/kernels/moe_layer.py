@@ -7,7 +7,8 @@ import torch
 
 from kestrel.kernels import act_quant
 from kestrel.kernels.moe_align import moe_align, route_topk
-from kestrel.kernels.moe_gemm import ExpertWeights, check_pair, grouped_gemm, moe_config, quant_act, quantize_experts
+from kestrel.kernels.moe_gemm import (ExpertWeights, check_pair, grouped_gemm, moe_config, moe_configs, quant_act,
+                                      quantize_experts)
 
 
 class FusedMoE(torch.nn.Module):
@@ -26,12 +27,21 @@ class FusedMoE(torch.nn.Module):
         self.router = router
         self.w13, self.w2, self.top_k, self.act, self.renormalize = w13, w2, top_k, act, renormalize
         self.num_experts, self.hidden, self.inter = E, H, I2 // 2
+        # planar int4: the down GEMM adds each slot into its token's row (fp32 atomics) instead of writing [T, H]
+        # for a separate sum; the k additions then land in no fixed order (last-bit differences between runs)
+        self.fused_reduce = True
 
     @classmethod
     def from_float(cls, router, w13, w2, top_k: int, weight_fmt: str = "bf16", act: str = "bf16", group: int = 128,
-                   renormalize: bool = True):
-        return cls(router.to(torch.bfloat16), quantize_experts(w13, weight_fmt, group),
-                   quantize_experts(w2, weight_fmt, group), top_k, act, renormalize)
+                   renormalize: bool = True, planar: bool | None = None):
+        """planar: int4 weights in the WNA16 planar layout (moe_mv kernel; bf16 activations). Default: where it
+        applies (int4 x bf16, K of both projections a multiple of 128): faster than the byte-packed layout at every
+        measured M on the H200."""
+        if planar is None:
+            planar = (weight_fmt, act) == ("int4", "bf16") and w13.shape[-1] % 128 == 0 and w2.shape[-1] % 128 == 0 \
+                and group % 16 == 0 and (group >= 128 or 128 % group == 0)
+        return cls(router.to(torch.bfloat16), quantize_experts(w13, weight_fmt, group, planar=planar),
+                   quantize_experts(w2, weight_fmt, group, planar=planar), top_k, act, renormalize)
 
     def to(self, device):
         self.router = self.router.to(device)
@@ -43,7 +53,7 @@ class FusedMoE(torch.nn.Module):
 
     def plan(self, topk_ids: torch.Tensor):
         """the token sort/align for this routing (what forward computes first); reusable across calls."""
-        cfg = moe_config(topk_ids.numel(), self.num_experts, self.act)
+        cfg = moe_config(topk_ids.numel(), self.num_experts, self.act, planar=self.w13.planar is not None)
         return moe_align(topk_ids, self.num_experts, cfg.BM)
 
     def forward(self, x: torch.Tensor, routing=None, align=None) -> torch.Tensor:
@@ -58,7 +68,7 @@ class FusedMoE(torch.nn.Module):
         if not act_quant.use_triton(x):
             return ref_moe(x, topk_w, topk_ids, self.w13.dequantize(), self.w2.dequantize(), self.act).to(x.dtype)
         T = M * self.top_k
-        cfg = moe_config(T, self.num_experts, self.act)
+        cfg, cfg2 = moe_configs(M, self.top_k, self.num_experts, self.act, self.w13, self.w2)
         if align is None:
             align = moe_align(topk_ids, self.num_experts, cfg.BM)
         h = torch.empty((T, 2 * self.inter), dtype=torch.bfloat16, device=x.device)
@@ -69,9 +79,13 @@ class FusedMoE(torch.nn.Module):
             a2 = Operand(A_FP8, q, s)
         else:
             a2 = quant_act(act_quant.silu_mul(h), self.act)
-        cfg2 = moe_config(T, self.num_experts, self.act)
+        tw = topk_w.reshape(-1).float().contiguous()
+        if self.w2.planar is not None and self.fused_reduce:  # the down GEMM sums each token's k slots itself
+            y = torch.empty((M, self.hidden), dtype=torch.float32, device=x.device)
+            grouped_gemm(a2, self.w2, align, T, 1, y, cfg2, topk_weights=tw, reduce_k=self.top_k)
+            return y.to(x.dtype)
         y = torch.empty((T, self.hidden), dtype=torch.float32, device=x.device)
-        grouped_gemm(a2, self.w2, align, T, 1, y, cfg2, topk_weights=topk_w.reshape(-1).float().contiguous())
+        grouped_gemm(a2, self.w2, align, T, 1, y, cfg2, topk_weights=tw)
         return y.view(M, self.top_k, self.hidden).sum(1).to(x.dtype)
 
 

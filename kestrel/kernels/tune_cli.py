@@ -27,6 +27,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lowbit", action="append", choices=sorted(LOWBIT_KERNELS),
                    help="also tune this W8A8 / W4A8 / W4A4 GEMM for the same shapes and M (repeatable; "
                         "without --format only the low-bit kernels are tuned); stored in the low-bit tune cache")
+    from kestrel.kernels.moe_tune import MOE_KERNELS, MOE_MODELS
+    p.add_argument("--moe", action="append", choices=sorted(MOE_MODELS),
+                   help="tune the grouped MoE GEMM (both expert projections) of this model for the --m token counts "
+                        "(repeatable); stored in the low-bit tune cache")
+    p.add_argument("--moe-kernel", action="append", choices=sorted(MOE_KERNELS),
+                   help="which grouped MoE kernel / format to tune with --moe (repeatable; default: moe-int4p)")
     return p
 
 
@@ -52,6 +58,19 @@ def run(args) -> int:
         raise ValueError(f"--m expects comma-separated integers, got {args.m!r}") from None
     if not ms or min(ms) < 1:
         raise ValueError("--m needs at least one batch size >= 1")
+    if getattr(args, "moe", None):  # grouped MoE GEMMs (kestrel/kernels/moe_tune.py): model shapes, token counts
+        from kestrel.kernels.moe_tune import MOE_MODELS, candidates as moe_candidates, run_cli as moe_run_cli
+        kernels = args.moe_kernel or ["moe-int4p"]
+        if args.list:
+            for model in args.moe:
+                E, k, H, I = MOE_MODELS[model]
+                for kern in kernels:
+                    print(model, kern, {(N, K, m): len(moe_candidates(kern, m, E, k, N, K))
+                                        for N, K in ((2 * I, H), (H, I)) for m in ms})
+        else:
+            moe_run_cli(args.moe, kernels, ms, args.max_candidates)
+        if not (args.formats or args.lowbit or args.shape or args.model):
+            return 0
     shapes = [_parse_shape(s) for s in (args.shape or [])]
     for model in args.model or []:
         shapes += MODEL_SHAPES[model]
