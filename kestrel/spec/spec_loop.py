@@ -44,7 +44,7 @@ import torch
 
 from kestrel.engine.attention import to_device
 from kestrel.spec.ngram import ngram_draft_device
-from kestrel.spec.verify_graph import _VerifyCtx, pad_rows
+from kestrel.spec.verify_graph import _VerifyCtx, capture_graphs, pad_rows
 
 
 class _Launched:
@@ -157,22 +157,8 @@ class SpecLoop:
         if not self.use_graphs:
             return
         self.active.zero_()  # warm-up and capture with every row off: nothing stored, no state moves
-        shapes = sorted(((b, k) for b in self.batch_sizes for k in self.ks), key=lambda s: -s[0] * (s[1] + 1))
-        for bs, K in shapes:  # largest first, so smaller graphs reuse its memory pool
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step(bs, K)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self._step(bs, K)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[(bs, K)] = g
-        torch.cuda.synchronize()
+        graphs, _, self.pool = capture_graphs(self._step, self.batch_sizes, self.ks, self.pool)
+        self.graphs.update(graphs)
 
     # ---- entering / leaving ----
     def attach(self, decoder) -> None:

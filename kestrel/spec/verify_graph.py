@@ -155,22 +155,9 @@ class VerifyGraphs:
             return
         self.slot_mapping.fill_(-1)  # padding state: nothing stored, nothing attended
         self.seq_lens.zero_()
-        shapes = sorted(((b, k) for b in self.batch_sizes for k in self.k_sizes), key=lambda s: -s[0] * (s[1] + 1))
-        for bs, K in shapes:  # largest first, so smaller graphs reuse its memory pool
-            side = torch.cuda.Stream()  # warm-up (Triton JIT, cuBLAS handles) outside the graph
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step(bs, K)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.outputs[(bs, K)] = self._step(bs, K)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[(bs, K)] = g
-        torch.cuda.synchronize()
+        graphs, outputs, self.pool = capture_graphs(self._step, self.batch_sizes, self.k_sizes, self.pool)
+        self.graphs.update(graphs)
+        self.outputs.update(outputs)
 
     def shape_for(self, n: int, k: int) -> tuple[int, int] | None:
         """Smallest captured (batch, K) holding n rows of up to k drafts; None if none does."""
@@ -201,3 +188,25 @@ class VerifyGraphs:
             logits, top, hidden = self._step(bs, K)
         S = K + 1
         return (logits.view(bs, S, -1)[:n], top.view(bs, S)[:n], hidden.view(bs, S, -1)[:n])
+
+
+def capture_graphs(step, batch_sizes, ks, pool):
+    """One CUDA graph of step(bs, K) per (batch, K), warmed up on a side stream first (Triton JIT, cuBLAS handles
+    stay outside the graph). Largest first, so the smaller graphs reuse its memory pool.
+    Returns ({(bs, K): graph}, {(bs, K): the step's output tensors}, pool)."""
+    graphs, outputs = {}, {}
+    for bs, K in sorted(((b, k) for b in batch_sizes for k in ks), key=lambda s: -s[0] * (s[1] + 1)):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(bs, K)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            outputs[(bs, K)] = step(bs, K)
+        pool = g.pool() if pool is None else pool
+        graphs[(bs, K)] = g
+    torch.cuda.synchronize()
+    return graphs, outputs, pool
