@@ -27,3 +27,12 @@ def graph_us(fns, reps=20) -> float:
     """Median µs per call: `reps` calls rotating over fns (distinct weight copies, so L2 stays cold) in one CUDA
     graph, 20 replays after 3 warm-up ones."""
     return graph_time_us(fns, calls=reps, replays=20, warmup=3)
+
+
+def weight_copies(qw, min_bytes: int = 200_000_000, most: int = 16) -> list:
+    """qw plus distinct copies of its tensors, at least 2 and enough to pass min_bytes (at most `most`), so a
+    CUDA graph rotating over them reads every weight from HBM rather than the 60 MB L2."""
+    n = min(most, max(2, -(-min_bytes // qw.nbytes)))
+    clone = lambda q: type(q)(**{**q.__dict__, "qweight": q.qweight.clone(), "scales": q.scales.clone(),
+                                 "zeros": None if q.zeros is None else q.zeros.clone()})
+    return [qw] + [clone(qw) for _ in range(n - 1)]

@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gpu_timing import copy_bandwidth  # noqa: E402
+from gpu_timing import copy_bandwidth, weight_copies  # noqa: E402
 from kestrel.kernels.timing import graph_time_us  # noqa: E402
 from wna16_stream_sweep import HUMMING, build_humming, graph_outputs_err  # noqa: E402
 
@@ -125,17 +125,14 @@ def main():
             torch.manual_seed(0)
             w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             qw0 = quantize(w0, spec)
-            ncop = min(16, max(2, -(-200_000_000 // qw0.nbytes)))
-            clone = lambda q: type(q)(**{**q.__dict__, "qweight": q.qweight.clone(), "scales": q.scales.clone(),
-                                         "zeros": None if q.zeros is None else q.zeros.clone()})
-            qws = [qw0] + [clone(qw0) for _ in range(ncop - 1)]
+            qws = weight_copies(qw0)
             deq = dequantize(qw0)
             wbytes = qw0.nbytes
-            bf = [w0] + [w0.clone() for _ in range(max(1, min(ncop, -(-200_000_000 // w0.nbytes)) - 1))]
+            bf = [w0] + [w0.clone() for _ in range(max(1, min(len(qws), -(-200_000_000 // w0.nbytes)) - 1))]
             hum = None
             if fmt in HUMMING:
                 try:
-                    hum = [build_humming(fmt, w0 * (1 + 1e-3 * i)) for i in range(min(ncop, 8))]
+                    hum = [build_humming(fmt, w0 * (1 + 1e-3 * i)) for i in range(min(len(qws), 8))]
                 except Exception as ex:
                     print(f"humming {fmt} {n}x{k} failed: {ex!r}"[:300], flush=True)
             layer = LayerConfig(spec, n, k)

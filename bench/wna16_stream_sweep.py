@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gpu_timing import copy_bandwidth  # noqa: E402
+from gpu_timing import copy_bandwidth, weight_copies  # noqa: E402
 from kestrel.kernels.timing import graph_time_us  # noqa: E402
 
 # (block_m, block_n, num_warps, num_stages): num_stages 2 = register prefetch of the next block, 1 = none
@@ -160,10 +160,7 @@ def main():
                 torch.manual_seed(0)
                 w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                 qw0 = quantize(w0, spec)
-                ncop = min(16, max(2, -(-200_000_000 // qw0.nbytes)))
-                clone = lambda q: type(q)(**{**q.__dict__, "qweight": q.qweight.clone(), "scales": q.scales.clone(),
-                                             "zeros": None if q.zeros is None else q.zeros.clone()})
-                qws = [qw0] + [clone(qw0) for _ in range(ncop - 1)]
+                qws = weight_copies(qw0)
                 deq = dequantize(qw0)
                 wbytes = qw0.nbytes
                 hum = None
@@ -171,7 +168,7 @@ def main():
                     t0 = time.time()
                     try:
                         hum = [build_humming(fmt, w0)]
-                        hum += [build_humming(fmt, w0 * (1 + 1e-3 * i)) for i in range(1, min(ncop, 8))]
+                        hum += [build_humming(fmt, w0 * (1 + 1e-3 * i)) for i in range(1, min(len(qws), 8))]
                     except Exception as ex:
                         print(f"humming {fmt} {n}x{k} failed: {ex!r}"[:300], flush=True)
                         hum = None
