@@ -167,38 +167,30 @@ def sweep_shape(name, ms, rows, args):
         pref = ref_rows_planar(x, P, idss[0], slots, k)
         for bm in {c.BM for c in pcfgs} - set(aligns):
             aligns[bm] = [ma.moe_align(i, E, bm) for i in idss]
+
+        def measure(r, launch, want):
+            """Check launch(i, out) (routing i) against the float64 reference rows, then time it over the routings."""
+            try:
+                outs = [torch.empty(T, N, device=DEV, dtype=torch.bfloat16) for _ in idss]
+                launch(0, outs[0])
+                r["err"] = ((outs[0][slots].float() - want).norm() / want.norm()).item()
+                r["us"] = safe_us([lambda i=i: launch(i, outs[i]) for i in range(len(idss))])
+                if r["us"]:
+                    r["GBps"] = round(nbytes / r["us"] / 1e3, 1)
+            except Exception as ex:
+                traceback.print_exc()
+                r["error"] = repr(ex)[:300]
+            rows.append(r)
+            log("ROW", json.dumps(r))
+
         for cfg in pcfgs:
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "kernel": "planar", "cfg": cfg.as_dict(),
                  "touched_experts": touched}
-            try:
-                outs = [torch.empty(T, N, device=DEV, dtype=torch.bfloat16) for _ in idss]
-                grouped_gemm_planar(x, P, aligns[cfg.BM][0], T, k, outs[0], cfg)
-                r["err"] = ((outs[0][slots].float() - pref).norm() / pref.norm()).item()
-                r["us"] = safe_us([lambda i=i: grouped_gemm_planar(x, P, aligns[cfg.BM][i], T, k, outs[i], cfg)
-                                   for i in range(len(idss))])
-                if r["us"]:
-                    r["GBps"] = round(nbytes / r["us"] / 1e3, 1)
-            except Exception as ex:
-                traceback.print_exc()
-                r["error"] = repr(ex)[:300]
-            rows.append(r)
-            log("ROW", json.dumps(r))
+            measure(r, lambda i, out, cfg=cfg: grouped_gemm_planar(x, P, aligns[cfg.BM][i], T, k, out, cfg), pref)
         for cfg in cfgs:
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "cfg": cfg.as_dict(),
                  "default": cfg == default, "touched_experts": touched, "kernel": "lowbit"}
-            try:
-                outs = [torch.empty(T, N, device=DEV, dtype=torch.bfloat16) for _ in idss]
-                grouped_gemm(a, W, aligns[cfg.BM][0], T, k, outs[0], cfg)
-                r["err"] = ((outs[0][slots].float() - ref).norm() / ref.norm()).item()
-                r["us"] = safe_us([lambda i=i: grouped_gemm(a, W, aligns[cfg.BM][i], T, k, outs[i], cfg)
-                                   for i in range(len(idss))])
-                if r["us"]:
-                    r["GBps"] = round(nbytes / r["us"] / 1e3, 1)
-            except Exception as ex:
-                traceback.print_exc()
-                r["error"] = repr(ex)[:300]
-            rows.append(r)
-            log("ROW", json.dumps(r))
+            measure(r, lambda i, out, cfg=cfg: grouped_gemm(a, W, aligns[cfg.BM][i], T, k, out, cfg), ref)
         if hum is not None:
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "peer": "humming_int4"}
             try:
