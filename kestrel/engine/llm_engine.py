@@ -187,17 +187,8 @@ class LLMEngine:
             reason = "stop"
         elif n_tokens - prompt_len >= p.max_tokens or n_tokens >= self.max_model_len:
             reason = "length"
-        finished = reason is not None
-        if finished:
-            self.scheduler.finish(seq, reason)
-            self.seqs.pop(seq.request_id, None)
-        out = RequestOutput(seq.request_id, [token], tids[prompt_len:n_tokens], detok.take_delta(finished), finished,
-                            reason, prompt_len, seq.num_cached_tokens, [logprob] if logprob is not None else None)
-        out.text = detok.text
-        if finished:
-            out.metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
-                           "finished_time": now}
-        return out
+        return self._output(seq, [token], tids[prompt_len:n_tokens], reason, now,
+                            [logprob] if logprob is not None else None)
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], now: float) -> RequestOutput:
         """Several tokens of one step (speculative decoding) with one detokenizer call and one output: the same
@@ -228,13 +219,18 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         detok.add(kept)
+        return self._output(seq, list(kept), tids[prompt_len:], reason, now, None)
+
+    def _output(self, seq: Sequence, new_ids: list[int], output_ids: list[int], reason: str | None, now: float,
+                logprobs: list | None) -> RequestOutput:
+        """The step's output of seq; a finish reason ends the request (the scheduler frees its blocks)."""
         finished = reason is not None
         if finished:
             self.scheduler.finish(seq, reason)
             self.seqs.pop(seq.request_id, None)
-        out = RequestOutput(seq.request_id, list(kept), tids[prompt_len:], detok.take_delta(finished), finished,
-                            reason, prompt_len, seq.num_cached_tokens, None)
-        out.text = detok.text
+        out = RequestOutput(seq.request_id, new_ids, output_ids, seq.detok.take_delta(finished), finished,
+                            reason, seq.prompt_len, seq.num_cached_tokens, logprobs)
+        out.text = seq.detok.text
         if finished:
             out.metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
                            "finished_time": now}
