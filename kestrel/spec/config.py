@@ -37,6 +37,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.loop not in ("auto", "on", "off"):
             raise ValueError(f"speculative loop must be auto, on or off, got {self.loop!r}")
+        if self.hybrid_ngram < 0:
+            raise ValueError(f"speculative hybrid_ngram must be >= 0 (0 = head only), got {self.hybrid_ngram}")
         if not (1 <= self.k <= 16):
             raise ValueError(f"speculative k must be in [1, 16], got {self.k}")
         if self.token_budget is not None and self.token_budget < 1:
