@@ -39,6 +39,9 @@ def candidates(layer, m, gpu):
     # with blocks prefetched, fewer / more K splits may pay: the default's split halved and doubled
     out += [dataclasses.replace(base, prefetch=4, split_k=sk) for sk in (base.split_k // 2, base.split_k * 2)
             if sk >= 1]
+    # more bytes in flight per SM: deeper pipelines, wider tiles with more warps
+    out += [dataclasses.replace(base, num_stages=st) for st in (4, 6)]
+    out += [dataclasses.replace(base, block_n=256, num_warps=4, split_k=min(16, base.split_k * 2))]
     if m == 1:  # the CUDA-core stream kernel's two best tiles of the round-1 sweep (bench/wna16_stream_sweep.py)
         from kestrel.kernels.configs import ComputeConfig
         out += [ComputeConfig("stream", 1, 64, 0, 16, 1, 2)]
@@ -47,7 +50,7 @@ def candidates(layer, m, gpu):
 
 def _warm(job):
     """Worker: compile kestrel's candidates (PDL off and on) and Humming's kernels for one (format, N, K)."""
-    fmt, n, k, ms, gpu, humming = job
+    fmt, n, k, ms, gpu, humming, pdls = job
     import torch
     from kestrel.kernels import gemm_wna16_small
     from kestrel.kernels.configs import LayerConfig
@@ -61,7 +64,7 @@ def _warm(job):
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for cfg in candidates(LayerConfig(FORMATS[fmt], n, k), m, gpu)[1]:
-            for pdl in (False, True):
+            for pdl in pdls:
                 gemm_wna16_small.PDL = pdl
                 try:
                     gemm_wna16(x, qw, cfg)
@@ -85,6 +88,8 @@ def main():
     ap.add_argument("--models", default="llama3-8b,llama3-70b")
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--budget-s", type=float, default=150)
+    ap.add_argument("--layers", default=None, help="keep only these layers (comma list, e.g. llama3-70b:o)")
+    ap.add_argument("--pdl", default="0,1", help="PDL settings to time (comma list of 0/1)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     t_start = time.time()
@@ -100,8 +105,11 @@ def main():
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
               for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
+    if args.layers:
+        shapes = [s for s in shapes if s[0] in args.layers.split(",")]
+    pdls = [bool(int(v)) for v in args.pdl.split(",")]
     import multiprocessing as mp
-    jobs = [(f, n, k, ms, gpu, f in HUMMING) for f in fmts for _, (n, k) in shapes]
+    jobs = [(f, n, k, ms, gpu, f in HUMMING, pdls) for f in fmts for _, (n, k) in shapes]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         for job, t, errs in pool.map(_warm, jobs):
             print(f"warm {job}: {t:.1f}s {errs if errs else ''}", flush=True)
@@ -155,7 +163,7 @@ def main():
                 line = f"{fmt} {name:18s} M={m:<2d} humming {h_us or 0:7.2f} cublas {c_us:7.2f} |"
                 best = None
                 for cfg in cands:
-                    for pdl in (False, True):
+                    for pdl in pdls:
                         gemm_wna16_small.PDL = pdl
                         try:
                             fn = lambda: gemm_wna16(x, qw0, cfg)
