@@ -167,3 +167,26 @@ def test_bad_inputs():
         gemm_wna16(torch.randn(2, K).bfloat16(), qw, ComputeConfig("dequant_mm", 1, 64, 96))  # K % BLOCK_K != 0
     with pytest.raises(ValueError):
         quantize(torch.randn(2, N, K), QuantSpec("int4", group_size=64))  # not a 2-D weight
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_mv_fp4_decode_ptx_semantics(dt):
+    # the inline PTX e2m1 decode of the mv kernel (GPU only) run by the tc test's PTX emulator against the reference
+    # minifloat decode: every field of random word pairs, so every code, both nibbles and both halves
+    from test_gemm_wna16_tc import _run_ptx
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.quant.formats import decode_minifloat
+    mul = 0x74007400 if dt == torch.float16 else 0x7E807E80
+    g = torch.Generator().manual_seed(11)
+    for _ in range(24):
+        w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+        for f in range(8):
+            b = f // 2
+            sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
+            fp16 = dt == torch.float16
+            asm = {(0, 0): sm._ASM_FP4_EVEN_BF16, (1, 0): sm._ASM_FP4_ODD_BF16,
+                   (0, 1): sm._ASM_FP4_EVEN_F16, (1, 1): sm._ASM_FP4_ODD_F16}[(f % 2, int(fp16))]
+            out = _run_ptx(asm.value, [w0, w1, sel, sel, mul, mul])
+            got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dt).float()
+            want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).float()
+            assert torch.equal(got, want), (f, hex(w0), hex(w1), got, want)
