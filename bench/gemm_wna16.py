@@ -102,8 +102,8 @@ def main():
     ap.add_argument("--warm-workers", type=int, default=0,
                     help="first JIT-compile Humming and kestrel for every (format, shape) in this many worker processes")
     ap.add_argument("--layers", default=None, help="keep only these layers (comma list, e.g. llama3-70b:o)")
-    ap.add_argument("--interleave", action="store_true", help="alternate the models' layers (a budget cut then "
-                    "leaves rows of every model)")
+    ap.add_argument("--interleave", action="store_true", help="alternate the models' layers and the formats (a budget cut "
+                    "then leaves rows of every model and format)")
     ap.add_argument("--no-dobench", action="store_true", help="skip the do_bench column (saves device time)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--from-json", nargs="+", metavar="JSON",
@@ -157,9 +157,11 @@ def main():
         print(f"warm-up {time.time() - t0:.1f}s", flush=True)
     rows = []
     torch.manual_seed(0)
-    for fmt in args.formats.split(","):
-        spec = FORMATS[fmt]
-        for name, (n, k) in shapes:
+    fmts = args.formats.split(",")
+    # --interleave also alternates the formats per shape, so a budget cut leaves rows of every format
+    work = ([(f, s) for s in shapes for f in fmts] if args.interleave else [(f, s) for f in fmts for s in shapes])
+    for fmt, (name, (n, k)) in work:
+            spec = FORMATS[fmt]
             # the first shape always runs: imports and the copy-bandwidth pass alone can exceed a small budget
             # (a --budget-s 8 gemlite call printed no rows that way)
             if rows and time.time() - t_start > args.budget_s:
