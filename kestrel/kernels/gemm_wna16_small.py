@@ -6,8 +6,10 @@ copy bandwidth with as few instructions per weight element as possible.
          chained over the fields of one quantization group; the affine correction
          sum (c - z) x = sum (OFF + c) x - (OFF + z) sum x  and the group scale are applied once per group to the
          [BM, BN] dot result, not per weight element. Decode: 4-bit ints on the GPU take two words per PRMT + LOP3
-         (inline PTX, OFF + c straight into bf16/fp16 bits, as Marlin-style kernels do); elsewhere 1 + c/2^B through
-         fp32 mantissa bits (OFF = 2^B after scaling by 2^B), c itself for 8-bit codes, minifloats their value.
+         (inline PTX, OFF + c straight into bf16/fp16 bits, as Marlin-style kernels do), e2m1 (MXFP4/NVFP4) by
+         bit moves into bf16/fp16 (value / 2^126 resp. / 2^14) and one exact packed multiply (inline PTX);
+         elsewhere 1 + c/2^B through fp32 mantissa bits (OFF = 2^B after scaling by 2^B), c itself for 8-bit codes,
+         minifloats their value.
          Triton moves the int32 word tile (not the decoded values) through shared memory into the MMA operand
          layout and decodes there, so the decode is ~1 integer op per element. "mvs" swaps the operands (W is the
          MMA A operand, wgmma on Hopper).
