@@ -101,7 +101,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new shapes after this many seconds")
     ap.add_argument("--warm-workers", type=int, default=0,
                     help="first JIT-compile Humming and kestrel for every (format, shape) in this many worker processes")
-    ap.add_argument("--layers", default=None, help="keep only these layers (comma list, e.g. llama3-70b:o)")
+    ap.add_argument("--layers", default=None,
+                    help="keep only these layers, in this order (comma list, e.g. llama3-70b:o)")
     ap.add_argument("--interleave", action="store_true", help="alternate the models' layers and the formats (a budget cut "
                     "then leaves rows of every model and format)")
     ap.add_argument("--no-dobench", action="store_true", help="skip the do_bench column (saves device time)")
@@ -143,8 +144,9 @@ def main():
                      for m in args.models.split(",")]
         shapes = ([s for group in zip(*per_model) for s in group] if args.interleave else
                   [s for group in per_model for s in group])
-        if args.layers:
-            shapes = [s for s in shapes if s[0] in args.layers.split(",")]
+        if args.layers:  # in the order given: a budget cut then drops the last ones
+            by_name = dict(shapes)
+            shapes = [(name, by_name[name]) for name in args.layers.split(",") if name in by_name]
     ms = [int(v) for v in args.ms.split(",")]
     if args.warm_workers:
         import multiprocessing as mp

@@ -1,0 +1,71 @@
+"""Time a few explicit WNA16 compute configs against the dispatch default at given (shape, M), in one process.
+
+Each config is first checked against x @ dequantize(W)^T in fp32 (rel err printed), then timed as a CUDA graph of
+20 calls rotating over >= 200 MB of weight copies (L2 cold), median of 20 replays: the same timing as
+bench/gemm_wna16.py and `kestrel tune`. For quick GPU-round questions such as "does swap-AB win at M = 64".
+
+  python bench/wna16_config_probe.py --shapes 8192,8192 --ms 64 \
+      --configs "tc,64,128,0,4,8,3,swap" "tc,64,128,0,4,8,4,swap"
+Config: kernel,block_m,block_n,block_k,split_k,num_warps,num_stages[,swap][,chunks=N][@M]: "@M" probes it at that
+M only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from gpu_timing import graph_us
+from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig
+from kestrel.kernels.gemm_wna16 import gemm_wna16
+from kestrel.kernels.tuning import FORMATS, make_weights
+from kestrel.quant import dequantize
+
+
+def parse_config(s: str) -> tuple[ComputeConfig, int | None]:
+    s, _, at = s.partition("@")
+    f = s.split(",")
+    extra = {"swap": "swap" in f[7:]}
+    extra.update({k: int(v) for k, v in (t.split("=") for t in f[7:] if "=" in t)})
+    return ComputeConfig(f[0], *(int(v) for v in f[1:7]), **extra), int(at) if at else None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--format", default="int4", choices=sorted(FORMATS))
+    ap.add_argument("--shapes", default="8192,8192", help="N,K;N,K list")
+    ap.add_argument("--ms", default="64")
+    ap.add_argument("--configs", nargs="+", required=True)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
+    args = ap.parse_args()
+    t0, gpu = time.time(), torch.cuda.get_device_name()
+    cfgs = [parse_config(c) for c in args.configs]
+    for shape in args.shapes.split(";"):
+        if time.time() - t0 > args.budget_s:
+            print("budget reached, skipping", shape, flush=True)
+            continue
+        n, k = (int(v) for v in shape.split(","))
+        layer = LayerConfig(FORMATS[args.format], n, k)
+        ws = make_weights(layer, "cuda", min_bytes=200 << 20, max_copies=12)
+        deq = dequantize(ws[0]).float()
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ deq.t()
+            default = TuningConfig(gpu).lookup(layer, m)
+            for name, cfg in [("default", default)] + [("probe", c) for c, at in cfgs
+                                                            if c.valid_for(layer) and at in (None, m)]:
+                row = {"fmt": args.format, "N": n, "K": k, "M": m, "which": name, "config": cfg.to_dict()}
+                try:
+                    y = gemm_wna16(x, ws[0], cfg).float()
+                    row["err"] = round(((y - ref).norm() / ref.norm()).item(), 5)
+                    row["us"] = round(graph_us([lambda w=w: gemm_wna16(x, w, cfg) for w in ws],
+                                               20 if m < 1024 else 8), 2)
+                except Exception as ex:  # the compiler may reject a tile (shared memory, registers)
+                    row["error"] = repr(ex)[:200]
+                print("PROBE " + json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
