@@ -76,9 +76,11 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool):
     s = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, s
-    BLOCK = min(triton.next_power_of_2(G), 2048)
-    _quant_8bit_kernel[(M, n_groups)](x, q, s, K, G, n_groups, x.stride(0), q.stride(0),
-                                      IS_INT8=is_int8, BLOCK=BLOCK, num_warps=4 if BLOCK >= 1024 else 2)
+    # one trip through each pass up to 8192 wide (H200: the 4-trip loops of a 2048 block took 4.8 us per token row
+    # of 8192 at M = 1, 1.6 us for the same row as 64 one-trip groups; bench/results/gemm_w8a8_h200_run5.md)
+    BLOCK = min(triton.next_power_of_2(G), 8192)
+    _quant_8bit_kernel[(M, n_groups)](x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8,
+                                      BLOCK=BLOCK, num_warps=8 if BLOCK >= 4096 else 4 if BLOCK >= 1024 else 2)
     return q, s
 
 

@@ -11,6 +11,7 @@ from kestrel.kernels.lowbit_gemm import (A_BF16, A_FP8, A_INT8, W_FP8, W_INT8, G
                                          heuristic_config, run_dense)
 
 FP8_BLOCK = 128  # DeepSeek-V3 block-scale granularity
+FUSED_MAX_M = 16  # w8a8_linear: fused activation quant up to this many tokens (above: separate quant + TMA GEMM)
 
 
 def quantize_weight_w8a8(w: torch.Tensor, dtype: str = "fp8", block: int = 0):
@@ -79,9 +80,16 @@ def gemm_w8a16(x: torch.Tensor, w_q, w_scale, out_dtype=torch.bfloat16, config: 
 
 
 def w8a8_linear(x: torch.Tensor, w_q, w_scale, act_group: int = -1, out_dtype=None):
-    """bf16 x [..., K] -> quantize per token (or per group) -> W8A8 GEMM -> [..., N]."""
+    """bf16 x [..., K] -> quantize per token (or per group) -> W8A8 GEMM -> [..., N]. fp8 per-channel weights at
+    <= FUSED_MAX_M tokens: one fused launch with per-(token, 128) activation scales instead."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
+    if (x2.shape[0] <= FUSED_MAX_M and act_group in (-1, 128) and w_q.dtype == torch.float8_e4m3fn
+            and w_scale.numel() == w_q.shape[0] and K % 128 == 0 and act_quant.use_triton(x2)):
+        # decode: the activation quant (per token, 128-wide groups) runs inside the GEMM, one launch
+        # (gemm_w8a8_fused.py; H200: e2e 29.4 -> see bench/results/gemm_w8a8_h200_run5.md at M = 1)
+        from kestrel.kernels.gemm_w8a8_fused import gemm_w8a8_fused
+        return gemm_w8a8_fused(x2, w_q, w_scale, out_dtype or x.dtype).reshape(*lead, -1)
     if w_q.dtype == torch.int8:
         a_q, a_s = act_quant.quant_int8(x2)
     else:

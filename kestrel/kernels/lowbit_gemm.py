@@ -199,11 +199,11 @@ def _qgemm_step_halves(acc, a_ptr, w_base, ws_base, a_rows, offs_nc, k0, kh, str
 def _qgemm_kernel(
     a_ptr, as_ptr, ags_ptr, w_ptr, ws_ptr, wgs_ptr, c_ptr,
     topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr,
-    M, N, K, num_valid, a_div,
+    M, N, K, num_valid, a_div, out_div,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
     A_FMT: tl.constexpr, A_G: tl.constexpr, W_FMT: tl.constexpr, W_SCALE: tl.constexpr,
     WG: tl.constexpr, WGN: tl.constexpr, HAS_WGS: tl.constexpr,
-    IS_MOE: tl.constexpr, MUL_ROUTED: tl.constexpr, SPLIT_K: tl.constexpr,
+    IS_MOE: tl.constexpr, MUL_ROUTED: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
     MMA8: tl.constexpr, OUT_BF16: tl.constexpr, SWAP: tl.constexpr, HALVES: tl.constexpr, ASM: tl.constexpr,
 ):
@@ -219,7 +219,8 @@ def _qgemm_kernel(
         tok = tl.load(sorted_ptr + pid_m * BM + offs_bm)
         row_ok = tok < num_valid
         a_rows = tl.where(row_ok, tok // a_div, 0).to(tl.int64)
-        c_rows = tok.to(tl.int64)
+        slot_rows = tok.to(tl.int64)
+        c_rows = (tok // out_div).to(tl.int64)  # REDUCE: out_div = top-k, each slot lands in its token's row
     else:
         num_pid_m = tl.cdiv(M, BM)
         pid_m, pid_n = tl.swizzle2d(pid // num_pid_n, pid % num_pid_n, num_pid_m, num_pid_n, GROUP_M)
@@ -228,6 +229,7 @@ def _qgemm_kernel(
         row_ok = rows < M
         a_rows = tl.where(row_ok, rows, 0).to(tl.int64)
         c_rows = rows.to(tl.int64)
+        slot_rows = c_rows
 
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
@@ -314,10 +316,10 @@ def _qgemm_kernel(
         else:
             acc = acc * tl.load(wgs_ptr)
     if MUL_ROUTED:
-        acc = acc * tl.load(topk_w_ptr + c_rows, mask=row_ok, other=0.0)[:, None]
+        acc = acc * tl.load(topk_w_ptr + slot_rows, mask=row_ok, other=0.0)[:, None]
     c_off = c_rows[:, None] * stride_cm + offs_n[None, :]
     c_mask = row_ok[:, None] & n_ok[None, :]
-    if SPLIT_K > 1:
+    if SPLIT_K > 1 or REDUCE:
         tl.atomic_add(c_ptr + c_off, acc, mask=c_mask)
     elif OUT_BF16:
         tl.store(c_ptr + c_off, round_bf16(acc).to(tl.bfloat16), mask=c_mask)
@@ -401,24 +403,24 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
     if moe is None:
         grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), cfg.SPLIT_K)
         sorted_ids = expert_ids = npost = topk_w = dummy
-        num_valid, a_div, mul_routed = M, 1, False
+        num_valid, a_div, mul_routed, out_div = M, 1, False, 1
     else:
         sorted_ids, expert_ids, npost = moe["sorted_ids"], moe["expert_ids"], moe["num_post"]
         topk_w = moe.get("topk_weights")
         mul_routed = topk_w is not None
         topk_w = topk_w if mul_routed else dummy
-        num_valid, a_div = moe["num_valid"], moe["a_div"]
+        num_valid, a_div, out_div = moe["num_valid"], moe["a_div"], moe.get("reduce_k") or 1
         grid = (expert_ids.numel() * triton.cdiv(N, cfg.BN), cfg.SPLIT_K)  # split-K: out zeroed fp32 (atomics)
     _qgemm_kernel[grid](
         a.data, a_s, a.global_scale if a.global_scale is not None else a_s,
         wd, ws, w.global_scale if w.global_scale is not None else ws, out,
         topk_w, sorted_ids, expert_ids, npost,
-        M, N, K, num_valid, a_div,
+        M, N, K, num_valid, a_div, out_div,
         a.data.stride(0), a_s.stride(0) if a_s.dim() > 1 else 1, stride_we, wd.stride(-2), stride_wse, stride_wsn,
         out.stride(0),
         A_FMT=a.fmt, A_G=a.group if a.fmt in (A_FP8, A_INT8) else 0, W_FMT=w.fmt, W_SCALE=w.scale_kind,
         WG=w.group, WGN=w.group_n, HAS_WGS=w.global_scale is not None,
-        IS_MOE=moe is not None, MUL_ROUTED=mul_routed, SPLIT_K=cfg.SPLIT_K,
+        IS_MOE=moe is not None, MUL_ROUTED=mul_routed, SPLIT_K=cfg.SPLIT_K, REDUCE=out_div > 1,
         BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M, DOT_F32=not out.is_cuda, MMA8=uses_mma8(a, w),
         OUT_BF16=out.dtype == torch.bfloat16, SWAP=swap, HALVES=w.halves,
         ASM=0 if not out.is_cuda else DECODE_ASM,

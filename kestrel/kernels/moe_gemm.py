@@ -169,15 +169,18 @@ def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int
                  cfg, topk_weights: torch.Tensor | None = None, reduce_k: int = 0) -> torch.Tensor:
     """out[slot] = A[slot // a_div] @ W[expert(slot)]^T (x routing weight) for every valid slot, one launch.
     cfg: a GemmConfig (lowbit_gemm kernel) or, for planar int4 weights, an MvConfig (moe_mv kernel). reduce_k
-    (planar only): out [slots // reduce_k, N] fp32 gets each token's sum over its slots (moe_mv)."""
+    > 0: out [slots // reduce_k, N] fp32 gets each token's sum over its slots (fp32 atomics, no fixed order)."""
     if w.planar is not None:
         return grouped_gemm_planar(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)
-    if reduce_k:
-        raise ValueError("reduce_k is implemented by the planar kernel only")
     sorted_ids, expert_ids, num_post = align
     E, N, K = w.shape
     moe = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post=num_post, num_valid=num_slots, a_div=a_div,
-               topk_weights=topk_weights)
+               topk_weights=topk_weights, reduce_k=reduce_k)
+    if reduce_k:  # fp32 atomics of each slot into its token's row (no [slots, N] buffer + sum)
+        if out.dtype != torch.float32 or out.shape[0] * reduce_k != num_slots:
+            raise ValueError(f"reduce_k={reduce_k}: out must be fp32 [{num_slots // reduce_k}, N]")
+        launch(a, w.operand(), out.zero_(), num_slots, N, K, cfg, moe=moe)
+        return out
     if cfg.SPLIT_K > 1:  # the K splits add their partials atomically into a zeroed fp32 buffer
         acc = out.zero_() if out.dtype == torch.float32 else torch.zeros(out.shape, dtype=torch.float32,
                                                                           device=out.device)

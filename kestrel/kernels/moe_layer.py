@@ -27,7 +27,7 @@ class FusedMoE(torch.nn.Module):
         self.router = router
         self.w13, self.w2, self.top_k, self.act, self.renormalize = w13, w2, top_k, act, renormalize
         self.num_experts, self.hidden, self.inter = E, H, I2 // 2
-        # planar int4: the down GEMM adds each slot into its token's row (fp32 atomics) instead of writing [T, H]
+        # the down GEMM adds each slot into its token's row (fp32 atomics) instead of writing [T, H]
         # for a separate sum; the k additions then land in no fixed order (last-bit differences between runs)
         self.fused_reduce = True
 
@@ -80,7 +80,7 @@ class FusedMoE(torch.nn.Module):
         else:
             a2 = quant_act(act_quant.silu_mul(h), self.act)
         tw = topk_w.reshape(-1).float().contiguous()
-        if self.w2.planar is not None and self.fused_reduce:  # the down GEMM sums each token's k slots itself
+        if self.fused_reduce:  # the down GEMM sums each token's k slots itself
             y = torch.empty((M, self.hidden), dtype=torch.float32, device=x.device)
             grouped_gemm(a2, self.w2, align, T, 1, y, cfg2, topk_weights=tw, reduce_k=self.top_k)
             return y.to(x.dtype)

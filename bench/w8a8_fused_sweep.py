@@ -1,0 +1,51 @@
+"""FP8 decode GEMM with fused activation quant (kernels/gemm_w8a8_fused.py): GPU check vs the float64 reference,
+then configs timed (CUDA graph, 4 weight copies) beside the separate quant + GEMM path, same process.
+
+  python bench/w8a8_fused_sweep.py --shape 8192x8192 --ms 1,16
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from gemm_w8a8 import safe_us  # noqa: E402
+
+from kestrel.kernels import act_quant as aq  # noqa: E402
+from kestrel.kernels.gemm_w8a8 import gemm_w8a8, quantize_weight_w8a8  # noqa: E402
+from kestrel.kernels.gemm_w8a8_fused import FusedConfig, fused_config, gemm_w8a8_fused, ref_w8a8_fused  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="8192x8192")
+    p.add_argument("--ms", default="1,16")
+    args = p.parse_args()
+    N, K = (int(v) for v in args.shape.split("x"))
+    q = [quantize_weight_w8a8(torch.randn(N, K, device="cuda") * 0.02, "fp8") for _ in range(4)]
+    for M in (int(v) for v in args.ms.split(",")):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        ref = ref_w8a8_fused(x.float(), *q[0])
+        r = {"M": M, "N": N, "K": K, "default": fused_config(M, N, K).__dict__}
+        r["separate_us"] = safe_us([lambda i=i: gemm_w8a8(*aq.quant_fp8(x), *q[i]) for i in range(4)])
+        bm = 16 if M <= 16 else 32 if M <= 32 else 64
+        cfgs = [None] + [FusedConfig(BM=bm, BN=bn, SPLIT_K=sk, SWAP=sw, num_warps=w, num_stages=st)
+                         for sw in (1, 0) for bn, sk in ((64, 1), (64, 2), (64, 4), (32, 2), (128, 4))
+                         for w, st in ((4, 4),)] + [FusedConfig(BM=bm, BN=64, SPLIT_K=2, SWAP=1, num_warps=4,
+                                                                num_stages=6)]
+        for cfg in cfgs:
+            tag = "default" if cfg is None else f"bn{cfg.BN}_sk{cfg.SPLIT_K}_sw{cfg.SWAP}_st{cfg.num_stages}"
+            try:
+                y = gemm_w8a8_fused(x, *q[0], config=cfg)
+                r[f"{tag}_err"] = ((y.double() - ref).norm() / ref.norm()).item()
+                r[f"{tag}_us"] = safe_us([lambda i=i, cfg=cfg: gemm_w8a8_fused(x, *q[i], config=cfg) for i in range(4)])
+            except Exception as ex:
+                r[f"{tag}_error"] = repr(ex)[:200]
+        print("ROW", json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()

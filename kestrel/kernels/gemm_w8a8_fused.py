@@ -1,0 +1,130 @@
+"""FP8 W8A8 decode GEMM with the activation quantization inside: bf16 x in, bf16 y out, one launch.
+
+Why: at decode sizes (M <= 64) the FP8 GEMM is a weight stream of ~20 us, and the separate per-token quant launch
+(+ the split-K zero-fill and cast launches) cost ~6 us more (bench/results/gemm_w8a8_h200_run3.md: 0.82x Humming at
+M = 1, whose W8A8 kernel quantizes in place). Here each program quantizes the [BM, 128] activation tile it is about
+to multiply, per (token, 128-wide K group) — DeepSeek-style 1x128 dynamic scales, finer than per token, so no pass
+over the whole row is needed before the K loop — runs the fp8 MMA and scales the partial product by the group scale.
+Split-K finishes in the same launch (the last split of a tile sums the fp32 partials in a fixed order,
+gemm_wna16_small._finish), so nothing is zero-filled or cast afterwards.
+
+Numerics (what tests/test_gemm_w8a8_fused.py checks against float64): x ~= q * s with s = amax / 448 per group,
+q = e4m3(x * (448 / amax)), weight fp8 x per-channel scale, fp32 accumulation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _workspace
+from kestrel.kernels.lowbit import round_e4m3
+
+GROUP = 128  # activation scale group along K (= the K tile)
+
+
+@triton.jit
+def _w8a8_fused_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       split_k, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                       SWAP: tl.constexpr, NUM_STAGES: tl.constexpr, EMULATE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    m_mask = offs_m < M
+    rows = tl.where(m_mask, offs_m, 0).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    offs_nc = tl.where(n_mask, offs_n, 0).to(tl.int64)
+    kk = tl.arange(0, BK)
+    n_k = K // BK
+    per_split = tl.cdiv(n_k, split_k)
+    k_lo = pid_k * per_split * BK
+    k_hi = tl.minimum(k_lo + per_split * BK, K)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + kk)[None, :], mask=m_mask[:, None],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_nc[:, None] * stride_wn + (k0 + kk)[None, :])  # [BN, BK] fp8, K contiguous
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+        s = tl.math.div_rn(amax, 448.0)  # dequant multiplier of this (token, group)
+        y = tl.minimum(tl.maximum(x * tl.math.div_rn(448.0, amax)[:, None], -448.0), 448.0)
+        if EMULATE:  # interpreter: its fp32 -> e4m3 cast truncates; the GPU's rounds to nearest even
+            y = round_e4m3(y)
+        q = y.to(tl.float8e4nv)
+        if SWAP:  # weight rows on the MMA's 64-row side, the few tokens its N side
+            acc += tl.dot(w, tl.trans(q)) * s[None, :]
+        else:
+            acc += tl.dot(q, tl.trans(w)) * s[:, None]
+    if SWAP:
+        acc = tl.trans(acc)
+    acc = acc * tl.load(ws_ptr + offs_nc)[None, :]
+    _finish(acc, y_ptr, part_ptr, cnt_ptr, offs_m.to(tl.int64), offs_n, m_mask, n_mask, M, N, stride_ym,
+            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    BM: int = 16
+    BN: int = 64
+    SPLIT_K: int = 2
+    SWAP: int = 0
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def fused_config(M: int, N: int, K: int, num_sms: int = 132) -> FusedConfig:
+    """BN 64 tiles; K split while the programs stay under ~2 per SM (a weight stream needs bytes in flight)."""
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    tiles = triton.cdiv(N, 64) * triton.cdiv(M, bm)
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * num_sms and K // (GROUP * split * 2) >= 4:
+        split *= 2
+    return FusedConfig(BM=bm, BN=64, SPLIT_K=split, SWAP=int(bm <= 16))
+
+
+def gemm_w8a8_fused(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out_dtype=torch.bfloat16,
+                    config: FusedConfig | None = None) -> torch.Tensor:
+    """bf16 x [M, K] (K % 128 == 0) x fp8 weight [N, K] with per-channel scale [N] -> [M, N] out_dtype;
+    activations quantized per (token, 128-K group) inside the kernel."""
+    M, K = x.shape
+    N = w_q.shape[0]
+    if w_q.dtype != torch.float8_e4m3fn or w_q.shape[1] != K or w_scale.numel() != N or K % GROUP:
+        raise ValueError(f"gemm_w8a8_fused: fp8 weight [N, {K}] with per-channel scale [N] and K % {GROUP} == 0 "
+                         f"needed, got {tuple(w_q.shape)} {w_q.dtype}, scale {tuple(w_scale.shape)}")
+    cfg = config or fused_config(M, N, K)
+    x = x.contiguous()
+    w_q = w_q.contiguous()
+    ws = w_scale.float().reshape(-1).contiguous()
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0:
+        return y
+    grid = (triton.cdiv(N, cfg.BN), triton.cdiv(M, cfg.BM), max(1, min(cfg.SPLIT_K, K // GROUP)))
+    if grid[2] > 1:
+        if grid[0] * grid[1] > _CNT_SLOTS:
+            raise ValueError(f"split-K over {grid[0] * grid[1]} tiles exceeds {_CNT_SLOTS} counters")
+        part, cnt = _workspace(x.device, grid[2] * M * N)
+    else:
+        part, cnt = y, y
+    _w8a8_fused_kernel[grid](x, w_q, ws, y, part, cnt, M, N, K, x.stride(0), w_q.stride(0), y.stride(0), grid[2],
+                             BM=cfg.BM, BN=cfg.BN, BK=GROUP, SPLIT=grid[2] > 1, SWAP=bool(cfg.SWAP),
+                             NUM_STAGES=cfg.num_stages, EMULATE=not x.is_cuda, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages)
+    return y
+
+
+def ref_w8a8_fused(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """reference: per (token, 128) group quantization in fp32 with torch casts (the kernel's arithmetic), then a
+    float64 matmul of the dequantized operands."""
+    M, K = x.shape
+    xg = x.float().view(M, K // GROUP, GROUP)
+    amax = xg.abs().amax(-1, keepdim=True).clamp_min(1e-10)
+    inv = torch.full_like(amax, 448.0) / amax  # IEEE division, as div_rn (a scalar / tensor can round differently)
+    q = (xg * inv).clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    a = (q * (amax / 448.0).double()).view(M, K)
+    return a @ (w_q.double() * w_scale.double().reshape(-1, 1)).t()
