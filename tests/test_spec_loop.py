@@ -122,3 +122,23 @@ def test_loop_head_drafter_identical(tmp_path, plain):
     s = e.stats()
     assert sum(s["spec_loop_steps"].values()) > 10 and s["spec_num_accepted_tokens"] > 0
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_loop_head_enters_without_hidden_states(tmp_path, plain, monkeypatch):
+    """Rows with no hidden state yet (the synchronous step ran with speculation off under load) still enter the head
+    loop, start from a zero state and stay token-identical (R1: head-conf at C=64 never entered the loop)."""
+    from kestrel.spec.draft_head import DraftHead
+    from kestrel.spec.spec_loop import SpecLoop
+
+    f = tmp_path / "head.safetensors"
+    torch.manual_seed(0)
+    DraftHead(SHAPE["hidden_size"], k=3, recurrent=True).save(str(f))
+    can_enter, enter = SpecLoop.can_enter, SpecLoop.enter
+    monkeypatch.setattr(SpecLoop, "can_enter", lambda self, eng, batch, hidden: can_enter(self, eng, batch, {}))
+    monkeypatch.setattr(SpecLoop, "enter", lambda self, eng, seqs, hidden: enter(self, eng, seqs, {}))
+    e = _engine(f"drafter=head,head={f},k=3,schedule=fixed,loop=on")
+    streamed, final, _ = _run(e, PROMPTS, GREEDY)
+    assert {r: o.output_token_ids for r, o in final.items()} == plain and streamed == plain
+    s = e.stats()
+    assert sum(s["spec_loop_steps"].values()) > 10
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]

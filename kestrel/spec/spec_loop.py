@@ -179,8 +179,6 @@ class SpecLoop:
             if n != 1 or s.num_computed_tokens != s.num_tokens - 1 or not loop_eligible(s) or \
                     s.num_tokens + room > self.max_model_len:
                 return False
-            if self.kind == "head" and s.request_id not in hidden:
-                return False
         return True
 
     @torch.inference_mode()
@@ -195,7 +193,11 @@ class SpecLoop:
         act[:n] = True
         self.active[:bs].copy_(to_device(act, torch.bool, self.dev))
         if self.kind == "head":
-            self.hidden[:n].copy_(torch.stack([hidden[s.request_id] for s in seqs]))
+            # a row without a hidden state yet (the synchronous step ran with speculation off, e.g. under load:
+            # R1 head-conf at C=64 never entered the loop) starts from zeros: its first drafts are just rejected
+            # (lossless), and the loop's first verify writes the real state
+            zero = torch.zeros_like(self.hidden[0])
+            self.hidden[:n].copy_(torch.stack([hidden.get(s.request_id, zero) for s in seqs]))
         self.rows, self.live = list(seqs), [True] * n
         self._upload_tables()
         self.inflight, self.active_loop, self._t_last, self.k_inflight = None, True, None, 0
