@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gpu_timing import copy_bandwidth  # noqa: E402
+from gpu_timing import copy_bandwidth, shape_weights  # noqa: E402
 from kestrel.kernels.timing import graph_time_us  # noqa: E402
 
 def _variants():
@@ -134,7 +134,6 @@ def main():
     from kestrel.kernels.configs import LayerConfig
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
-    from kestrel.quant import dequantize, quantize
 
     # 1. compile everything in parallel (a spawned process per worker; the timing process then hits the cache)
     import multiprocessing as mp
@@ -181,12 +180,7 @@ def main():
         if time.time() - t_start > args.budget_s:
             print(f"budget reached: skip {n}x{k}", flush=True)
             continue
-        w0 = torch.randn(n, k, device=dev) * 0.02
-        qw0 = quantize(w0, spec)
-        ncop = min(16, max(2, -(-200_000_000 // qw0.nbytes)))
-        qws = [qw0] + [type(qw0)(**{**qw0.__dict__, "qweight": qw0.qweight.clone(), "scales": qw0.scales.clone()})
-                       for _ in range(ncop - 1)]
-        deq = dequantize(qw0)
+        w0, qw0, qws, deq = shape_weights(spec, n, k, dtype=torch.float32, device=dev)
         wbytes = qw0.nbytes
         k_blocks = -(-k // spec.k_multiple)
         for m in ms:

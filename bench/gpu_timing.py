@@ -1,6 +1,8 @@
 """Timing helpers shared by the GPU benches (run as `python bench/<name>.py`, so this imports as `gpu_timing`)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kestrel.kernels.timing import graph_time_us
@@ -36,3 +38,20 @@ def weight_copies(qw, min_bytes: int = 200_000_000, most: int = 16) -> list:
     clone = lambda q: type(q)(**{**q.__dict__, "qweight": q.qweight.clone(), "scales": q.scales.clone(),
                                  "zeros": None if q.zeros is None else q.zeros.clone()})
     return [qw] + [clone(qw) for _ in range(n - 1)]
+
+
+class ShapeWeights(NamedTuple):
+    w: torch.Tensor       # the float weight (N, K)
+    qw: object            # its quantization (kestrel.quant.QuantizedWeight)
+    copies: list          # qw + distinct copies (weight_copies): what a cold-L2 timing rotates over
+    deq: torch.Tensor     # dequantize(qw), the float32 reference weight
+
+
+def shape_weights(spec, n: int, k: int, seed: int = 0, dtype=torch.bfloat16, device="cuda") -> ShapeWeights:
+    """The per-shape set-up the sweeps share: a seeded N(0, 0.02) weight, quantized to `spec`, its L2-cold copies
+    and the dequantized reference."""
+    from kestrel.quant import dequantize, quantize
+    torch.manual_seed(seed)
+    w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+    qw = quantize(w, spec)
+    return ShapeWeights(w, qw, weight_copies(qw), dequantize(qw))

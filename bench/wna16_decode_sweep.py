@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gpu_timing import copy_bandwidth, weight_copies  # noqa: E402
+from gpu_timing import copy_bandwidth, shape_weights  # noqa: E402
 from kestrel.kernels.timing import graph_time_us  # noqa: E402
 from wna16_stream_sweep import HUMMING, build_humming, graph_outputs_err  # noqa: E402
 
@@ -98,7 +98,6 @@ def main():
     from kestrel.kernels.configs import LayerConfig
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
-    from kestrel.quant import dequantize, quantize
 
     gpu = torch.cuda.get_device_name()
     fmts = args.formats.split(",")
@@ -130,11 +129,7 @@ def main():
             if res and time.time() - t_start > args.budget_s:
                 print(f"budget reached: skip {fmt} {name}", flush=True)
                 continue
-            torch.manual_seed(0)
-            w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-            qw0 = quantize(w0, spec)
-            qws = weight_copies(qw0)
-            deq = dequantize(qw0)
+            w0, qw0, qws, deq = shape_weights(spec, n, k)
             wbytes = qw0.nbytes
             bf = [w0] + [w0.clone() for _ in range(max(1, min(len(qws), -(-200_000_000 // w0.nbytes)) - 1))]
             hum = None

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from gpu_timing import copy_bandwidth, weight_copies  # noqa: E402
+from gpu_timing import copy_bandwidth, shape_weights  # noqa: E402
 from kestrel.kernels.timing import graph_time_us  # noqa: E402
 
 # (block_m, block_n, num_warps, num_stages): num_stages 2 = register prefetch of the next block, 1 = none
@@ -122,7 +122,6 @@ def main():
     from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
-    from kestrel.quant import dequantize, quantize
 
     fmts = args.formats.split(",")
     import multiprocessing as mp
@@ -157,11 +156,7 @@ def main():
                 if res and time.time() - t_start > args.budget_s:
                     print(f"budget reached: skip {fmt} {n}x{k}", flush=True)
                     continue
-                torch.manual_seed(0)
-                w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                qw0 = quantize(w0, spec)
-                qws = weight_copies(qw0)
-                deq = dequantize(qw0)
+                w0, qw0, qws, deq = shape_weights(spec, n, k)
                 wbytes = qw0.nbytes
                 hum = None
                 if not args.no_humming and fmt in HUMMING:
