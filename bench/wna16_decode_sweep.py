@@ -50,7 +50,7 @@ def candidates(layer, m, gpu):
 
 def _warm(job):
     """Worker: compile kestrel's candidates (PDL off and on) and Humming's kernels for one (format, N, K)."""
-    fmt, n, k, ms, gpu, humming, pdls = job
+    fmt, n, k, ms, gpu, humming, pdls, only_default = job
     import torch
     from kestrel.kernels import gemm_wna16_small
     from kestrel.kernels.configs import LayerConfig
@@ -63,9 +63,10 @@ def _warm(job):
     qw = quantize(w, FORMATS[fmt])
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        for cfg in candidates(LayerConfig(FORMATS[fmt], n, k), m, gpu)[1]:
+        dflt, cands = candidates(LayerConfig(FORMATS[fmt], n, k), m, gpu)
+        for cfg in [dflt] if only_default else cands:
             for pdl in pdls:
-                gemm_wna16_small.PDL = pdl
+                gemm_wna16_small.set_pdl(pdl)
                 try:
                     gemm_wna16(x, qw, cfg)
                 except Exception as ex:
@@ -89,7 +90,9 @@ def main():
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--budget-s", type=float, default=150)
     ap.add_argument("--layers", default=None, help="keep only these layers (comma list, e.g. llama3-70b:o)")
-    ap.add_argument("--pdl", default="0,1", help="PDL settings to time (comma list of 0/1)")
+    ap.add_argument("--pdl", default="0,1", help="PDL settings to time (comma list of 0, 1, late: see KESTREL_PDL)")
+    ap.add_argument("--only-default", action="store_true", help="time only the default config (with each --pdl)")
+    ap.add_argument("--no-humming", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     t_start = time.time()
@@ -106,9 +109,14 @@ def main():
               for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
     if args.layers:
         shapes = [s for s in shapes if s[0] in args.layers.split(",")]
-    pdls = [bool(int(v)) for v in args.pdl.split(",")]
+    pdls = args.pdl.split(",")
+    for v in pdls:  # fail before the warm-up on a bad mode
+        gemm_wna16_small.set_pdl(v)
+    pdl_default = os.environ.get("KESTREL_PDL", "0")
+    gemm_wna16_small.set_pdl(pdl_default)
     import multiprocessing as mp
-    jobs = [(f, n, k, ms, gpu, f in HUMMING, pdls) for f in fmts for _, (n, k) in shapes]
+    jobs = [(f, n, k, ms, gpu, f in HUMMING and not args.no_humming, pdls, args.only_default)
+            for f in fmts for _, (n, k) in shapes]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         for job, t, errs in pool.map(_warm, jobs):
             print(f"warm {job}: {t:.1f}s {errs if errs else ''}", flush=True)
@@ -133,7 +141,7 @@ def main():
             wbytes = qw0.nbytes
             bf = [w0] + [w0.clone() for _ in range(max(1, min(len(qws), -(-200_000_000 // w0.nbytes)) - 1))]
             hum = None
-            if fmt in HUMMING:
+            if fmt in HUMMING and not args.no_humming:
                 try:
                     hum = [build_humming(fmt, w0 * (1 + 1e-3 * i)) for i in range(min(len(qws), 8))]
                 except Exception as ex:
@@ -155,11 +163,13 @@ def main():
                 c_us = graph_time_us([lambda w=w: torch.matmul(x, w.t()) for w in bf], calls=20, replays=10)
                 res.append({**base, "kind": "cublas", "us": c_us})
                 dflt, cands = candidates(layer, m, gpu)
+                if args.only_default:
+                    cands = [dflt]
                 line = f"{fmt} {name:18s} M={m:<2d} humming {h_us or 0:7.2f} cublas {c_us:7.2f} |"
                 best = None
                 for cfg in cands:
                     for pdl in pdls:
-                        gemm_wna16_small.PDL = pdl
+                        gemm_wna16_small.set_pdl(pdl)
                         try:
                             fn = lambda: gemm_wna16(x, qw0, cfg)
                             err = max(rel(fn()), graph_outputs_err(fn, ref))
@@ -176,12 +186,12 @@ def main():
                             best = row
                         tag = ("dflt" if cfg == dflt else f"st{cfg.block_n}/{cfg.split_k}" if cfg.kernel == "stream"
                                else f"pf{cfg.prefetch}")
-                        line += f" {tag}{'+pdl' if pdl else ''} {us:6.2f}"
-                gemm_wna16_small.PDL = True
+                        line += f" {tag}{'' if pdl == '0' else '+pdl' + pdl} {us:6.2f}"
+                gemm_wna16_small.set_pdl(pdl_default)
                 if best:
                     c = best["config"]
                     line += (f" || best {c['kernel']} bn{c['block_n']} w{c['num_warps']} sk{c['split_k']} "
-                             f"pf{c['prefetch']} pdl={int(best['pdl'])}: {best['us']:6.2f} us {tb(best['us']):3.0f}%"
+                             f"pf{c['prefetch']} pdl={best['pdl']}: {best['us']:6.2f} us {tb(best['us']):3.0f}%"
                              + (f" x hum {h_us / best['us']:.2f}" if h_us else "")
                              + f" x cublas {c_us / best['us']:.2f}")
                 print(line, flush=True)

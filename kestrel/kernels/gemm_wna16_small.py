@@ -242,7 +242,10 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the next kernel may start its prologue while this one runs
+    # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
+    # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
+    # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
+    if PDL == 1:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -309,6 +312,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                                 K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO,
                                 SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, KB > 1,
                                 False, R)
+    if PDL == 2:
+        gdc_launch_dependents()
     if SWAP:
         acc = tl.trans(acc)
     if PER_CHANNEL:
@@ -401,8 +406,18 @@ _ASM = True  # inline-PTX nibble decode on the GPU (the interpreter takes the pl
 # programmatic dependent launch (sm_90+) for the decode kernels: the launch and prologue (and the stream kernel's
 # first weight block) overlap the previous kernel. Off by default: on the H200 (2026-12-03, bench/results/
 # gemm_wna16_smallm.md) the default mv config took 12.7 us with it vs 9.35 us without at 4096x4096, M = 1.
-# KESTREL_PDL=1 turns it on.
-PDL = os.environ.get("KESTREL_PDL", "0") == "1"
+# KESTREL_PDL=1 turns it on; KESTREL_PDL=late (mv / mvs) lets the next kernel launch only once every program is
+# past its K loop (PDL_LATE).
+PDL = os.environ.get("KESTREL_PDL", "0") in ("1", "late")
+PDL_LATE = os.environ.get("KESTREL_PDL", "0") == "late"
+
+
+def set_pdl(mode: str) -> None:
+    """Switch programmatic dependent launch at run time, as KESTREL_PDL does: "0", "1" or "late"."""
+    global PDL, PDL_LATE
+    if mode not in ("0", "1", "late"):
+        raise ValueError(f"PDL mode must be 0, 1 or late, got {mode!r}")
+    PDL, PDL_LATE = mode != "0", mode == "late"
 
 
 @functools.lru_cache(maxsize=None)
@@ -463,6 +478,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         _gemv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
                            split, KB=kb, **common)
     else:
+        common["PDL"] = (2 if PDL_LATE else 1) if pdl else 0
         _mv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,

@@ -23,6 +23,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-candidates", type=int, default=None,
                    help="measure at most this many candidates per (shape, M), nearest to the heuristic first, to save time")
     p.add_argument("--list", action="store_true", help="only print the candidate counts, measure nothing")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="first JIT-compile every candidate in this many processes (Triton compiles one kernel at a "
+                        "time per process, 5-30 s each); 0: compile while timing")
+    p.add_argument("--record", default=None, metavar="JSON",
+                   help="also write every measured (layer, M, config, us) to this file")
     from kestrel.kernels.lowbit_tuning import LOWBIT_KERNELS
     p.add_argument("--lowbit", action="append", choices=sorted(LOWBIT_KERNELS),
                    help="also tune this W8A8 / W4A8 / W4A4 GEMM for the same shapes and M (repeatable; "
@@ -106,14 +111,22 @@ def run(args) -> int:
     from kestrel.kernels.tuning import tune_layer
     gpu = torch.cuda.get_device_name()
     cache = Path(args.cache) if args.cache else user_cache_path()
-    if args.max_candidates:
-        total = sum(min(len(candidates(lay, m)), args.max_candidates) for lay in layers for m in ms)
+    if args.max_candidates:  # + 1: the config in use before is timed too
+        total = sum(min(len(candidates(lay, m)), args.max_candidates) + 1 for lay in layers for m in ms)
+    if args.jobs:
+        from kestrel.kernels.tuning import warm_compile
+        warm_compile(layers, ms, args.jobs, args.max_candidates)
+    record = [] if args.record else None
     with tqdm(total=total, desc=f"tuning on {gpu}", unit="cfg") as bar:
         for layer in layers:
             bar.set_postfix_str(layer.key)
-            res = tune_layer(layer, ms, gpu, progress=bar, max_candidates=args.max_candidates)
+            res = tune_layer(layer, ms, gpu, progress=bar, max_candidates=args.max_candidates, record=record)
             store_cache(cache, res)
             for key, v in res.items():
-                tqdm.write(f"{key}: {v['us']:.1f} us (heuristic {v['heuristic_us']}) {v['config']}")
+                tqdm.write(f"{key}: {v['us']:.1f} us (heuristic {v['heuristic_us']}, previous {v['previous_us']}) "
+                           f"{v['config']}")
+            if record is not None:  # after every layer: a killed run keeps what it measured
+                import json
+                Path(args.record).write_text(json.dumps({"gpu": gpu, "rows": record}, indent=0))
     print(f"wrote {cache}")
     return 0

@@ -1,6 +1,7 @@
 """Measure candidate ComputeConfigs on the current GPU and keep the fastest per (layer, M bucket)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -77,10 +78,12 @@ def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[C
 
 
 def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
-    """M <= 16 (gemm_wna16_small.py), pruned by the H200 sweep (bench/gemv_sweep.py): the tile/warp shapes that
-    won somewhere, split-K 1..32, 2 planar blocks per step (block_k), num_stages=1 (mv: register prefetch of
-    the next block instead of Triton's cp.async pipeline), L2 prefetch distances, and for M <= 4 the CUDA-core
-    stream kernel (gemm_wna16_stream.py)."""
+    """M <= 16 (gemm_wna16_small.py), pruned by the H200 sweeps (bench/gemv_sweep.py, bench/wna16_decode_sweep.py):
+    the tile/warp shapes that won somewhere, split-K 1..16 (32 for the narrow tiles), 2 planar blocks per step
+    (block_k), num_stages=1 (mv: register prefetch of the next block instead of Triton's cp.async pipeline), and for
+    M <= 4 the CUDA-core stream kernel (gemm_wna16_stream.py). The L2-prefetch variants (ComputeConfig.prefetch)
+    are not tried: 4-40 % slower than without on every int4 and MXFP4 point of the 2026-12-03 session-2 round-1
+    sweep (bench/results/gemm_wna16_smallm.md)."""
     km = layer.spec.k_multiple
     out = stream_candidates(m)
     if m <= 2:
@@ -90,12 +93,13 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     for (kern, bn, w, bk, st), sk in itertools.product(
             (("mv", 256, 4, 0, 3), ("mv", 256, 4, 2 * km, 3), ("mv", 128, 4, 0, 3), ("mv", 128, 4, 2 * km, 3),
              ("mv", 128, 8, 0, 3), ("mv", 128, 2, 0, 3), ("mvs", 128, 4, 0, 3), ("mv", 128, 4, 0, 1),
-             ("mv", 256, 8, 0, 1)), (1, 2, 4, 8, 16)):
+             ("mv", 256, 8, 0, 1),
+             # more programs (warps) per SM at the same bytes per program and step: the small 8B layers run
+             # ~2 programs of 2 warps per SM at the default 128-wide tile
+             ("mv", 64, 1, 0, 3), ("mv", 64, 2, 0, 3), ("mv", 128, 2, 0, 4), ("mv", 128, 2, 2 * km, 3)),
+            (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
-    # L2 prefetch of the next planar blocks (gemm_wna16_small._l2_prefetch) on the two tiles that win most (not yet
-    # timed on a GPU)
-    for (bn, w), sk, pf in itertools.product(((128, 2), (256, 4)), (2, 4, 8), (2, 4, 8)):
-        out.append(ComputeConfig("mv", 16, bn, 0, sk, w, 3, prefetch=pf))
+    out += [ComputeConfig("mv", 16, bn, 0, 32, w, 3) for bn, w in ((128, 2), (64, 1), (64, 2))]
     return out
 
 
@@ -150,27 +154,91 @@ def fastest(configs, measure, progress=None):
     return best, best_t, times
 
 
-def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progress=None,
-               max_candidates: int | None = None) -> dict:
-    """-> {cache_key: {"config": {...}, "us": t, "heuristic_us": t_h}} for each M bucket."""
+def compile_key(cfg: ComputeConfig) -> ComputeConfig:
+    """The part of a config the JIT specialises on: the split count is a runtime argument (only split > 1 is a
+    constexpr), so configs that differ only there share one compiled kernel."""
+    return dataclasses.replace(cfg, split_k=min(cfg.split_k, 2))
+
+
+def layer_candidates(layer: LayerConfig, m: int, max_candidates: int | None = None) -> list[ComputeConfig]:
+    cands = candidates(layer, m)
+    return cands[:max_candidates] if max_candidates else cands
+
+
+_WARM_WEIGHTS: dict = {}
+
+
+def _warm_one(job):
+    """Worker: compile (run once) one config at the given M on the layer's own shape, so the timing process finds
+    the kernel in Triton's on-disk cache. -> (job, seconds, error or None)."""
+    layer, cfg, ms = job
+    import time
     from kestrel.kernels.gemm_wna16 import gemm_wna16
+    t0 = time.time()
+    try:
+        if layer not in _WARM_WEIGHTS:  # a worker compiles many configs of a layer: quantize once
+            w = torch.randn(layer.n, layer.k, device="cuda", dtype=torch.float32) * 0.02
+            _WARM_WEIGHTS[layer] = quantize(w, layer.spec)
+        for m in ms:
+            gemm_wna16(torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16), _WARM_WEIGHTS[layer], cfg)
+        torch.cuda.synchronize()
+        return job, time.time() - t0, None
+    except Exception as ex:  # the timing pass records it as inf
+        return job, time.time() - t0, repr(ex)[:200]
+
+
+def warm_compile(layers: list[LayerConfig], ms: list[int], jobs: int, max_candidates: int | None = None,
+                 log=print) -> float:
+    """JIT-compile every candidate of these layers in `jobs` spawned processes (Triton compiles take 5-30 s each
+    and one process compiles serially). Configs the JIT cannot tell apart (same format, compile_key and
+    specialisation) are compiled once, on the first layer that has them. -> wall seconds."""
+    import multiprocessing as mp
+    import time
+    t0 = time.time()
+    todo: dict = {}
+    for layer in layers:
+        for m in ms:
+            for c in layer_candidates(layer, m, max_candidates):
+                key = (layer.spec, layer.n % 16 == 0 and layer.k % 16 == 0, compile_key(c))
+                todo.setdefault(key, (layer, c, set()))[2].add(m)
+    work = [(layer, c, sorted(m_set)) for layer, c, m_set in todo.values()]
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        for (layer, c, _), t, err in pool.imap_unordered(_warm_one, work):
+            if err:
+                log(f"compile failed {layer.key} {c}: {err}")
+    log(f"compiled {len(work)} kernels in {jobs} processes: {time.time() - t0:.1f} s")
+    return time.time() - t0
+
+
+def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progress=None,
+               max_candidates: int | None = None, record: list | None = None) -> dict:
+    """-> {cache_key: {"config": {...}, "us": t, "heuristic_us": t_h, "previous_us": t_p}} for each M bucket;
+    the config in use before (TuningConfig.lookup: tune cache or heuristic) is measured too, so a stored winner is
+    never slower than what it replaces. `record` (a list) gets every measurement as a dict."""
+    from kestrel.kernels.configs import TuningConfig
+    from kestrel.kernels.gemm_wna16 import gemm_wna16
+    from kestrel.quant import dequantize
     weights = make_weights(layer, device)
+    deq = dequantize(weights[0]).float()
     results = {}
     for m in ms:
         x = torch.randn(m, layer.k, device=device, dtype=torch.bfloat16)
-        cands = candidates(layer, m)
-        if max_candidates:
-            cands = cands[:max_candidates]
-        ref = gemm_wna16(x, weights[0], heuristic(layer, m)).float()
+        prev = TuningConfig(gpu).lookup(layer, m)
+        cands = list(dict.fromkeys([prev] + layer_candidates(layer, m, max_candidates)))
+        ref = x.float() @ deq.t()
 
         def measure(cfg):
             y = gemm_wna16(x, weights[0], cfg).float()  # never store a config that computes something else
             if not ((y - ref).norm() <= 1e-2 * ref.norm()):
-                raise ValueError(f"{cfg} disagrees with the heuristic config")
+                raise ValueError(f"{cfg} disagrees with x @ dequant(W)^T")
             return time_config_graph(lambda i: gemm_wna16(x, weights[i], cfg), len(weights))
         best, best_t, times = fastest(cands, measure, progress)
-        heur_t = next((t for c, t in zip(cands, times) if c == heuristic(layer, m)), None)
+        at = lambda want: next((round(t, 3) for c, t in zip(cands, times) if c == want and t < float("inf")), None)
+        if record is not None:
+            record += [{"layer": layer.key, "M": m, "config": c.to_dict(), "us": t if t < float("inf") else None,
+                        "previous": c == prev} for c, t in zip(cands, times)]
         if best is not None:
             results[cache_key(gpu, layer, m_bucket(m))] = {"config": best.to_dict(), "us": round(best_t, 3),
-                                                          "heuristic_us": heur_t and round(heur_t, 3)}
+                                                          "heuristic_us": at(heuristic(layer, m)),
+                                                          "previous_us": at(prev)}
     return results
