@@ -171,24 +171,25 @@ _WARM_WEIGHTS: dict = {}
 def _warm_one(job):
     """Worker: compile (run once) one config at the given M on the layer's own shape, so the timing process finds
     the kernel in Triton's on-disk cache. -> (job, seconds, error or None)."""
-    layer, cfg, ms = job
+    layer, cfg, ms, device = job
     import time
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     t0 = time.time()
     try:
         if layer not in _WARM_WEIGHTS:  # a worker compiles many configs of a layer: quantize once
-            w = torch.randn(layer.n, layer.k, device="cuda", dtype=torch.float32) * 0.02
+            w = torch.randn(layer.n, layer.k, device=device, dtype=torch.float32) * 0.02
             _WARM_WEIGHTS[layer] = quantize(w, layer.spec)
         for m in ms:
-            gemm_wna16(torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16), _WARM_WEIGHTS[layer], cfg)
-        torch.cuda.synchronize()
+            gemm_wna16(torch.randn(m, layer.k, device=device, dtype=torch.bfloat16), _WARM_WEIGHTS[layer], cfg)
+        if device != "cpu":
+            torch.cuda.synchronize()
         return job, time.time() - t0, None
     except Exception as ex:  # the timing pass records it as inf
         return job, time.time() - t0, repr(ex)[:200]
 
 
 def warm_compile(layers: list[LayerConfig], ms: list[int], jobs: int, max_candidates: int | None = None,
-                 log=print) -> float:
+                 log=print, device="cuda") -> float:
     """JIT-compile every candidate of these layers in `jobs` spawned processes (Triton compiles take 5-30 s each
     and one process compiles serially). Configs the JIT cannot tell apart (same format, compile_key and
     specialisation) are compiled once, on the first layer that has them. -> wall seconds."""
@@ -201,9 +202,9 @@ def warm_compile(layers: list[LayerConfig], ms: list[int], jobs: int, max_candid
             for c in layer_candidates(layer, m, max_candidates):
                 key = (layer.spec, layer.n % 16 == 0 and layer.k % 16 == 0, compile_key(c))
                 todo.setdefault(key, (layer, c, set()))[2].add(m)
-    work = [(layer, c, sorted(m_set)) for layer, c, m_set in todo.values()]
+    work = [(layer, c, sorted(m_set), device) for layer, c, m_set in todo.values()]
     with mp.get_context("spawn").Pool(jobs) as pool:
-        for (layer, c, _), t, err in pool.imap_unordered(_warm_one, work):
+        for (layer, c, _, _), t, err in pool.imap_unordered(_warm_one, work):
             if err:
                 log(f"compile failed {layer.key} {c}: {err}")
     log(f"compiled {len(work)} kernels in {jobs} processes: {time.time() - t0:.1f} s")
