@@ -96,10 +96,11 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
              ("mv", 256, 8, 0, 1),
              # more programs (warps) per SM at the same bytes per program and step: the small 8B layers run
              # ~2 programs of 2 warps per SM at the default 128-wide tile
-             ("mv", 64, 1, 0, 3), ("mv", 64, 2, 0, 3), ("mv", 128, 2, 0, 4), ("mv", 128, 2, 2 * km, 3)),
+             ("mv", 64, 1, 0, 3), ("mv", 64, 2, 0, 3), ("mv", 128, 1, 0, 3), ("mv", 128, 2, 0, 4),
+             ("mv", 128, 2, 2 * km, 3)),
             (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
-    out += [ComputeConfig("mv", 16, bn, 0, 32, w, 3) for bn, w in ((128, 2), (64, 1), (64, 2))]
+    out += [ComputeConfig("mv", 16, bn, 0, 32, w, 3) for bn, w in ((128, 2), (128, 1), (64, 1), (64, 2))]
     return out
 
 
