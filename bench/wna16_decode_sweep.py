@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -50,7 +51,7 @@ def candidates(layer, m, gpu):
 
 def _warm(job):
     """Worker: compile kestrel's candidates (PDL off and on) and Humming's kernels for one (format, N, K)."""
-    fmt, n, k, ms, gpu, humming, pdls, only_default = job
+    fmt, n, k, ms, gpu, humming, pdls, only_default, red_steps = job
     import torch
     from kestrel.kernels import gemm_wna16_small
     from kestrel.kernels.configs import LayerConfig
@@ -65,12 +66,13 @@ def _warm(job):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         dflt, cands = candidates(LayerConfig(FORMATS[fmt], n, k), m, gpu)
         for cfg in [dflt] if only_default else cands:
-            for pdl in pdls:
+            for rs, pdl in itertools.product(red_steps, pdls):
                 gemm_wna16_small.set_pdl(pdl)
+                gemm_wna16_small.RED_STEP = rs
                 try:
                     gemm_wna16(x, qw, cfg)
                 except Exception as ex:
-                    errs.append(f"{cfg} pdl={pdl}: {ex!r}"[:200])
+                    errs.append(f"{cfg} pdl={pdl} red_step={rs}: {ex!r}"[:200])
     if humming:
         try:
             layer = build_humming(fmt, w)
@@ -91,6 +93,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=150)
     ap.add_argument("--layers", default=None, help="keep only these layers (comma list, e.g. llama3-70b:o)")
     ap.add_argument("--pdl", default="0,1", help="PDL settings to time (comma list of 0, 1, late: see KESTREL_PDL)")
+    ap.add_argument("--red-steps", default="2", help="split-K partials summed per step (gemm_wna16_small.RED_STEP) "
+                    "to time, comma list of 1/2")
     ap.add_argument("--only-default", action="store_true", help="time only the default config (with each --pdl)")
     ap.add_argument("--no-humming", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -115,7 +119,8 @@ def main():
     pdl_default = os.environ.get("KESTREL_PDL", "0")
     gemm_wna16_small.set_pdl(pdl_default)
     import multiprocessing as mp
-    jobs = [(f, n, k, ms, gpu, f in HUMMING and not args.no_humming, pdls, args.only_default)
+    red_steps = [int(v) for v in args.red_steps.split(",")]
+    jobs = [(f, n, k, ms, gpu, f in HUMMING and not args.no_humming, pdls, args.only_default, red_steps)
             for f in fmts for _, (n, k) in shapes]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         for job, t, errs in pool.map(_warm, jobs):
@@ -168,26 +173,30 @@ def main():
                 line = f"{fmt} {name:18s} M={m:<2d} humming {h_us or 0:7.2f} cublas {c_us:7.2f} |"
                 best = None
                 for cfg in cands:
-                    for pdl in pdls:
+                    for rs, pdl in itertools.product(red_steps, pdls):
                         gemm_wna16_small.set_pdl(pdl)
+                        gemm_wna16_small.RED_STEP = rs
                         try:
                             fn = lambda: gemm_wna16(x, qw0, cfg)
                             err = max(rel(fn()), graph_outputs_err(fn, ref))
                             us = graph_time_us([lambda q=q: gemm_wna16(x, q, cfg) for q in qws], calls=20, replays=10)
                         except Exception as ex:
-                            print(f"fail {cfg} pdl={pdl} {name} M={m}: {ex!r}"[:300], flush=True)
+                            print(f"fail {cfg} pdl={pdl} red_step={rs} {name} M={m}: {ex!r}"[:300], flush=True)
                             continue
-                        row = {**base, "kind": "kestrel", "default": cfg == dflt, "pdl": pdl, "config": cfg.to_dict(),
+                        row = {**base, "kind": "kestrel", "default": cfg == dflt, "pdl": pdl, "red_step": rs,
+                               "config": cfg.to_dict(),
                                "us": us, "err": err}
                         res.append(row)
                         if not err < 1e-2:
-                            print(f"WRONG RESULT {cfg} pdl={pdl} {name} M={m}: rel err {err:.3g}", flush=True)
+                            print(f"WRONG RESULT {cfg} pdl={pdl} red_step={rs} {name} M={m}: rel err {err:.3g}",
+                                  flush=True)
                         elif best is None or us < best["us"]:
                             best = row
                         tag = ("dflt" if cfg == dflt else f"st{cfg.block_n}/{cfg.split_k}" if cfg.kernel == "stream"
                                else f"pf{cfg.prefetch}")
-                        line += f" {tag}{'' if pdl == '0' else '+pdl' + pdl} {us:6.2f}"
+                        line += f" {tag}{'' if pdl == '0' else '+pdl' + pdl}{'' if rs == 2 else '+r1'} {us:6.2f}"
                 gemm_wna16_small.set_pdl(pdl_default)
+                gemm_wna16_small.RED_STEP = 2
                 if best:
                     c = best["config"]
                     line += (f" || best {c['kernel']} bn{c['block_n']} w{c['num_warps']} sk{c['split_k']} "

@@ -103,6 +103,14 @@ def test_split_k_counters_reset_between_calls():
     _check(qw, 2, cfg, dtype=torch.float16)
 
 
+@pytest.mark.parametrize("split", [2, 3, 4, 5, 6])
+def test_split_k_reduction_every_split_count(split):
+    # the last split sums the partials two per step (masked tail): every count of partials, odd and even, K = 6
+    # planar blocks so each split gets at least one; a dropped or doubled partial is an O(1) error
+    qw = quantize(torch.randn(48, 768, generator=torch.Generator().manual_seed(9)), QuantSpec("int4", group_size=128))
+    _check(qw, 3, ComputeConfig("mv", 16, 16, 0, split_k=split, num_warps=4, num_stages=1))
+
+
 def test_one_bit_weights():
     W = torch.randn(N, 512, generator=torch.Generator().manual_seed(4))  # 1-bit packing needs K % 512 == 0
     qw = quantize(W, QuantSpec("uint1", has_zero_point=True, group_size=128))

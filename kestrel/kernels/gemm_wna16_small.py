@@ -125,8 +125,9 @@ def _l2_prefetch(qw_ptr, blk, n0, N, BLOCK_N: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, tile, pid_k, split_k,
-            SPLIT: tl.constexpr):
-    """Write acc [BM, BN] (fp32) to y; with SPLIT (split_k > 1) the last split of this tile reduces all partials."""
+            SPLIT: tl.constexpr, RED_STEP: tl.constexpr = 2):
+    """Write acc [BM, BN] (fp32) to y; with SPLIT (split_k > 1) the last split of this tile reduces all partials,
+    RED_STEP (1 or 2) of them per loop step."""
     mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if not SPLIT:
@@ -137,11 +138,29 @@ def _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, s
         tl.debug_barrier()  # every thread's partial is written before the (release) count below
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if done == split_k - 1:
+            # fixed order: the result does not depend on who finished last. The split count is a runtime value,
+            # so a loop of one partial per step waits for one L2 round trip per split, on the critical path of
+            # every split-K launch; two per step halve that (4 cost 36 more registers: 155 -> 191 on int4 mv
+            # bn128 w2, one CTA less per SM). Masked-off slots add exact zeros.
             tot = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in range(1, split_k):  # fixed order: the result does not depend on who finished last
-                tot += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if RED_STEP == 1:
+                for s in range(1, split_k):
+                    tot += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            else:
+                for s in range(1, split_k, 2):
+                    p1 = tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                    m2 = mask & ((offs_n[None, :] * 0 + s + 1) < split_k)
+                    p2 = tl.load(ws + (s + 1) * M * N, mask=m2, other=0.0, cache_modifier=".cg")
+                    tot += p1
+                    tot += p2
             tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (and the next CUDA-graph replay)
+            # ready for the next launch (and the next CUDA-graph replay): a kernel boundary (or PDL's gdc_wait,
+            # which waits for this grid's completion and memory flush) orders it, so no fence is needed here
+            # (RED_STEP 1 keeps the fenced reset of before, for A/B timing)
+            if RED_STEP == 1:
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+            else:
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
 
 
 @triton.jit
@@ -241,7 +260,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-               ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr):
+               ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
+               RED_STEP: tl.constexpr):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -321,7 +341,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     if HAS_GSCALE:
         acc = acc * tl.load(gs_ptr)
     _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym,
-            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
+            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT, RED_STEP)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -429,6 +449,10 @@ def use_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and PDL and _sm90(device.index)
 
 
+# split-K partials summed per loop step by the last program of a tile (mv / mvs; _finish): 1 is the loop of before,
+# kept for A/B timing (bench/wna16_decode_sweep.py --red-steps)
+RED_STEP = 2
+
 _WS: dict = {}
 _CNT_SLOTS = 1 << 16
 
@@ -482,5 +506,6 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         _mv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
-                         ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1), **common)
+                         ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
+                         RED_STEP=RED_STEP, **common)
     return y
