@@ -78,29 +78,22 @@ def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[C
 
 
 def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
-    """M <= 16 (gemm_wna16_small.py), pruned by the H200 sweeps (bench/gemv_sweep.py, bench/wna16_decode_sweep.py):
-    the tile/warp shapes that won somewhere, split-K 1..16 (32 for the narrow tiles), 2 planar blocks per step
-    (block_k), num_stages=1 (mv: register prefetch of the next block instead of Triton's cp.async pipeline), and for
-    M <= 4 the CUDA-core stream kernel (gemm_wna16_stream.py). The L2-prefetch variants (ComputeConfig.prefetch)
-    are not tried: 4-40 % slower than without on every int4 and MXFP4 point of the 2026-12-03 session-2 round-1
-    sweep (bench/results/gemm_wna16_smallm.md)."""
+    """M <= 16 (gemm_wna16_small.py): the mv tiles that came within 5 % of the best on some (format, shape, M) of the
+    H200 `kestrel tune` run of 2026-12-03 session 3 round 1 (int4 g128 and MXFP4, 4 Llama shapes, M = 1 and 16;
+    bench/results/gemm_wna16_smallm.md), split-K 1..16 (32 for the narrow tiles), and for M <= 4 the CUDA-core
+    stream kernel (gemm_wna16_stream.py). Narrow tiles (64 or fewer columns per warp) put more warps on each SM
+    for the same weight bytes: MXFP4 won with them by up to 25 %. Dropped there (never within 5 %): the CUDA-core
+    gemv kernel, mvs, 8-warp tiles, num_stages=1 (register prefetch), block_k=256 on 4-warp tiles; earlier the
+    L2-prefetch variants (ComputeConfig.prefetch: 4-40 % slower on every point of the session-2 round-1 sweep)."""
     km = layer.spec.k_multiple
     out = stream_candidates(m)
-    if m <= 2:
-        for (bn, w, bk), sk in itertools.product(((128, 1, 0), (256, 2, 0), (256, 4, 0), (256, 4, 2 * km)),
-                                                 (4, 8, 16, 32)):
-            out.append(ComputeConfig("gemv", 1, bn, bk, sk, w, 3))
-    for (kern, bn, w, bk, st), sk in itertools.product(
-            (("mv", 256, 4, 0, 3), ("mv", 256, 4, 2 * km, 3), ("mv", 128, 4, 0, 3), ("mv", 128, 4, 2 * km, 3),
-             ("mv", 128, 8, 0, 3), ("mv", 128, 2, 0, 3), ("mvs", 128, 4, 0, 3), ("mv", 128, 4, 0, 1),
-             ("mv", 256, 8, 0, 1),
-             # more programs (warps) per SM at the same bytes per program and step: the small 8B layers run
-             # ~2 programs of 2 warps per SM at the default 128-wide tile
-             ("mv", 64, 1, 0, 3), ("mv", 64, 2, 0, 3), ("mv", 128, 1, 0, 3), ("mv", 128, 2, 0, 4),
-             ("mv", 128, 2, 2 * km, 3)),
-            (1, 2, 4, 8, 16)):
+    narrow = (("mv", 128, 2, 0, 3), ("mv", 128, 1, 0, 3), ("mv", 64, 1, 0, 3), ("mv", 64, 2, 0, 3),
+              ("mv", 32, 1, 0, 3))
+    wide = (("mv", 128, 2, 0, 4), ("mv", 128, 4, 0, 3), ("mv", 256, 4, 0, 3), ("mv", 128, 2, 2 * km, 3),
+            ("mv", 256, 4, 2 * km, 3))
+    for (kern, bn, w, bk, st), sk in itertools.product(narrow + wide, (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
-    out += [ComputeConfig("mv", 16, bn, 0, 32, w, 3) for bn, w in ((128, 2), (128, 1), (64, 1), (64, 2))]
+    out += [ComputeConfig(kern, 16, bn, bk, 32, w, st) for kern, bn, w, bk, st in narrow]
     return out
 
 
