@@ -89,8 +89,8 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     out = stream_candidates(m)
     narrow = (("mv", 128, 2, 0, 3), ("mv", 128, 1, 0, 3), ("mv", 64, 1, 0, 3), ("mv", 64, 2, 0, 3),
               ("mv", 32, 1, 0, 3))
-    wide = (("mv", 128, 2, 0, 4), ("mv", 128, 4, 0, 3), ("mv", 256, 4, 0, 3), ("mv", 128, 2, 2 * km, 3),
-            ("mv", 256, 4, 2 * km, 3))
+    wide = (("mv", 128, 2, 0, 4), ("mv", 64, 1, 0, 4), ("mv", 64, 2, 0, 4), ("mv", 128, 4, 0, 3), ("mv", 256, 4, 0, 3),
+            ("mv", 128, 2, 2 * km, 3), ("mv", 256, 4, 2 * km, 3))
     for (kern, bn, w, bk, st), sk in itertools.product(narrow + wide, (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
     out += [ComputeConfig(kern, 16, bn, bk, 32, w, st) for kern, bn, w, bk, st in narrow]
