@@ -97,9 +97,10 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     return out
 
 
-# stream kernel (gemm_wna16_stream.py) tiles tried at M <= 4: (block_n, num_warps, num_stages), the two best of the
-# H200 round-1 sweep (bench/results/gemm_wna16_smallm.md: 2-3 % behind mv on 8B qkv / o at M = 1, never ahead)
-STREAM_TILES = ((64, 1, 2), (128, 1, 1))
+# stream kernel (gemm_wna16_stream.py) tiles tried at M <= 4: (block_n, num_warps, num_stages). The first two were
+# the best of the session-1 sweep (bench/results/gemm_wna16_smallm.md) and won 8B o at M = 1 for int4 and MXFP4 in
+# the session-3 `kestrel tune` run; the other two swap their register prefetch (num_stages 2 / 1)
+STREAM_TILES = ((64, 1, 2), (128, 1, 1), (64, 1, 1), (128, 1, 2))
 
 
 def stream_candidates(m: int) -> list[ComputeConfig]:
