@@ -101,6 +101,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting new shapes after this many seconds")
     ap.add_argument("--warm-workers", type=int, default=0,
                     help="first JIT-compile Humming and kestrel for every (format, shape) in this many worker processes")
+    ap.add_argument("--no-warm-humming", action="store_true",
+                    help="the warm-up workers compile only kestrel; Humming JIT-compiles in the timing process (H200, "
+                         "2026-12-03: ~5 s per shape there, while 6 parallel workers took 51 s for 2 M each)")
     ap.add_argument("--layers", default=None,
                     help="keep only these layers, in this order (comma list, e.g. llama3-70b:o)")
     ap.add_argument("--interleave", action="store_true", help="alternate the models' layers and the formats (a budget cut "
@@ -151,7 +154,7 @@ def main():
     if args.warm_workers:
         import multiprocessing as mp
         t0 = time.time()
-        jobs = [(fmt, n, k, ms, "humming" in peers and fmt in args.peer_formats.split(","))
+        jobs = [(fmt, n, k, ms, "humming" in peers and fmt in args.peer_formats.split(",") and not args.no_warm_humming)
                 for fmt in args.formats.split(",") for _, (n, k) in shapes]
         with mp.get_context("spawn").Pool(args.warm_workers) as pool:
             for job, t, err in pool.map(_warm, jobs):
@@ -233,6 +236,7 @@ def main():
                         if f"{p}_us" in row:
                             row[f"speedup_vs_{p}"] = row[f"{p}_us"] / row["kestrel_us"]
                 rows.append(row)
+                save(meta, rows, t_start, args.out)  # after every row: a killed run keeps what it measured
                 print("ROW " + json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()
                                             if k2 != "kestrel_config"}), flush=True)
             del ws, qws, deq0, hum, gl
