@@ -194,6 +194,7 @@ def main():
                     meta.setdefault("gemlite_errors", []).append(f"{fmt} {n}x{k}: {ex!r}"[:300])
                     print(f"gemlite {fmt} failed: {ex!r}"[:400], flush=True)
             for m in ms:
+                print(f"[{time.time() - t_start:.1f}s] {fmt} {name} M={m}", flush=True)  # where a killed run was
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 reps = 20 if m < 1024 else 8  # calls per graph: ms-long calls need fewer for a stable median
                 row = {"fmt": fmt, "layer": name, "M": m, "N": n, "K": k, "w_bytes": wbytes,
