@@ -427,7 +427,8 @@ _ASM = True  # inline-PTX nibble decode on the GPU (the interpreter takes the pl
 # first weight block) overlap the previous kernel. Off by default: on the H200 (2026-12-03, bench/results/
 # gemm_wna16_smallm.md) the default mv config took 12.7 us with it vs 9.35 us without at 4096x4096, M = 1.
 # KESTREL_PDL=1 turns it on; KESTREL_PDL=late (mv / mvs) lets the next kernel launch only once every program is
-# past its K loop (PDL_LATE).
+# past its K loop (PDL_LATE). Session 3 (same process, int4 defaults, 3 shapes, M = 1 / 16): early 3.3-13 us and
+# late 1-9 us slower than off on every point.
 PDL = os.environ.get("KESTREL_PDL", "0") in ("1", "late")
 PDL_LATE = os.environ.get("KESTREL_PDL", "0") == "late"
 
