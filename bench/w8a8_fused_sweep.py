@@ -23,6 +23,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="8192x8192")
     p.add_argument("--ms", default="1,16")
+    p.add_argument("--quick", action="store_true", help="5 configs around the known best instead of 11")
     args = p.parse_args()
     N, K = (int(v) for v in args.shape.split("x"))
     q = [quantize_weight_w8a8(torch.randn(N, K, device="cuda") * 0.02, "fp8") for _ in range(4)]
@@ -32,12 +33,18 @@ def main():
         r = {"M": M, "N": N, "K": K, "default": fused_config(M, N, K).__dict__}
         r["separate_us"] = safe_us([lambda i=i: gemm_w8a8(*aq.quant_fp8(x), *q[i]) for i in range(4)])
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
-        cfgs = [None] + [FusedConfig(BM=bm, BN=bn, SPLIT_K=sk, SWAP=sw, num_warps=w, num_stages=st)
-                         for sw in (1, 0) for bn, sk in ((64, 1), (64, 2), (64, 4), (32, 2), (128, 4))
-                         for w, st in ((4, 4),)] + [FusedConfig(BM=bm, BN=64, SPLIT_K=2, SWAP=1, num_warps=4,
-                                                                num_stages=6)]
+        if args.quick:  # around the BN 128 / split 4 winner of the full list (moe_h200_run5_r2.log)
+            cfgs = [None] + [FusedConfig(BM=bm, BN=bn, SPLIT_K=sk, SWAP=sw, num_warps=w, num_stages=4)
+                             for bn, sk, sw, w in ((128, 2, 1, 4), (128, 8, 1, 4), (128, 4, 0, 4), (128, 4, 1, 8),
+                                                   (256, 4, 1, 8))]
+        else:
+            cfgs = [None] + [FusedConfig(BM=bm, BN=bn, SPLIT_K=sk, SWAP=sw, num_warps=w, num_stages=st)
+                             for sw in (1, 0) for bn, sk in ((64, 1), (64, 2), (64, 4), (32, 2), (128, 4))
+                             for w, st in ((4, 4),)] + [FusedConfig(BM=bm, BN=64, SPLIT_K=2, SWAP=1, num_warps=4,
+                                                                    num_stages=6)]
         for cfg in cfgs:
-            tag = "default" if cfg is None else f"bn{cfg.BN}_sk{cfg.SPLIT_K}_sw{cfg.SWAP}_st{cfg.num_stages}"
+            tag = "default" if cfg is None else f"bn{cfg.BN}_sk{cfg.SPLIT_K}_sw{cfg.SWAP}_st{cfg.num_stages}" + (
+                f"_w{cfg.num_warps}" if cfg.num_warps != 4 else "")
             try:
                 y = gemm_w8a8_fused(x, *q[0], config=cfg)
                 r[f"{tag}_err"] = ((y.double() - ref).norm() / ref.norm()).item()
