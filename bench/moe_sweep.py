@@ -320,7 +320,7 @@ def to_markdown(d: dict) -> str:
         r0 = next((r for r in sr if "touched_experts" in r), sr[0])
         out += [f"### {shape} M={M} (E={r0['E']} top-{r0['top_k']}, N={r0['N']} K={r0['K']}, "
                 f"{r0.get('touched_experts', 0):.1f} experts touched per call)", "",
-                "| kernel | BM | BN | split | warps | stages | swap | KB | us | GB/s | err |",
+                "| kernel | BM | BN | split | warps | stages | swap | KB / DEC | us | GB/s | err |",
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sr:
             c = r.get("cfg") or {}
@@ -329,7 +329,7 @@ def to_markdown(d: dict) -> str:
             err = f"{r['err']:.1e}" if r.get("err") is not None else "-"
             out.append(f"| {r.get('kernel', r.get('peer'))}{' (default)' if r.get('default') else ''} | {c.get('BM', '')} | "
                        f"{c.get('BN', '')} | {c.get('SPLIT_K', '')} | {c.get('num_warps', '')} | "
-                       f"{c.get('num_stages', '')} | {swap} | {c.get('KB', '')} | {us} | {r.get('GBps', '-')} | {err} |")
+                       f"{c.get('num_stages', '')} | {swap} | {c.get('KB', c.get('DEC', ''))} | {us} | {r.get('GBps', '-')} | {err} |")
         out.append("")
     al = [r for r in rows if r.get("align")]
     if al:

@@ -162,8 +162,9 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
         while split < 4 and progs * split * 2 <= 8 * num_sms and K // (128 * split * 2) >= 2:
             split *= 2
         return MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=2, num_stages=3)
-    if bm >= TC_MIN_BM:  # compute bound: one K=128 tensor-core dot per step (moe_tc)
-        return TcConfig(BM=bm, BN=128, num_warps=4 if bm <= 64 else 8, num_stages=3, DEC=1 if bm <= 64 else 2)
+    if bm >= TC_MIN_BM:  # compute bound: one K=128 tensor-core dot per step (moe_tc). H200, M = 1024 up projection
+        # (bench/results/moe_h200_run6.md): Qwen3 225.7 us vs 243.4 for mv, Mixtral 1548 vs 1707
+        return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
 
