@@ -169,7 +169,8 @@ def sweep_shape(name, ms, rows, args):
         if default not in cfgs:
             cfgs = [default] + cfgs
         cfgs = cfgs if "lowbit" in kernels else []
-        tcfgs = TLARGE[:args.max_tc] if "tc" in kernels and T / E > 16 else []
+        tl_ = [T_(*(int(v) for v in c.split(":"))) for c in args.tc.split(",")] if args.tc else TLARGE
+        tcfgs = tl_[:args.max_tc] if "tc" in kernels and T / E > 16 else []
         slots = torch.randperm(T)[:16].tolist()
         ref = ref_rows(x, W, idss[0], slots, k)
         bms = sorted({c.BM for c in cfgs})
@@ -274,6 +275,7 @@ def main():
     p.add_argument("--kernels", default="lowbit,planar,tc", help="comma list of lowbit,planar,tc")
     p.add_argument("--max-planar", type=int, default=100, help="first N planar configs of the list only")
     p.add_argument("--max-tc", type=int, default=100, help="first N tc configs of the list only")
+    p.add_argument("--tc", default="", help="tc configs instead of the list: BM:BN:warps:stages:swap:dec,...")
     p.add_argument("--align", type=int, default=1, help="time the sort/align implementations first")
     p.add_argument("--humming", default="qwen3-30b-a3b", help="shapes on which Humming runs too")
     p.add_argument("--humming-by-s", type=float, default=60, help="build no Humming layer after this many seconds")
