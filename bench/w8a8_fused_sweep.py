@@ -28,6 +28,7 @@ def main():
     p.add_argument("--shape", default="8192x8192")
     p.add_argument("--ms", default="1,16")
     p.add_argument("--w4", action="store_true", help="W4A8 int4 g128 weights (gemm_w4a8_fused) instead of fp8")
+    p.add_argument("--cfgs", default="", help="configs to time beside the default: BN:SPLIT:SWAP:WARPS:STAGES,...")
     p.add_argument("--quick", action="store_true", help="5 configs around the known best instead of 11")
     args = p.parse_args()
     N, K = (int(v) for v in args.shape.split("x"))
@@ -47,7 +48,10 @@ def main():
         r = {"M": M, "N": N, "K": K, "w4": args.w4, "default": fused_config(M, N, K).__dict__}
         r["separate_us"] = safe_us([lambda i=i: separate(x, *q[i]) for i in range(4)])
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
-        if args.quick:  # around the BN 128 / split 4 winner of the full list (moe_h200_run5_r2.log)
+        if args.cfgs:
+            cfgs = [None] + [FusedConfig(BM=bm, BN=bn, SPLIT_K=sk, SWAP=sw, num_warps=w, num_stages=st)
+                             for bn, sk, sw, w, st in (map(int, c.split(":")) for c in args.cfgs.split(","))]
+        elif args.quick:  # around the BN 128 / split 4 winner of the full list (moe_h200_run5_r2.log)
             cfgs = [None] + [FusedConfig(BM=bm, BN=bn, SPLIT_K=sk, SWAP=sw, num_warps=w, num_stages=4)
                              for bn, sk, sw, w in ((128, 2, 1, 4), (128, 8, 1, 4), (128, 4, 0, 4), (128, 4, 1, 8),
                                                    (256, 4, 1, 8))]
