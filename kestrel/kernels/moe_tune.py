@@ -107,8 +107,10 @@ def candidates(kernel: str, M: int, E: int, top_k: int, N: int, K: int, heuristi
                     out.append(TcConfig(BM=bm, BN=bn, num_warps=warps, num_stages=stages, DEC=dec))
     else:
         swaps = (0, 1) if act != "bf16" or kernel == "moe-int4" else (0,)
-        for bn in ((64, 128, 256) if decode else (64, 128, 256)):
-            for split in ((1, 2, 4) if decode else (1,)):
+        # split-K outermost: a --max-candidates prefix covers every tile width before any K split (with thousands
+        # of expert-block programs from M = 64 up, a split rarely pays)
+        for split in ((1, 2, 4) if decode else (1,)):
+            for bn in (64, 128, 256):
                 for stages in (3, 4):
                     for swap in swaps:
                         warps = 8 if bm * bn >= 128 * 128 or bn >= 256 else 4
