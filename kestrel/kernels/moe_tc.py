@@ -99,7 +99,7 @@ def _moe_tc_kernel(x_ptr, qw_ptr, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_p
     mask = row_ok[:, None] & n_mask[None, :]
     if REDUCE:  # each slot into its token's row (zeroed by the host): fp32 atomics, the k additions in no fixed order
         y_rows = (tok // out_div).to(tl.int64)
-        tl.atomic_add(y_ptr + y_rows[:, None] * stride_ym + offs_n[None, :], acc, mask=mask)
+        tl.atomic_add(y_ptr + y_rows[:, None] * stride_ym + offs_n[None, :], acc, mask=mask, sem="relaxed")
     else:
         if DOT_F32 and y_ptr.dtype.element_ty == tl.bfloat16:
             acc = round_bf16(acc)  # interpreter: its bf16 cast truncates, the GPU's rounds to nearest
