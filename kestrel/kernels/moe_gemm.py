@@ -4,6 +4,8 @@ Weight formats (stacked over experts [E, N, K]): bf16; fp8 / int8 per channel (W
 int4 symmetric with group scales (WNA16 with bf16 activations, W4A8 with fp8 activations); mxfp4 / nvfp4 (W4A16,
 W4A8, or W4A4 with mxfp4 / nvfp4 activations). The math is lowbit_gemm's kernel with IS_MOE: each program reads its
 block's expert id and token rows, and the down projection multiplies by the routing weight in the epilogue.
+int4 x bf16 experts in the WNA16 planar layout run their own grouped kernels instead: moe_mv.py (decode-sized expert
+blocks, < TC_MIN_BM rows) and moe_tc.py (larger blocks: one K = 128 tensor-core dot per step).
 """
 from dataclasses import dataclass
 
