@@ -143,8 +143,12 @@ def run_fp8(N, K, ms, rows, budget):
         r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
         r["kestrel_e2e_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i]) for i in range(nc)])
         if 16 < M <= 256:  # deeper TMA pipelines than the swept ones (the swept best was 0.91-0.99x cuBLASLt here)
-            for tag, cfg in (("s6", GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=6, TMA=1)),
-                             ("bk256", GemmConfig(BM=64, BN=128, BK=256, num_warps=4, num_stages=3, TMA=1))):
+            # (run 5: 6 stages = the default, BK 256 slower.) BN 64 / 32: 2-4x the CTAs of the 64x128 tiles
+            # (8192 wide at M = 64: 64 CTAs for 132 SMs), and the swapped pointer kernel with a K split
+            for tag, cfg in (("bn64", GemmConfig(BM=64, BN=64, BK=128, num_warps=4, num_stages=6, TMA=1)),
+                             ("bn32", GemmConfig(BM=64, BN=32, BK=128, num_warps=4, num_stages=8, TMA=1)),
+                             ("sw64k2", GemmConfig(BM=64, BN=64, BK=128, SPLIT_K=2, num_warps=4, num_stages=4,
+                                                   SWAP_AB=1))):
                 r[f"kestrel_gemm_{tag}_us"] = safe_us([lambda i=i, cfg=cfg: gemm_w8a8(a, s, *q[i], config=cfg)
                                                        for i in range(nc)])
         if M <= 16:  # decode alternative: bf16 activations straight into the fp8-weight kernel (no act-quant launch)

@@ -28,6 +28,7 @@ from kestrel.kernels.gemm_w4a8 import W4Weight  # noqa: E402
 from kestrel.kernels.lowbit_gemm import A_BF16, GemmConfig, Operand  # noqa: E402
 from kestrel.kernels.moe_gemm import ExpertWeights, grouped_gemm, moe_config  # noqa: E402
 from kestrel.kernels.moe_mv import MvConfig, PlanarW4, grouped_gemm_planar  # noqa: E402
+from kestrel.kernels.moe_tc import TcConfig, grouped_gemm_planar_tc  # noqa: E402
 from kestrel.quant.packing import unpack_codes  # noqa: E402
 
 DEV = os.environ.get("SWEEP_DEVICE", "cuda")
@@ -68,6 +69,13 @@ PDECODE = [M_(16, 128, 4, 2, 3), M_(16, 64, 4, 2, 3), M_(16, 128, 2, 2, 3), M_(1
 PLARGE = [M_(64, 128, 1, 4, 3, 1), M_(64, 128, 1, 8, 3, 1), M_(128, 128, 1, 8, 3, 1), M_(64, 256, 1, 8, 3, 1),
           M_(128, 256, 1, 8, 3, 1), M_(64, 128, 1, 4, 4, 1), M_(64, 128, 1, 4, 3, 1, 2), M_(32, 128, 1, 4, 3, 1),
           M_(32, 128, 1, 4, 3, 0), M_(128, 128, 1, 4, 3, 1), M_(64, 64, 1, 4, 3, 1), M_(32, 64, 1, 4, 3, 1)]
+
+
+# the planar-int4 tc kernel (moe_tc.py): one K=128 dot per step; large M only (>= 32 rows per expert block)
+T_ = TcConfig
+TLARGE = [T_(64, 128, 4, 3, 0, 1), T_(64, 128, 4, 3, 1, 1), T_(128, 128, 8, 3, 0, 2), T_(128, 128, 8, 3, 0, 1),
+          T_(64, 128, 8, 3, 0, 2), T_(128, 256, 8, 3, 0, 1), T_(128, 64, 4, 3, 0, 1), T_(64, 256, 8, 3, 0, 1),
+          T_(128, 128, 8, 4, 0, 2), T_(64, 128, 4, 4, 0, 1), T_(128, 128, 8, 2, 0, 2), T_(128, 128, 8, 3, 1, 1)]
 
 
 def random_w4(E, N, K, gen_seed=0):
@@ -155,17 +163,21 @@ def sweep_shape(name, ms, rows, args):
         idss = [routing(M, E, k, s) for s in range(8)]
         touched = sum(int(torch.unique(i).numel()) for i in idss) / len(idss)
         nbytes = touched * wbytes_per_expert
+        kernels = args.kernels.split(",")
         cfgs = DECODE if T / E <= 16 else LARGE
         default = moe_config(T, E, "bf16")
         if default not in cfgs:
             cfgs = [default] + cfgs
+        cfgs = cfgs if "lowbit" in kernels else []
+        tl_ = [T_(*(int(v) for v in c.split(":"))) for c in args.tc.split(",")] if args.tc else TLARGE
+        tcfgs = tl_[:args.max_tc] if "tc" in kernels and T / E > 16 else []
         slots = torch.randperm(T)[:16].tolist()
         ref = ref_rows(x, W, idss[0], slots, k)
         bms = sorted({c.BM for c in cfgs})
         aligns = {bm: [ma.moe_align(i, E, bm) for i in idss] for bm in bms}
-        pcfgs = PDECODE if T / E <= 16 else PLARGE
+        pcfgs = (PDECODE if T / E <= 16 else PLARGE)[:args.max_planar] if "planar" in kernels else []
         pref = ref_rows_planar(x, P, idss[0], slots, k)
-        for bm in {c.BM for c in pcfgs} - set(aligns):
+        for bm in {c.BM for c in pcfgs + tcfgs} - set(aligns):
             aligns[bm] = [ma.moe_align(i, E, bm) for i in idss]
 
         def measure(r, launch, want):
@@ -187,6 +199,13 @@ def sweep_shape(name, ms, rows, args):
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "kernel": "planar", "cfg": cfg.as_dict(),
                  "touched_experts": touched}
             measure(r, lambda i, out, cfg=cfg: grouped_gemm_planar(x, P, aligns[cfg.BM][i], T, k, out, cfg), pref)
+        for cfg in tcfgs:
+            r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "kernel": "tc", "cfg": cfg.as_dict(),
+                 "touched_experts": touched}
+            measure(r, lambda i, out, cfg=cfg: grouped_gemm_planar_tc(x, P, aligns[cfg.BM][i], T, k, out, cfg), pref)
+            if time.time() - T0 > args.deadline_s:
+                log("deadline: stopping the tc configs")
+                break
         for cfg in cfgs:
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "cfg": cfg.as_dict(),
                  "default": cfg == default, "touched_experts": touched, "kernel": "lowbit"}
@@ -206,7 +225,7 @@ def sweep_shape(name, ms, rows, args):
             log("ROW", json.dumps(r))
         if SAVE[0]:
             SAVE[0]()  # after every M: a time-boxed run keeps what it measured
-        for kern in ("lowbit", "planar", None):
+        for kern in ("lowbit", "planar", "tc", None):
             best = min((r for r in rows if r.get("shape") == name and r["M"] == M and r.get("us") and
                         r.get("kernel") == kern), key=lambda r: r["us"], default=None)
             if best:
@@ -253,6 +272,10 @@ def main():
     p.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "tiny" and not s.endswith("-down")))
     p.add_argument("--ms", default="1,64,1024")
     p.add_argument("--deadline-s", type=float, default=1e9)
+    p.add_argument("--kernels", default="lowbit,planar,tc", help="comma list of lowbit,planar,tc")
+    p.add_argument("--max-planar", type=int, default=100, help="first N planar configs of the list only")
+    p.add_argument("--max-tc", type=int, default=100, help="first N tc configs of the list only")
+    p.add_argument("--tc", default="", help="tc configs instead of the list: BM:BN:warps:stages:swap:dec,...")
     p.add_argument("--align", type=int, default=1, help="time the sort/align implementations first")
     p.add_argument("--humming", default="qwen3-30b-a3b", help="shapes on which Humming runs too")
     p.add_argument("--humming-by-s", type=float, default=60, help="build no Humming layer after this many seconds")
@@ -299,7 +322,7 @@ def to_markdown(d: dict) -> str:
         r0 = next((r for r in sr if "touched_experts" in r), sr[0])
         out += [f"### {shape} M={M} (E={r0['E']} top-{r0['top_k']}, N={r0['N']} K={r0['K']}, "
                 f"{r0.get('touched_experts', 0):.1f} experts touched per call)", "",
-                "| kernel | BM | BN | split | warps | stages | swap | KB | us | GB/s | err |",
+                "| kernel | BM | BN | split | warps | stages | swap | KB / DEC | us | GB/s | err |",
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sr:
             c = r.get("cfg") or {}
@@ -308,7 +331,7 @@ def to_markdown(d: dict) -> str:
             err = f"{r['err']:.1e}" if r.get("err") is not None else "-"
             out.append(f"| {r.get('kernel', r.get('peer'))}{' (default)' if r.get('default') else ''} | {c.get('BM', '')} | "
                        f"{c.get('BN', '')} | {c.get('SPLIT_K', '')} | {c.get('num_warps', '')} | "
-                       f"{c.get('num_stages', '')} | {swap} | {c.get('KB', '')} | {us} | {r.get('GBps', '-')} | {err} |")
+                       f"{c.get('num_stages', '')} | {swap} | {c.get('KB', c.get('DEC', ''))} | {us} | {r.get('GBps', '-')} | {err} |")
         out.append("")
     al = [r for r in rows if r.get("align")]
     if al:

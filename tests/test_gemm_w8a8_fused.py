@@ -4,7 +4,9 @@ import torch
 
 from kestrel.kernels import act_quant as aq
 from kestrel.kernels.gemm_w8a8 import quantize_weight_w8a8, w8a8_linear
-from kestrel.kernels.gemm_w8a8_fused import FusedConfig, fused_config, gemm_w8a8_fused, ref_w8a8_fused
+from kestrel.kernels.gemm_w4a8 import quantize_weight_w4, w4a8_linear
+from kestrel.kernels.gemm_w8a8_fused import (FusedConfig, fused_config, gemm_w4a8_fused, gemm_w8a8_fused,
+                                             ref_act_groups, ref_w8a8_fused)
 
 pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (or a GPU)")
 
@@ -31,6 +33,37 @@ def test_fused_vs_float64(M, N, K, cfg):
     assert y.shape == (M, N)
     assert _rel(y, ref) < 1e-4  # the same quantized values, fp32 accumulation
     assert _rel(y, x.to(torch.bfloat16).double() @ w.double().t()) < 0.08  # quantization error (sanity)
+
+
+@pytest.mark.parametrize("group", [128, 256, -1])
+@pytest.mark.parametrize("M,N,K,cfg", [
+    (1, 48, 256, FusedConfig(BM=16, BN=32, SPLIT_K=1, SWAP=1)),
+    (3, 64, 512, FusedConfig(BM=16, BN=32, SPLIT_K=2, SWAP=1)),
+    (5, 64, 768, FusedConfig(BM=16, BN=64, SPLIT_K=2, SWAP=0)),  # 6 K tiles over 2 splits, unswapped
+    (33, 40, 512, FusedConfig(BM=32, BN=32, SPLIT_K=1, SWAP=0)),  # ragged M and N
+])
+def test_fused_w4a8_vs_float64(M, N, K, cfg, group):
+    """int4 (halves packing, group scales) x fp8 activations quantized in the kernel vs the float64 product of the
+    group-quantized activations and the dequantized weight."""
+    g = torch.Generator().manual_seed(M * 5 + N + group)
+    x = torch.randn(M, K, generator=g)
+    x[:, :128] *= 30
+    qw = quantize_weight_w4(torch.randn(N, K, generator=g) * 0.05, "int4", group).kernel_layout()
+    assert qw.layout == "halves"
+    xb = x.to(torch.bfloat16)
+    y = gemm_w4a8_fused(xb, qw, torch.float32, cfg)
+    ref = ref_act_groups(xb.float()) @ qw.dequantize().double().t()
+    assert y.shape == (M, N)
+    assert _rel(y, ref) < 1e-4
+
+
+def test_fused_w4a8_is_the_decode_path_of_w4a8_linear():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    qw = quantize_weight_w4(torch.randn(64, 256, generator=g) * 0.05, "int4", 128).kernel_layout()
+    y = w4a8_linear(x, qw)
+    assert y.dtype == torch.bfloat16
+    assert _rel(y, ref_act_groups(x.float()) @ qw.dequantize().double().t()) < 4e-3  # one bf16 rounding
 
 
 def test_fused_is_the_decode_path_of_w8a8_linear():

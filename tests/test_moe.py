@@ -9,9 +9,10 @@ from kestrel.kernels import act_quant as aq
 from kestrel.kernels.lowbit_gemm import A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4, Operand
 from kestrel.kernels.moe_align import (max_blocks, moe_align, moe_align_fast, moe_align_single, moe_align_torch,
                                        route_topk)
-from kestrel.kernels.moe_gemm import grouped_gemm, moe_config, quantize_experts
+from kestrel.kernels.moe_gemm import grouped_gemm, moe_config, moe_configs, quantize_experts
 from kestrel.kernels.moe_layer import FusedMoE, ref_moe
 from kestrel.kernels.moe_mv import MvConfig, grouped_gemm_planar, planar_from_codes
+from kestrel.kernels.moe_tc import TcConfig, grouped_gemm_planar_tc
 
 pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (or a GPU)")
 
@@ -107,9 +108,11 @@ def test_grouped_gemm_vs_per_expert_loop(wfmt, act, swap, group):
 
 
 @pytest.mark.parametrize("group,cfg", [(128, MvConfig()), (128, MvConfig(BN=32, SPLIT_K=2)),
-                                       (64, MvConfig(BM=32, BN=16, SWAP=1, KB=2)), (128, MvConfig(SPLIT_K=2, SWAP=1))])
+                                       (64, MvConfig(BM=32, BN=16, SWAP=1, KB=2)), (128, MvConfig(SPLIT_K=2, SWAP=1)),
+                                       (128, TcConfig(BM=16, BN=32)), (64, TcConfig(BM=16, BN=32, SWAP=1)),
+                                       (256, TcConfig(BM=32, BN=64))])
 def test_planar_grouped_gemm_vs_float64_loop(group, cfg):
-    """planar int4 grouped GEMM (moe_mv) vs a per-slot float64 loop on the dequantized expert weights."""
+    """planar int4 grouped GEMM (moe_mv, moe_tc) vs a per-slot float64 loop on the dequantized expert weights."""
     g = torch.Generator().manual_seed(3)
     M, k, E, N, K = 5, 2, 4, 48, 256
     q = torch.randint(-8, 8, (E, N, K), generator=g)
@@ -118,16 +121,19 @@ def test_planar_grouped_gemm_vs_float64_loop(group, cfg):
     Wd = q.double() * sc.double().repeat_interleave(group, -1)
     assert torch.allclose(w.dequantize().double(), Wd, atol=1e-6)  # the layout round trip
     tol = 1e-6
+    if isinstance(cfg, TcConfig):  # moe_tc rounds each scaled weight to bf16 (moe_mv: exact codes, fp32 scaling)
+        Wd = Wd.to(torch.bfloat16).double()
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
     tw = torch.rand(M, k, generator=g)
     T = M * k
     ref = torch.stack([x[t // k].double() @ Wd[ids.flatten()[t]].t() * tw.flatten()[t] for t in range(T)])
+    run = grouped_gemm_planar if isinstance(cfg, MvConfig) else grouped_gemm_planar_tc
     out = torch.full((T, N), float("nan"))  # poisoned: every slot must be written
-    grouped_gemm_planar(x, w, moe_align(ids, E, cfg.BM), T, k, out, cfg, topk_weights=tw.reshape(-1))
+    run(x, w, moe_align(ids, E, cfg.BM), T, k, out, cfg, topk_weights=tw.reshape(-1))
     assert _rel(out, ref) < tol
     red = torch.full((M, N), float("nan"))  # reduce_k: each token's k slots summed by the kernel (zeroes it first)
-    grouped_gemm_planar(x, w, moe_align(ids, E, cfg.BM), T, k, red, cfg, topk_weights=tw.reshape(-1), reduce_k=k)
+    run(x, w, moe_align(ids, E, cfg.BM), T, k, red, cfg, topk_weights=tw.reshape(-1), reduce_k=k)
     assert _rel(red, ref.view(M, k, N).sum(1)) < tol
 
 
@@ -167,14 +173,18 @@ def test_moe_bad_inputs():
     assert moe(torch.randn(0, 64)).shape == (0, 64)  # an empty batch is fine
 
 
-def test_fused_moe_planar_int4_vs_reference_loop():
-    """the layer with planar int4 experts (moe_mv kernel for both projections) vs the per-expert loop."""
+@pytest.mark.parametrize("M", [5, 130])
+def test_fused_moe_planar_int4_vs_reference_loop(M):
+    """the layer with planar int4 experts vs the per-expert loop: M = 5 runs the moe_mv kernel for both projections,
+    M = 130 (65 slots per expert: 64-row blocks) the moe_tc one."""
     torch.manual_seed(6)
-    M, H, I, E, k = 5, 128, 128, 4, 2
+    H, I, E, k = 128, 128, 4, 2
     router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
     moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=64)  # planar by default here
     assert moe.w13.planar is not None and moe.w2.planar is not None
     x = torch.randn(M, H).to(torch.bfloat16)
+    want = MvConfig if M == 5 else TcConfig
+    assert all(isinstance(c, want) for c in moe_configs(M, k, E, "bf16", moe.w13, moe.w2))
     tw, ti = moe.route(x)
     y = moe(x)
     ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")

@@ -37,31 +37,43 @@ def _check_2d(x: torch.Tensor, multiple: int, what: str) -> torch.Tensor:
 
 @triton.jit
 def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
-                       IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
+                       IS_INT8: tl.constexpr, BLOCK: tl.constexpr, ONE_TRIP: tl.constexpr):
     row = tl.program_id(0)
     g = tl.program_id(1)
     base = g * G
-    amax = tl.zeros((BLOCK,), tl.float32)
-    for off in range(0, G, BLOCK):  # pass 1: amax over the group (re-read in pass 2 hits L2)
-        cols = base + off + tl.arange(0, BLOCK)
-        m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
     if IS_INT8:
         qmax = 127.0
     else:
         qmax = 448.0
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), qmax)
-    tl.store(s_ptr + row * n_groups + g, scale)
-    for off in range(0, G, BLOCK):
-        cols = base + off + tl.arange(0, BLOCK)
-        m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
+    if ONE_TRIP:  # the group fits one block: load it once and keep it in registers for both passes
+        cols = base + tl.arange(0, BLOCK)
+        m = (tl.arange(0, BLOCK) < G) & (cols < K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-10), qmax)
+        tl.store(s_ptr + row * n_groups + g, scale)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -qmax), qmax)
         if IS_INT8:
             tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
         else:
             tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
+    else:
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for off in range(0, G, BLOCK):  # pass 1: amax over the group (re-read in pass 2 hits L2)
+            cols = base + off + tl.arange(0, BLOCK)
+            m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), qmax)
+        tl.store(s_ptr + row * n_groups + g, scale)
+        for off in range(0, G, BLOCK):
+            cols = base + off + tl.arange(0, BLOCK)
+            m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -qmax), qmax)
+            if IS_INT8:
+                tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
+            else:
+                tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
 
 
 def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool):
@@ -80,7 +92,8 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool):
     # of 8192 at M = 1, 1.6 us for the same row as 64 one-trip groups; bench/results/gemm_w8a8_h200_run5.md)
     BLOCK = min(triton.next_power_of_2(G), 8192)
     _quant_8bit_kernel[(M, n_groups)](x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8,
-                                      BLOCK=BLOCK, num_warps=8 if BLOCK >= 4096 else 4 if BLOCK >= 1024 else 2)
+                                      BLOCK=BLOCK, ONE_TRIP=G <= BLOCK,
+                                      num_warps=8 if BLOCK >= 4096 else 4 if BLOCK >= 1024 else 2)
     return q, s
 
 

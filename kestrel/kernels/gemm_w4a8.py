@@ -154,6 +154,15 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
 
 
 def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None) -> torch.Tensor:
+    """bf16 x [..., K] -> fp8 activations -> W4A8 GEMM. Decode sizes (<= FUSED_MAX_M tokens) with int4 in the halves
+    packing: one launch that quantizes per (token, 128) group itself (gemm_w8a8_fused.gemm_w4a8_fused); else a
+    per-token quant launch, then gemm_w4a8."""
+    from kestrel.kernels.gemm_w8a8 import FUSED_MAX_M
     lead, K = x.shape[:-1], x.shape[-1]
-    a_q, a_s = act_quant.quant_fp8(x.reshape(-1, K))
+    x2 = x.reshape(-1, K)
+    if (x2.shape[0] <= FUSED_MAX_M and w.fmt == "int4" and w.layout == "halves" and K % HALF_BLOCK == 0
+            and (w.group in (-1, K) or w.group % HALF_BLOCK == 0) and act_quant.use_triton(x2)):
+        from kestrel.kernels.gemm_w8a8_fused import gemm_w4a8_fused
+        return gemm_w4a8_fused(x2, w, out_dtype or x.dtype).reshape(*lead, -1)
+    a_q, a_s = act_quant.quant_fp8(x2)
     return gemm_w4a8(a_q, a_s, w, out_dtype or x.dtype).reshape(*lead, -1)

@@ -4,6 +4,8 @@ Weight formats (stacked over experts [E, N, K]): bf16; fp8 / int8 per channel (W
 int4 symmetric with group scales (WNA16 with bf16 activations, W4A8 with fp8 activations); mxfp4 / nvfp4 (W4A16,
 W4A8, or W4A4 with mxfp4 / nvfp4 activations). The math is lowbit_gemm's kernel with IS_MOE: each program reads its
 block's expert id and token rows, and the down projection multiplies by the routing weight in the epilogue.
+int4 x bf16 experts in the WNA16 planar layout run their own grouped kernels instead: moe_mv.py (decode-sized expert
+blocks, < TC_MIN_BM rows) and moe_tc.py (larger blocks: one K = 128 tensor-core dot per step).
 """
 from dataclasses import dataclass
 
@@ -15,6 +17,7 @@ from kestrel.kernels.gemm_w4a8 import W4Weight, quantize_weight_w4
 from kestrel.kernels.lowbit_gemm import (A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4, W_BF16, W_FP8, W_INT8, GemmConfig,
                                          Operand, launch)
 from kestrel.kernels.moe_mv import MvConfig, PlanarW4, grouped_gemm_planar, planar_from_nibbles
+from kestrel.kernels.moe_tc import TcConfig, grouped_gemm_planar_tc
 
 WEIGHT_FORMATS = ("bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4")
 ACT_FORMATS = ("bf16", "fp8", "int8", "mxfp4", "nvfp4")
@@ -161,16 +164,26 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
         while split < 4 and progs * split * 2 <= 8 * num_sms and K // (128 * split * 2) >= 2:
             split *= 2
         return MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=2, num_stages=3)
+    if bm >= TC_MIN_BM:  # compute bound: one K=128 tensor-core dot per step (moe_tc). H200, M = 1024 up projection
+        # (bench/results/moe_h200_run6.md): Qwen3 225.7 us vs 243.4 for mv, Mixtral 1548 vs 1707
+        return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
+
+
+# planar int4 expert blocks of at least this many rows run the tc kernel (moe_tc.py) by default, smaller ones mv
+TC_MIN_BM = 64
 
 
 def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int, out: torch.Tensor,
                  cfg, topk_weights: torch.Tensor | None = None, reduce_k: int = 0) -> torch.Tensor:
     """out[slot] = A[slot // a_div] @ W[expert(slot)]^T (x routing weight) for every valid slot, one launch.
-    cfg: a GemmConfig (lowbit_gemm kernel) or, for planar int4 weights, an MvConfig (moe_mv kernel). reduce_k
+    cfg: a GemmConfig (lowbit_gemm kernel) or, for planar int4 weights, an MvConfig (moe_mv kernel) or a TcConfig
+    (moe_tc kernel). reduce_k
     > 0: out [slots // reduce_k, N] fp32 gets each token's sum over its slots (fp32 atomics, no fixed order)."""
     if w.planar is not None:
+        if isinstance(cfg, TcConfig):
+            return grouped_gemm_planar_tc(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)
         return grouped_gemm_planar(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)
     sorted_ids, expert_ids, num_post = align
     E, N, K = w.shape

@@ -116,7 +116,7 @@ def _moe_mv_kernel(x_ptr, qw_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, topk_w_ptr, sor
     if REDUCE:  # sum over each token's k slots here: fp32 atomics into y[token] (zeroed), K splits included
         y_rows = (tok // out_div).to(tl.int64)
         tl.atomic_add(y_ptr + y_rows[:, None] * stride_ym + offs_n[None, :], acc,
-                      mask=row_ok[:, None] & n_mask[None, :])
+                      mask=row_ok[:, None] & n_mask[None, :], sem="relaxed")  # only the sum is needed
     else:
         if DOT_F32 and not SPLIT and y_ptr.dtype.element_ty == tl.bfloat16:
             acc = round_bf16(acc)  # interpreter: its bf16 cast truncates, the GPU's rounds to nearest

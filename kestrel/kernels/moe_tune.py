@@ -17,6 +17,7 @@ from kestrel.kernels.configs import load_cache, m_bucket, nearest_shape_entry, s
 from kestrel.kernels.lowbit_gemm import GemmConfig
 from kestrel.kernels.lowbit_tune import PACKAGED_CACHE, cache_path, gpu_name
 from kestrel.kernels.moe_mv import MvConfig
+from kestrel.kernels.moe_tc import TcConfig
 from kestrel.kernels.tuning import fastest
 
 MOE_MODELS = {  # experts, top_k, hidden, moe intermediate
@@ -44,7 +45,8 @@ def _name(kernel: str, E: int, top_k: int) -> str:
 def _config_of(entry):
     try:
         d = entry["config"]
-        return MvConfig.from_dict(d) if entry.get("kind") == "mv" else GemmConfig.from_dict(d)
+        kind = entry.get("kind")
+        return (MvConfig if kind == "mv" else TcConfig if kind == "tc" else GemmConfig).from_dict(d)
     except (TypeError, KeyError):
         return None
 
@@ -78,7 +80,8 @@ def lookup(kernel: str, M: int, E: int, top_k: int, N: int, K: int, block_m: int
 
 
 def store(kernel: str, M: int, E: int, top_k: int, N: int, K: int, cfg, us=None, heuristic_us=None) -> None:
-    entry = {"config": cfg.as_dict(), "kind": "mv" if isinstance(cfg, MvConfig) else "gemm"}
+    entry = {"config": cfg.as_dict(),
+             "kind": "mv" if isinstance(cfg, MvConfig) else "tc" if isinstance(cfg, TcConfig) else "gemm"}
     if us is not None:
         entry.update(us=round(us, 3), heuristic_us=None if heuristic_us is None else round(heuristic_us, 3))
     store_cache(cache_path(), {shape_key(gpu_name(), _name(kernel, E, top_k), N, K, m_bucket(M)): entry})
@@ -89,7 +92,7 @@ def candidates(kernel: str, M: int, E: int, top_k: int, N: int, K: int, heuristi
     of 128 per split)."""
     from kestrel.kernels.moe_gemm import moe_config
     _, act, planar = MOE_KERNELS[kernel]
-    bm = moe_config(M * top_k, E, act).BM
+    bm = moe_config(M * top_k, E, act, planar=planar).BM
     decode = bm <= 16
     out = []
     if planar:  # the mv K loop; swapped operands (W as the MMA A operand) pay off from 32-row blocks up
@@ -98,16 +101,22 @@ def candidates(kernel: str, M: int, E: int, top_k: int, N: int, K: int, heuristi
                 for warps in ((1, 2, 4) if decode else (4, 8)):
                     for swap in ((0,) if decode else (0, 1)):
                         out.append(MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=warps, num_stages=3, SWAP=swap))
+        if not decode:  # the tc kernel (one K=128 dot per step)
+            for bn, warps, dec in ((128, 4, 1), (128, 8, 2), (256, 8, 1), (64, 4, 1)):
+                for stages in (3, 4):
+                    out.append(TcConfig(BM=bm, BN=bn, num_warps=warps, num_stages=stages, DEC=dec))
     else:
         swaps = (0, 1) if act != "bf16" or kernel == "moe-int4" else (0,)
-        for bn in ((64, 128, 256) if decode else (64, 128, 256)):
-            for split in ((1, 2, 4) if decode else (1,)):
+        # split-K outermost: a --max-candidates prefix covers every tile width before any K split (with thousands
+        # of expert-block programs from M = 64 up, a split rarely pays)
+        for split in ((1, 2, 4) if decode else (1,)):
+            for bn in (64, 128, 256):
                 for stages in (3, 4):
                     for swap in swaps:
                         warps = 8 if bm * bn >= 128 * 128 or bn >= 256 else 4
                         out.append(GemmConfig(BM=bm, BN=bn, BK=128 if act != "bf16" or kernel == "moe-int4" else 64,
                                               SPLIT_K=split, num_warps=warps, num_stages=stages, SWAP_AB=swap))
-    out = [c for c in out if K % (128 * c.SPLIT_K) == 0 and K // (128 * c.SPLIT_K) >= 2 or c.SPLIT_K == 1]
+    out = [c for c in out if c.SPLIT_K == 1 or K % (128 * c.SPLIT_K) == 0 and K // (128 * c.SPLIT_K) >= 2]
     if heuristic is not None:
         out = [heuristic] + [c for c in out if c != heuristic]
     return out
@@ -122,7 +131,7 @@ def make_case(kernel: str, M: int, E: int, top_k: int, N: int, K: int, device="c
     x = torch.randn(M, K, device=device).to(torch.bfloat16)
     a = quant_act(x, act)
     T = M * top_k
-    base = moe_config(T, E, act)
+    base = moe_config(T, E, act, planar=planar)
     heur = _projection_config(base, T, E, w, 132)
     ids = [torch.rand(M, E, device=device).topk(top_k, dim=-1).indices.to(torch.int32) for _ in range(n_routings)]
     aligns = [moe_align(i, E, base.BM) for i in ids]
