@@ -167,6 +167,18 @@ def main(argv=None):
             lines.append(f"| {name} {list(w.shape)} | {blas} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
     torch.backends.cuda.preferred_blas_library("cublas")
+    from kestrel.kernels.gemm_dense_small import dense_small_mm
+    small = [m for m in Ms if m <= 16]
+    for name, w in shapes.items():  # the Triton small-M kernel: best of a few tile widths (which one in brackets)
+        cells = []
+        for M in small:
+            x = torch.randn(M, w.shape[1], dtype=w.dtype, device=w.device)
+            best = min((graph_time_us([lambda: dense_small_mm(x, w, block_n=bn, block_k=bk)], calls=20, replays=10,
+                                      warmup=2), bn, bk) for bn in (32, 64, 128) for bk in (64, 128))
+            cells.append(f"{best[0]:.1f} [{best[1]}x{best[2]}]")
+        lines.append(f"| {name} {list(w.shape)} | triton small-M | " + " | ".join(cells) + " |"
+                     + " - |" * (len(Ms) - len(small)))
+        print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:
