@@ -109,17 +109,27 @@ def main(argv=None):
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", dtype=args.dtype, max_num_seqs=64,
                                     kv_cache_gb=1.0, enable_prefix_caching=False, progress=False, cuda_graphs=False))
     cfg = parse_speculative("drafter=ngram,k=4")
-    loop = SpecLoop(engine.runner, build_drafter(cfg, engine), "ngram", args.ks, [1, 64], engine.max_model_len)
+    drafter = build_drafter(cfg, engine)
+    loop = SpecLoop(engine.runner, drafter, "ngram", args.ks, [1, 64], engine.max_model_len)
     setup_row(loop, args.ctx, 64)
     loop.capture()
     setup_row(loop, args.ctx, 64)
+    small = SpecLoop(engine.runner, drafter, "ngram", args.ks, [1, 64], engine.max_model_len)  # verify_gemm=small_m
+    small.small_m_gemm = True
+    try:
+        small.capture()
+        setup_row(small, args.ctx, 64)
+    except Exception as e:  # noqa: BLE001  (report, keep measuring the rest)
+        print(f"small-M capture failed: {e!r}", flush=True)
+        small = None
     lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, SmolLM2-135M {args.dtype}, "
              f"context {args.ctx}, n-gram loop step (ready in {time.perf_counter() - t0:.1f}s)", "",
-             "| batch | K | graph device ms/step |", "|---|---|---|"]
+             "| batch | K | graph device ms/step (cuBLAS) | same, verify_gemm=small_m |", "|---|---|---|---|"]
     ks = [0] + args.ks
     for bs in (1, 64):
         for K in ks:
-            lines.append(f"| {bs} | {K} | {graph_ms(loop, bs, K, args.ctx):.3f} |")
+            sm = f"{graph_ms(small, bs, K, args.ctx):.3f}" if small is not None else "-"
+            lines.append(f"| {bs} | {K} | {graph_ms(loop, bs, K, args.ctx):.3f} | {sm} |")
             print(lines[-1], flush=True)
 
     prof = {K: profile_step(loop, 1, K, args.ctx) for K in ks}

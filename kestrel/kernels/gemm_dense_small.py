@@ -7,7 +7,10 @@ weight bytes read are the same. Candidate for the verify path only, next to cuBL
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -48,3 +51,33 @@ def dense_small_mm(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k:
                                                      BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
                                                      num_warps=num_warps, num_stages=num_stages)
     return y
+
+
+def _block_n(N: int) -> int:
+    # enough programs to fill the SMs on the small projections, wide tiles on the vocabulary readout
+    return 32 if N <= 1024 else 64 if N <= 8192 else 128
+
+
+@contextmanager
+def small_m_linears(model, min_m: int = 2, max_m: int = 16):
+    """While active, the model's dense bf16/fp16 nn.Linear layers (no bias, CUDA) run dense_small_mm for inputs of
+    min_m..max_m rows and F.linear otherwise. Meant around CUDA-graph capture: the graphs keep the kernels chosen
+    at capture, the model itself is unchanged afterwards."""
+    mods = [m for m in model.modules() if type(m) is torch.nn.Linear and m.bias is None and m.weight.is_cuda
+            and m.weight.dtype in (torch.bfloat16, torch.float16)]
+
+    def patched(m):
+        def forward(x):
+            rows = x.numel() // x.shape[-1]
+            if min_m <= rows <= max_m:
+                y = dense_small_mm(x.reshape(rows, x.shape[-1]), m.weight, block_n=_block_n(m.weight.shape[0]))
+                return y.view(*x.shape[:-1], m.weight.shape[0])
+            return F.linear(x, m.weight)
+        return forward
+    for m in mods:
+        m.forward = patched(m)
+    try:
+        yield len(mods)
+    finally:
+        for m in mods:
+            del m.forward
