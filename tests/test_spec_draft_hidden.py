@@ -73,12 +73,13 @@ def test_device_loop_feeds_training_hidden_states(head_file, monkeypatch):
     assert _check(records, final, _prompt_ids(e), e.model) > 20
 
 
-def test_static_generate_matches_engine_tokens_and_states():
+@pytest.mark.parametrize("paged", [False, True])  # dense SDPA (the CPU path) and the paged Triton kernels (CUDA's)
+def test_static_generate_matches_engine_tokens_and_states(paged):
     e = _engine()
     prompts = _prompt_ids(e)
     _, final, _ = _run(e, PROMPTS, GREEDY)
     ref_out = [final[r].output_token_ids for r in sorted(final)]
-    outs, hid = generate(e.model, prompts, 24, batch_size=3)  # batches of mixed prompt lengths (left padding)
+    outs, hid = generate(e.model, prompts, 24, batch_size=3, paged=paged)  # batches of mixed prompt lengths
     assert outs == ref_out
     full = collect_hidden(e.model, [p + o for p, o in zip(prompts, outs)], "cpu", progress=False)
     for p, o, h, f in zip(prompts, outs, hid, full):
