@@ -194,7 +194,7 @@ def build_modes(engine, args) -> dict:
             def make(cfg=cfg, shared=heads.get("h") if d != "ngram" else None):
                 dec = SpecDecoder(cfg, shared or build_drafter(cfg, engine), engine.config.device)
                 if args.cuda_graphs:
-                    dec.graphs = verify_graphs(engine, max(cfg.k, args.kmax), cfg.verify_gemm)
+                    dec.graphs = verify_graphs(engine, max(cfg.k, args.kmax))
                     dec.loop = spec_loop(engine, cfg, dec.drafter)
                 return dec
             make()  # capture now, not inside a timed run

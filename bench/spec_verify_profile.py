@@ -6,8 +6,9 @@ at batch 1 on the H200, K=2 even more), by kernel.
 2. The same step run eagerly under torch.profiler: device µs per step and kernel count, by kernel, for each K, and
    the difference to K=0 by kernel class (GEMM / attention / KV store / norm / other). In a graph every kernel
    also costs a launch gap, so the kernel count matters as much as their time.
-3. F.linear alone at the model's shapes for M = rows per step (1 = decode, K+1 = verify at batch 1), device µs
-   per call from a CUDA graph (kestrel.kernels.timing): whether cuBLAS' small-M kernels explain the step.
+(R1 of session 3 also timed F.linear alone at the model's shapes: cuBLAS is flat over M = 1..8, 4-5 µs per
+projection, 17 µs for the vocabulary readout, and a Triton small-M kernel was no faster: the GEMMs are not it.)
+Part 1 also times the same loop captured with PyTorch's rotary / silu*mul ops (kernels/rope_silu.py ENABLED off).
 
   python bench/spec_verify_profile.py --model $SMOL_GGUF --tokenizer $SMOL_TOK --out step_profile.md
 """
@@ -22,11 +23,9 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from kestrel.engine.config import EngineConfig  # noqa: E402
 from kestrel.engine.llm_engine import LLMEngine  # noqa: E402
-from kestrel.kernels.timing import graph_time_us  # noqa: E402
 from kestrel.spec.config import parse_speculative  # noqa: E402
 from kestrel.spec.factory import build_drafter  # noqa: E402
 from kestrel.spec.spec_loop import SpecLoop  # noqa: E402
@@ -114,22 +113,19 @@ def main(argv=None):
     setup_row(loop, args.ctx, 64)
     loop.capture()
     setup_row(loop, args.ctx, 64)
-    small = SpecLoop(engine.runner, drafter, "ngram", args.ks, [1, 64], engine.max_model_len)  # verify_gemm=small_m
-    small.small_m_gemm = True
-    try:
-        small.capture()
-        setup_row(small, args.ctx, 64)
-    except Exception as e:  # noqa: BLE001  (report, keep measuring the rest)
-        print(f"small-M capture failed: {e!r}", flush=True)
-        small = None
+    from kestrel.kernels import rope_silu
+    rope_silu.ENABLED = False  # the same loop with PyTorch's rotary / silu*mul ops (before kernels/rope_silu.py)
+    torch_ops = SpecLoop(engine.runner, drafter, "ngram", args.ks, [1, 64], engine.max_model_len)
+    torch_ops.capture()
+    rope_silu.ENABLED = True
+    setup_row(torch_ops, args.ctx, 64)
     lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, SmolLM2-135M {args.dtype}, "
              f"context {args.ctx}, n-gram loop step (ready in {time.perf_counter() - t0:.1f}s)", "",
-             "| batch | K | graph device ms/step (cuBLAS) | same, verify_gemm=small_m |", "|---|---|---|---|"]
+             "| batch | K | graph device ms/step | same with PyTorch rotary + silu*mul ops |", "|---|---|---|---|"]
     ks = [0] + args.ks
     for bs in (1, 64):
         for K in ks:
-            sm = f"{graph_ms(small, bs, K, args.ctx):.3f}" if small is not None else "-"
-            lines.append(f"| {bs} | {K} | {graph_ms(loop, bs, K, args.ctx):.3f} | {sm} |")
+            lines.append(f"| {bs} | {K} | {graph_ms(loop, bs, K, args.ctx):.3f} | {graph_ms(torch_ops, bs, K, args.ctx):.3f} |")
             print(lines[-1], flush=True)
 
     prof = {K: profile_step(loop, 1, K, args.ctx) for K in ks}
@@ -155,40 +151,6 @@ def main(argv=None):
             lines.append(f"| {n[:90]} | {a[0]:.1f} ({a[1]:.0f}) | {b[0]:.1f} ({b[1]:.0f}) | {b[0] - a[0]:+.1f} |")
         print("\n".join(lines[-16:]), flush=True)
 
-    m = engine.model
-    shapes = {"qkv": m.layers[0].self_attn.qkv_proj.weight, "o": m.layers[0].self_attn.o_proj.weight,
-              "gate_up": m.layers[0].mlp.gate_up_proj.weight, "down": m.layers[0].mlp.down_proj.weight,
-              "lm_head": m.lm_head.weight}
-    Ms = [1, 2, 3, 4, 5, 8, 64, 128, 192, 320]
-    lines += ["", "F.linear device µs per call (CUDA graph of 20 calls), by rows M, with torch's default BLAS (cublas) "
-              "and with cuBLASLt preferred:", "",
-              "| weight [N, K] | blas | " + " | ".join(f"M={x}" for x in Ms) + " |", "|---" * (len(Ms) + 2) + "|"]
-    for blas in ("cublas", "cublaslt"):
-        try:
-            torch.backends.cuda.preferred_blas_library(blas)
-        except Exception as e:  # noqa: BLE001  (an older torch without the switch: say so, keep the default)
-            lines.append(f"| - | {blas} | not available: {e} |")
-            continue
-        for name, w in shapes.items():
-            cells = []
-            for M in Ms:
-                x = torch.randn(M, w.shape[1], dtype=w.dtype, device=w.device)
-                cells.append(f"{graph_time_us([lambda: F.linear(x, w)], calls=20, replays=10, warmup=2):.1f}")
-            lines.append(f"| {name} {list(w.shape)} | {blas} | " + " | ".join(cells) + " |")
-            print(lines[-1], flush=True)
-    torch.backends.cuda.preferred_blas_library("cublas")
-    from kestrel.kernels.gemm_dense_small import dense_small_mm
-    small = [m for m in Ms if m <= 16]
-    for name, w in shapes.items():  # the Triton small-M kernel: best of a few tile widths (which one in brackets)
-        cells = []
-        for M in small:
-            x = torch.randn(M, w.shape[1], dtype=w.dtype, device=w.device)
-            best = min((graph_time_us([lambda: dense_small_mm(x, w, block_n=bn, block_k=bk)], calls=20, replays=10,
-                                      warmup=2), bn, bk) for bn in (32, 64, 128) for bk in (64,))
-            cells.append(f"{best[0]:.1f} [{best[1]}x{best[2]}]")
-        lines.append(f"| {name} {list(w.shape)} | triton small-M | " + " | ".join(cells) + " |"
-                     + " - |" * (len(Ms) - len(small)))
-        print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:

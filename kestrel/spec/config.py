@@ -26,9 +26,6 @@ class SpeculativeConfig:
     # drafter=head inside the loop: take the n-gram lookup's draft where it matched an n-gram of at least this many
     # tokens (copying beats the head there), the head's elsewhere; 0 = head only
     hybrid_ngram: int = 0
-    # GEMMs of the captured verify / loop steps: cublas (torch's default) or small_m (kestrel's Triton small-M
-    # kernel for 2..16 rows, kernels/gemm_dense_small.py; bench/spec_verify_profile.py compares the two)
-    verify_gemm: str = "cublas"
 
     def __post_init__(self):
         self.validate()
@@ -40,8 +37,6 @@ class SpeculativeConfig:
             raise ValueError(f"speculative schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.loop not in ("auto", "on", "off"):
             raise ValueError(f"speculative loop must be auto, on or off, got {self.loop!r}")
-        if self.verify_gemm not in ("cublas", "small_m"):
-            raise ValueError(f"speculative verify_gemm must be cublas or small_m, got {self.verify_gemm!r}")
         if self.hybrid_ngram < 0:
             raise ValueError(f"speculative hybrid_ngram must be >= 0 (0 = head only), got {self.hybrid_ngram}")
         if not (1 <= self.k <= 16):

@@ -62,7 +62,7 @@ def build_spec_decoder(engine, cfg: SpeculativeConfig | str | dict) -> SpecDecod
     elif not isinstance(cfg, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig, a 'drafter=...,k=...' string or a dict, got {cfg!r}")
     dec = SpecDecoder(cfg, build_drafter(cfg, engine), engine.config.device)
-    dec.graphs = verify_graphs(engine, cfg.k, cfg.verify_gemm)
+    dec.graphs = verify_graphs(engine, cfg.k)
     dec.loop = spec_loop(engine, cfg, dec.drafter)
     return dec
 
@@ -88,7 +88,6 @@ def spec_loop(engine, cfg: SpeculativeConfig, drafter):
     else:
         return None
     ks = tuple(default_k_buckets(kmax))
-    key = (*key, cfg.verify_gemm)
     cache = runner.__dict__.setdefault("spec_loops", {})
     if (key, ks) not in cache:
         from kestrel.engine.cuda_graphs import default_batch_buckets
@@ -96,7 +95,6 @@ def spec_loop(engine, cfg: SpeculativeConfig, drafter):
         try:
             loop = SpecLoop(runner, drafter, kind, list(ks), sizes, engine.max_model_len, cfg.schedule, cfg.k,
                             ngram=(cfg.ngram_max, cfg.ngram_min), hybrid_ngram=cfg.hybrid_ngram)
-            loop.small_m_gemm = cfg.verify_gemm == "small_m"
             loop.capture()
         except Exception:  # keep serving through the synchronous step, and say why
             if cfg.loop == "on":
@@ -109,7 +107,7 @@ def spec_loop(engine, cfg: SpeculativeConfig, drafter):
     return cache[(key, ks)]
 
 
-def verify_graphs(engine, k: int, gemm: str = "cublas"):
+def verify_graphs(engine, k: int):
     """Captured verify forwards for the engine's decode batch buckets and K <= max(k, 4), or None where the engine
     replays no decode graphs (CPU, --no-cuda-graphs, tensor parallel). Captured once per engine: kept on the runner,
     so decoders built later (other k, other drafter) reuse them."""
@@ -120,11 +118,10 @@ def verify_graphs(engine, k: int, gemm: str = "cublas"):
         return None
     ks = tuple(default_k_buckets(max(k, 4)))
     cache = runner.__dict__.setdefault("spec_verify_graphs", {})
-    if (ks, gemm) not in cache:
+    if ks not in cache:
         b = runner.backend
         g = VerifyGraphs(runner.model, b.k_cache, b.v_cache, runner.graphs.batch_sizes, list(ks),
                          -(-engine.max_model_len // runner.block_size), runner.cfg.sliding_window)
-        g.small_m_gemm = gemm == "small_m"
         g.capture()
-        cache[(ks, gemm)] = g
-    return cache[(ks, gemm)]
+        cache[ks] = g
+    return cache[ks]

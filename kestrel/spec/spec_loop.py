@@ -108,7 +108,6 @@ class SpecLoop:
         self.last_k = None  # the cost model's last choice (not counting probes)
         self._t_last = None
         self._buf = 0
-        self.small_m_gemm = False  # capture with kestrel's small-M GEMM (SpeculativeConfig.verify_gemm)
 
     # ---- the device step ----
     def _step(self, bs: int, K: int):
@@ -158,8 +157,7 @@ class SpecLoop:
         if not self.use_graphs:
             return
         self.active.zero_()  # warm-up and capture with every row off: nothing stored, no state moves
-        graphs, _, self.pool = capture_graphs(self._step, self.batch_sizes, self.ks, self.pool,
-                                              self.model if self.small_m_gemm else None)
+        graphs, _, self.pool = capture_graphs(self._step, self.batch_sizes, self.ks, self.pool)
         self.graphs.update(graphs)
 
     # ---- entering / leaving ----

@@ -140,7 +140,6 @@ class VerifyGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple] = {}
         self.pool = None
-        self.small_m_gemm = False  # capture with kestrel's small-M GEMM (SpeculativeConfig.verify_gemm)
 
     def _step(self, bs: int, K: int):
         T = bs * (K + 1)
@@ -156,8 +155,7 @@ class VerifyGraphs:
             return
         self.slot_mapping.fill_(-1)  # padding state: nothing stored, nothing attended
         self.seq_lens.zero_()
-        graphs, outputs, self.pool = capture_graphs(self._step, self.batch_sizes, self.k_sizes, self.pool,
-                                                    self.model if self.small_m_gemm else None)
+        graphs, outputs, self.pool = capture_graphs(self._step, self.batch_sizes, self.k_sizes, self.pool)
         self.graphs.update(graphs)
         self.outputs.update(outputs)
 
@@ -192,15 +190,10 @@ class VerifyGraphs:
         return (logits.view(bs, S, -1)[:n], top.view(bs, S)[:n], hidden.view(bs, S, -1)[:n])
 
 
-def capture_graphs(step, batch_sizes, ks, pool, small_m_model=None):
+def capture_graphs(step, batch_sizes, ks, pool):
     """One CUDA graph of step(bs, K) per (batch, K), warmed up on a side stream first (Triton JIT, cuBLAS handles
-    stay outside the graph). Largest first, so the smaller graphs reuse its memory pool. small_m_model: capture
-    with that model's linears on kestrel's small-M GEMM (kernels/gemm_dense_small.py).
+    stay outside the graph). Largest first, so the smaller graphs reuse its memory pool.
     Returns ({(bs, K): graph}, {(bs, K): the step's output tensors}, pool)."""
-    if small_m_model is not None:
-        from kestrel.kernels.gemm_dense_small import small_m_linears
-        with small_m_linears(small_m_model):
-            return capture_graphs(step, batch_sizes, ks, pool)
     graphs, outputs = {}, {}
     for bs, K in sorted(((b, k) for b in batch_sizes for k in ks), key=lambda s: -s[0] * (s[1] + 1)):
         side = torch.cuda.Stream()
