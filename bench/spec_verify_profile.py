@@ -107,19 +107,31 @@ def main(argv=None):
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", dtype=args.dtype, max_num_seqs=64,
                                     kv_cache_gb=1.0, enable_prefix_caching=False, progress=False, cuda_graphs=False))
+    from kestrel.kernels import rope_silu
+    from kestrel.spec.train_draft import _CausalCtx
+    with torch.inference_mode():  # the fused kernels must give the PyTorch ops' numbers (same rounding)
+        ids = torch.randint(1000, 20000, (96,), device="cuda")
+        pos = torch.arange(96, device="cuda")
+        h1 = engine.model(ids, pos, _CausalCtx())
+        rope_silu.ENABLED = False
+        h0 = engine.model(ids, pos, _CausalCtx())
+        rope_silu.ENABLED = True
+        same = (engine.model.compute_logits(h1).argmax(-1) == engine.model.compute_logits(h0).argmax(-1)).float().mean()
+    lines0 = [f"fused rotary/silu*mul vs PyTorch ops, 96-token forward: max |hidden diff| "
+              f"{(h1.float() - h0.float()).abs().max().item():.3g}, same argmax {same.item():.3f}"]
+    print(lines0[0], flush=True)
     cfg = parse_speculative("drafter=ngram,k=4")
     drafter = build_drafter(cfg, engine)
     loop = SpecLoop(engine.runner, drafter, "ngram", args.ks, [1, 64], engine.max_model_len)
     setup_row(loop, args.ctx, 64)
     loop.capture()
     setup_row(loop, args.ctx, 64)
-    from kestrel.kernels import rope_silu
     rope_silu.ENABLED = False  # the same loop with PyTorch's rotary / silu*mul ops (before kernels/rope_silu.py)
     torch_ops = SpecLoop(engine.runner, drafter, "ngram", args.ks, [1, 64], engine.max_model_len)
     torch_ops.capture()
     rope_silu.ENABLED = True
     setup_row(torch_ops, args.ctx, 64)
-    lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, SmolLM2-135M {args.dtype}, "
+    lines = lines0 + [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, SmolLM2-135M {args.dtype}, "
              f"context {args.ctx}, n-gram loop step (ready in {time.perf_counter() - t0:.1f}s)", "",
              "| batch | K | graph device ms/step | same with PyTorch rotary + silu*mul ops |", "|---|---|---|---|"]
     ks = [0] + args.ks
