@@ -12,11 +12,14 @@ the multiply), so the results are the same.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = True  # the model uses these kernels on CUDA; False = the PyTorch ops (bench/spec_verify_profile.py A/B)
+# the model uses these kernels on CUDA; False (or KESTREL_ROPE_SILU=0) = the PyTorch ops (spec_verify_profile A/B)
+ENABLED = os.environ.get("KESTREL_ROPE_SILU", "1") != "0"
 
 
 @triton.jit
