@@ -18,14 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# fixed: nn.RMSNorm's default eps is the input dtype's (2^-7 for bf16, the live dtype, vs 1.2e-7 in fp32 training)
-_EPS = 1e-6
-
-
 class _MLPBlock(nn.Module):
     def __init__(self, H: int, mult: int):
         super().__init__()
-        self.norm = nn.RMSNorm(H, eps=_EPS)
+        self.norm = nn.RMSNorm(H)
         self.up = nn.Linear(H, mult * H)
         self.down = nn.Linear(mult * H, H)
 
@@ -40,13 +36,13 @@ class DraftHead(nn.Module):
         H = hidden_size
         self.cfg = dict(hidden_size=H, k=k, layers=layers, mult=mult, refine_rank=refine_rank, recurrent=recurrent)
         self.k, self.recurrent = k, recurrent
-        self.in_norm = nn.RMSNorm(2 * H, eps=_EPS)
+        self.in_norm = nn.RMSNorm(2 * H)
         self.fuse = nn.Linear(2 * H, H)
         self.slot = nn.Parameter(torch.randn(k, H) * 0.02)
         self.backbone = nn.ModuleList(_MLPBlock(H, mult) for _ in range(layers))
         self.refine_in = nn.Linear((3 if recurrent else 2) * H, refine_rank)
         self.refine_out = nn.Linear(refine_rank, H)
-        self.out_norm = nn.RMSNorm(H, eps=_EPS)
+        self.out_norm = nn.RMSNorm(H)
         self.conf = nn.Linear(H, 1)
 
     def slots(self, h: torch.Tensor, e_next: torch.Tensor) -> torch.Tensor:
