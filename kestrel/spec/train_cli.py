@@ -46,6 +46,9 @@ def add_parser(subparsers):
     p.add_argument("--generator", choices=["static", "engine"], default="static",
                    help="'static' = lockstep batched generation that also returns the hidden states (fast); "
                         "'engine' = the serving engine, then a second pass for the hidden states (default: %(default)s)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate all --gen-tokens, past the end of the answer too: benchmarks with ignore_eos "
+                        "(bench/spec_decode.py) draft there as well (session 3 R2: answers averaged 101 of 128 tokens)")
     p.add_argument("--gen-seconds", type=float, default=None,
                    help="time box for generating the training sequences (static generator): no new batch starts "
                         "after it, training uses what was made (default: no limit)")
@@ -189,7 +192,8 @@ def _generate(engine, args):
         from kestrel.spec.static_generate import generate
         dev = engine.model.embed_tokens.weight.device
         g = torch.Generator(device=dev).manual_seed(args.seed)
-        kw = dict(eos_ids=engine.model_config.eos_token_ids, generator=g, log=not args.progress)
+        kw = dict(eos_ids=() if args.ignore_eos else engine.model_config.eos_token_ids, generator=g,
+                  log=not args.progress)
         outs, hidden = generate(engine.model, prompts[:n_ho], args.gen_tokens, args.gen_batch, temps[:n_ho], **kw)
         deadline = time.monotonic() + args.gen_seconds if args.gen_seconds else None
         o2, h2 = generate(engine.model, prompts[n_ho:], args.gen_tokens, args.gen_batch, temps[n_ho:],
@@ -199,8 +203,8 @@ def _generate(engine, args):
         outs, hidden = outs + [o2[i] for i in keep], hidden + [h2[i] for i in keep]
         offs = [len(p) - 1 for p in prompts]
     else:
-        params = [SamplingParams(max_tokens=args.gen_tokens, temperature=t, seed=args.seed + i)
-                  for i, t in enumerate(temps)]
+        params = [SamplingParams(max_tokens=args.gen_tokens, temperature=t, seed=args.seed + i,
+                                 ignore_eos=args.ignore_eos) for i, t in enumerate(temps)]
         outs = [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=args.progress)]
         hidden, offs = None, None
     seqs = [p + o for p, o in zip(prompts, outs)]
