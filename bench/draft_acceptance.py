@@ -27,35 +27,34 @@ import torch  # noqa: E402
 from kestrel.engine.config import EngineConfig  # noqa: E402
 from kestrel.engine.llm_engine import LLMEngine  # noqa: E402
 from kestrel.engine.sampling_params import SamplingParams  # noqa: E402
+from kestrel.spec.acceptance import (draft_positions, format_stats, head_prefixes, match_prefix,  # noqa: E402
+                                      slot_stats, table_header)
 from kestrel.spec.draft_head import DraftHead  # noqa: E402
 from kestrel.spec.ngram import ngram_draft_device  # noqa: E402
 from kestrel.spec.train_draft import collect_hidden  # noqa: E402
 from spec_decode import WORKLOADS, chat_prompts  # noqa: E402
 
 
-def match_prefix(draft: torch.Tensor, truth: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[N, k] drafts vs true next tokens (valid: the true token exists) -> accepted prefix length [N]."""
-    return ((draft == truth) & valid).long().cumprod(1).sum(1)
-
-
 @torch.inference_mode()
 def prefixes(seqs, plens, k, model=None, hidden=None, head=None, hybrid_min_n: int | None = None):
-    """Accepted prefix length at every generated position: n-gram drafts (head=None), head drafts, or hybrid
-    (the n-gram's where it matched an n-gram of >= hybrid_min_n tokens, the head's elsewhere; as the loop runs it).
-    Every position is one row of the device n-gram lookup over the whole sequence cut at its length."""
+    """Accepted prefix length at every generated position: n-gram drafts (head=None), head drafts
+    (kestrel.spec.acceptance, as train-draft's held-out split), or hybrid (the n-gram's where it matched an n-gram
+    of >= hybrid_min_n tokens, the head's elsewhere; as the loop runs it)."""
     dev = model.embed_tokens.weight.device if model is not None else "cpu"
     if head is not None:
         head = head.to(dev, model.embed_tokens.weight.dtype).eval()
+        if hybrid_min_n is None:
+            return head_prefixes(head, seqs, plens, hidden, model.embed_tokens.weight, model.lm_head.weight, k)
     out = []
     for j, (s, p) in enumerate(zip(seqs, plens)):
         L = len(s)
-        t = torch.arange(p - 1, L - 2, device=dev)  # h_t produced x_{t+1}, a generated token; x_{t+2} exists
+        t = draft_positions(L, p, dev)
         toks = torch.tensor(s, device=dev)
         d, has, n = ngram_draft_device(toks[None].expand(len(t), L), t + 2, k, return_n=True)
         if head is not None:
             dh, _ = head.draft_greedy(hidden[j][t].to(dev), toks[t + 1], model.embed_tokens.weight,
                                       model.lm_head.weight, k)
-            d = dh if hybrid_min_n is None else torch.where((n >= hybrid_min_n)[:, None], d, dh)
+            d = torch.where((n >= hybrid_min_n)[:, None], d, dh)
         idx = t[:, None] + 2 + torch.arange(k, device=dev)[None, :]
         valid = (idx < L) & (has[:, None] | (head is not None))
         out.append(match_prefix(d, toks[idx.clamp(max=L - 1)], valid).cpu())
@@ -63,12 +62,7 @@ def prefixes(seqs, plens, k, model=None, hidden=None, head=None, hybrid_min_n: i
 
 
 def table(name, pref: torch.Tensor, k: int) -> list[str]:
-    n = pref.numel()
-    reach = [(pref >= i).float().mean().item() for i in range(k + 1)]  # reach[0] = 1
-    cond = [reach[i] / reach[i - 1] if reach[i - 1] > 0 else 0.0 for i in range(1, k + 1)]
-    exp = [1 + sum(reach[1:j + 1]) for j in range(1, k + 1)]
-    return [f"| {name} | {n} | " + " | ".join(f"{c:.3f}" for c in cond) + " | "
-            + " | ".join(f"{r:.3f}" for r in reach[1:]) + " | " + " | ".join(f"{e:.2f}" for e in exp) + " |"]
+    return [format_stats(name, slot_stats(pref, k))]
 
 
 def main(argv=None):
@@ -92,11 +86,8 @@ def main(argv=None):
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=64,
                                     kv_cache_gb=1.0, enable_prefix_caching=False, progress=False))
     k = args.k
-    hdr = ("| drafter | positions | " + " | ".join(f"P(acc {i} \\| <{i})" for i in range(1, k + 1)) + " | "
-           + " | ".join(f"P(prefix>={i})" for i in range(1, k + 1)) + " | "
-           + " | ".join(f"tokens/verify k={j}" for j in range(1, k + 1)) + " |")
     lines = [f"device {args.device} {args.dtype}, greedy, {args.max_tokens} tokens per prompt, engine "
-             f"{engine.model_name}", "", hdr, "|---" * (2 + 3 * k) + "|"]
+             f"{engine.model_name}", "", *table_header(k)]
     for wl in args.workloads:
         texts = WORKLOADS[wl][:args.num_prompts] if args.num_prompts else WORKLOADS[wl]
         prompts = chat_prompts(engine.tokenizer, len(texts), texts=texts)

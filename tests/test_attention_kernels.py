@@ -146,3 +146,19 @@ def test_store_then_prefill_equals_unpaged_causal_attention():
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                            is_causal=True).transpose(0, 1)
     assert (out - ref).abs().max().item() < 1e-4
+
+
+def test_prefill_reads_row_strided_q_heads():
+    """q sliced from a fused q|k tensor (token rows strided, as LlamaAttention hands it over): read in place, same
+    result as the contiguous copy, output contiguous."""
+    gen = torch.Generator().manual_seed(5)
+    Hq, Hkv, D, bs, n = 4, 2, 16, 4, 9
+    qk = torch.randn(n, Hq + Hkv, D, generator=gen)
+    q = qk[:, :Hq]
+    assert not q.is_contiguous()
+    k_cache, v_cache, tables = _paged_setup([n], Hkv, D, bs, torch.float32, gen)
+    args = (k_cache, v_cache, tables, torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+            D ** -0.5)
+    got = paged_prefill_attention(q, *args, max_q_len=n)
+    ref = paged_prefill_attention(q.contiguous(), *args, max_q_len=n)
+    assert got.is_contiguous() and torch.equal(got, ref)

@@ -65,3 +65,52 @@ def test_varied_prompt_set_is_large_and_distinct():
     p = varied_prompts()
     assert len(p) > 5000 and len(set(p)) == len(p)
     assert varied_prompts(10) == p[:10]
+
+
+def test_training_positions_skip_prompts_and_partial_hidden_gathers_the_same():
+    """Positions are drawn only past each prompt (where the head drafts at inference), inputs are (h_t, x_{t+1}),
+    and hidden states that cover only the generated part (static_generate) give the same batches as full ones."""
+    from kestrel.spec.train_draft import _Packed, _sample_batch
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(100, (n,), generator=g).tolist() for n in (12, 30, 7)]
+    plens = [5, 20, 3]
+    # hidden state of (sequence j, position t) = [j, t, noise...]: the batch says where it was taken
+    full = [torch.cat([torch.tensor([[j, t] for t in range(len(s))], dtype=torch.float32),
+                       torch.randn(len(s), 6, generator=g)], 1) for j, s in enumerate(seqs)]
+    part = [h[p - 1:] for h, p in zip(full, plens)]
+    a = _Packed(full, seqs, "cpu", plens)
+    b = _Packed(part, seqs, "cpu", plens, [p - 1 for p in plens])
+    assert len(a.pos) == sum(len(s) - p - 1 for s, p in zip(seqs, plens))
+    for x, y in zip(_sample_batch(a, 3, 256, torch.Generator().manual_seed(1), "cpu"),
+                    _sample_batch(b, 3, 256, torch.Generator().manual_seed(1), "cpu")):
+        assert torch.equal(x, y)
+    h, nxt, prev, teach, label, mask = _sample_batch(a, 3, 256, torch.Generator().manual_seed(1), "cpu")
+    for row in range(256):
+        j, t = int(h[row, 0]), int(h[row, 1])
+        assert plens[j] - 1 <= t <= len(seqs[j]) - 3
+        assert nxt[row] == seqs[j][t + 1] and label[row, 0] == seqs[j][t + 2]
+        assert int(teach[row, 0, 1]) == t + 1  # slot 0's teacher is the state that predicts x_{t+2}
+
+
+def test_self_written_prompts_and_heldout_split_are_disjoint():
+    """'varied+self' fills --num-prompts with prompts the target writes itself (distinct), and the held-out
+    sequences (front of the list, greedy) share no prompt with the training ones."""
+    import argparse
+
+    from kestrel.engine.llm_engine import LLMEngine
+    from kestrel.spec import train_cli
+    shape = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512)
+    eng = LLMEngine(load_format="dummy", model_shape=shape, progress=False, dtype="float32")
+    p = argparse.ArgumentParser()
+    train_cli.add_parser(p.add_subparsers())
+    args = p.parse_args(["train-draft", "--prompts", "self", "--num-prompts", "12", "--heldout", "0.25",
+                         "--gen-tokens", "6", "--self-prompt-tokens", "6", "--gen-batch", "8", "--gen-temperature", "0.8"])
+    texts = train_cli._prompt_texts(eng, args)
+    assert len(texts) == 12 and len(set(texts)) == 12
+    seqs, plens, n_ho, hidden, offs = train_cli._generate(eng, args)
+    assert n_ho == 3 and len(seqs) == 12
+    held = {tuple(s[:p]) for s, p in zip(seqs[:n_ho], plens[:n_ho])}
+    assert not held & {tuple(s[:p]) for s, p in zip(seqs[n_ho:], plens[n_ho:])}
+    for s, p, h, o in zip(seqs, plens, hidden, offs):
+        assert o == p - 1 and len(h) == len(s) - p  # one state per generated token

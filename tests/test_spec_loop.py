@@ -41,6 +41,10 @@ def test_device_ngram_matches_host_index():
     d, has = ngram_draft_device(hist, torch.tensor(lens), k)
     got = [d[b].tolist() if has[b] else [] for b in range(B)]
     assert got == want and 0 < int(has.sum()) < B
+    from kestrel.spec.ngram_kernel import ngram_draft_triton  # the CUDA version (here under TRITON_INTERPRET)
+    d2, has2, n2 = ngram_draft_triton(hist, torch.tensor(lens), k)
+    assert [d2[b].tolist() if has2[b] else [] for b in range(B)] == want
+    assert torch.equal(n2, ngram_draft_device(hist, torch.tensor(lens), k, return_n=True)[2])
 
 
 def test_loop_greedy_identical_to_plain(plain):

@@ -14,6 +14,12 @@ from .layers import RMSNorm, make_linear
 from .rope import RotaryEmbedding
 
 
+def _fused():
+    """kestrel/kernels/rope_silu.py, imported on first CUDA use (Triton stays out of CPU-only imports)."""
+    from kestrel.kernels import rope_silu
+    return rope_silu
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -29,7 +35,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         t = qkv.shape[0]
         # rotate q and k heads in one pass (fewer ops per layer: the CPU decode step is op-overhead bound)
-        qk = RotaryEmbedding.apply(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos_sin)
+        qk_in = qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim)
+        # CUDA: one kernel reading the strided slice (PyTorch's ops fall back to slow generic kernels when t > 1)
+        if qk_in.is_cuda and _fused().ENABLED:
+            qk = _fused().rope(qk_in, *cos_sin)
+        else:
+            qk = RotaryEmbedding.apply(qk_in, cos_sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         out = ctx.attention(self.layer_idx, q, k, v)  # [T, num_heads * head_dim]
@@ -44,7 +55,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = make_linear(self.inter, cfg.hidden_size, cfg.mlp_bias, f"layers.{layer_idx}.down_proj")
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gu = self.gate_up_proj(x)
+        if gu.is_cuda and gu.dim() == 2 and _fused().ENABLED:  # one kernel on the strided halves
+            return self.down_proj(_fused().silu_mul(gu))
+        gate, up = gu.split(self.inter, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

@@ -77,18 +77,19 @@ class DraftHead(nn.Module):
         return self.readout(self.chain(self.slots(h, e_next), e_prev_slots), lm_head)
 
     @torch.no_grad()
-    def draft_greedy(self, h, x_next, embed, lm_head, k):
+    def draft_greedy(self, h, x_next, embed, lm_head, k, want_conf: bool = True):
         """draft() for all-greedy rows with no host syncs (capturable in a CUDA graph): tokens [N, k] (argmax),
-        confidence [N, k] float32."""
+        confidence [N, k] float32 (None without want_conf: the device loop does not read it, and each slot's
+        confidence is 3 more launches in its graph)."""
         z = self.slots(h, embed[x_next])
         toks, confs, prev, zi = [], [], x_next, None
         for i in range(min(k, self.k)):
             zi = z[:, i] if i == 0 else self.refine(z[:, i], embed[prev], zi)
-            logits, c = self.readout(zi, lm_head)
-            prev = logits.argmax(-1)
+            prev = (self.out_norm(zi) @ lm_head.t()).argmax(-1)
             toks.append(prev)
-            confs.append(torch.sigmoid(c.float()))
-        return torch.stack(toks, 1), torch.stack(confs, 1)
+            if want_conf:
+                confs.append(torch.sigmoid(self.conf(zi).squeeze(-1).float()))
+        return torch.stack(toks, 1), torch.stack(confs, 1) if want_conf else None
 
     @torch.no_grad()
     def draft(self, h, x_next, embed, lm_head, k, temperature=None, generator=None):

@@ -2,6 +2,8 @@
 followed it. Free to run; strong on summarisation, code edits and repetitive text."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
@@ -104,7 +106,12 @@ def ngram_draft_device(hist: torch.Tensor, length: torch.Tensor, k: int, n_max: 
     hist [B, Lm] token ids, row b valid below length[b]. For each row: the latest end e (n <= e <= L-1) of an
     earlier occurrence of the row's longest suffix n-gram, n = n_max..n_min, then the continuation
     hist[e + j % (L - e)] (periodic copy, as _continue). Returns drafts [B, k] (rows without a match repeat their
-    last token) and has [B] bool (and, return_n, the matched n-gram's length [B], 0 = none)."""
+    last token) and has [B] bool (and, return_n, the matched n-gram's length [B], 0 = none).
+    On CUDA the same lookup runs as one Triton kernel (ngram_kernel.py)."""
+    if hist.is_cuda and os.environ.get("KESTREL_NGRAM_TRITON", "1") != "0":
+        from kestrel.spec.ngram_kernel import ngram_draft_triton
+        d, has, n = ngram_draft_triton(hist, length, k, n_max, n_min)
+        return (d, has, n) if return_n else (d, has)
     B, Lm = hist.shape
     dev = hist.device
     e = torch.arange(Lm, device=dev)[None, :]

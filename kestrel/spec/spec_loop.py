@@ -120,7 +120,7 @@ class SpecLoop:
                 d, has = ngram_draft_device(hist, L, K, *self.ngram)
             else:
                 d, _ = self.drafter.head.draft_greedy(self.hidden[:bs], last[:, 0], self.drafter.embed,
-                                                      self.drafter.lm_head, K)
+                                                      self.drafter.lm_head, K, want_conf=False)
                 has = torch.ones_like(act)
                 if self.hybrid_ngram:
                     dn, _, nn = ngram_draft_device(hist, L, K, *self.ngram, return_n=True)

@@ -64,27 +64,46 @@ def collect_hidden(model, seqs: list[list[int]], device, progress: bool = True, 
 
 class _Packed:
     """All sequences' tokens and hidden states in flat device tensors, so a batch is a few gathers (a per-position
-    Python loop made each step launch hundreds of tiny copies on a GPU)."""
+    Python loop made each step launch hundreds of tiny copies on a GPU). hidden[j] covers positions
+    [hidden_offsets[j], ...) of sequence j (0 = all of it, as collect_hidden returns; static_generate returns only
+    the generated part). `pos` lists the trainable positions t (token index, their sequence in `pos_seq`): with
+    prompt lengths only t >= prompt_len - 1, where h_t produced a generated token x_{t+1}, as at inference (the head
+    never drafts inside a prompt; the chat template's fixed system prompt there is trivially predictable and
+    inflated the training accuracy)."""
 
-    def __init__(self, hidden, seqs, device):
+    def __init__(self, hidden, seqs, device, prompt_lens=None, hidden_offsets=None):
         self.h = torch.cat([h.to(device) for h in hidden])  # kept in the collected dtype (bf16 halves 1M+ tokens)
         self.tok = torch.tensor([t for s in seqs for t in s], device=device)
         lens = torch.tensor([len(s) for s in seqs])
-        self.lens, self.start = lens.to(device), (lens.cumsum(0) - lens).to(device)
+        hlen = torch.tensor([len(h) for h in hidden])
+        hoff = torch.zeros_like(lens) if hidden_offsets is None else torch.tensor(hidden_offsets)
+        if bool((hoff + hlen < lens - 1).any()):
+            raise ValueError("hidden states must cover every position up to the second-to-last token")
+        start, hstart = lens.cumsum(0) - lens, hlen.cumsum(0) - hlen
+        lo = torch.zeros_like(lens) if prompt_lens is None else (torch.tensor(prompt_lens) - 1).clamp(min=0)
+        lo = torch.maximum(lo, hoff)
+        cnt = (lens - 2 - lo).clamp(min=0)  # t in [lo, L - 3]: x_{t+2} exists
+        if int(cnt.sum()) == 0:
+            raise ValueError("train-draft needs generated sequences with at least 2 tokens past the prompt")
+        seq_of = torch.repeat_interleave(torch.arange(len(lens)), cnt)
+        off = torch.arange(int(cnt.sum())) - torch.repeat_interleave(cnt.cumsum(0) - cnt, cnt)
+        self.pos = (lo[seq_of] + off).to(device)
+        self.pos_seq = seq_of.to(device)
+        self.lens, self.start = lens.to(device), start.to(device)
+        self.hbase = (hstart - hoff).to(device)  # flat hidden index of position q of sequence j: hbase[j] + q
 
 
 def _sample_batch(p: _Packed, k, n, gen: torch.Generator, device):
-    """n random (sequence, t) positions with t + 2 < len: inputs h_t, x_{t+1}; per slot i the previous token
-    x_{t+1+i}, the teacher hidden at t+1+i (its logits predict x_{t+2+i}), the token x_{t+2+i} the target actually
-    generated there, and a validity mask."""
-    j = torch.randint(len(p.lens), (n,), generator=gen).to(device)
-    L = p.lens[j]
-    t = (torch.rand(n, generator=gen).to(device) * (L - 2)).long().clamp(max=L - 3)
-    base = p.start[j]
+    """n random trainable positions t: inputs h_t, x_{t+1}; per slot i the previous token x_{t+1+i}, the teacher
+    hidden at t+1+i (its logits predict x_{t+2+i}), the token x_{t+2+i} the target actually generated there, and a
+    validity mask."""
+    r = torch.randint(len(p.pos), (n,), generator=gen).to(device)
+    t, j = p.pos[r], p.pos_seq[r]
+    L, base, hb = p.lens[j], p.start[j], p.hbase[j]
     i = torch.arange(k, device=device)[None, :]
     idx = torch.minimum(t[:, None] + 1 + i, (L - 2)[:, None])
     mask = t[:, None] + 2 + i <= (L - 1)[:, None]
-    return (p.h[base + t].float(), p.tok[base + t + 1], p.tok[base[:, None] + idx], p.h[base[:, None] + idx].float(),
+    return (p.h[hb + t].float(), p.tok[base + t + 1], p.tok[base[:, None] + idx], p.h[hb[:, None] + idx].float(),
             p.tok[base[:, None] + idx + 1], mask)
 
 
@@ -92,7 +111,8 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
                k: int = 4, steps: int = 500, batch_positions: int = 256, lr: float = 1e-3, seed: int = 0,
                head: DraftHead | None = None, progress: bool = True, conf_weight: float = 0.5,
                vocab_subset: bool = False, max_seconds: float | None = None, hard_label: str = "argmax",
-               log_every: int = 0) -> DraftHead:
+               log_every: int = 0, prompt_lens: list[int] | None = None, weight_decay: float = 0.0,
+               amp: bool = False, hidden_offsets: list[int] | None = None) -> DraftHead:
     """Distil: cross-entropy to the teacher's distribution at each slot (soft) and to the token the teacher actually
     generated there (hard: a sharp signal even where the teacher is flat), + BCE of the confidence output against
     'the head's argmax equals the teacher's argmax' (per-slot acceptance under greedy verification).
@@ -108,12 +128,17 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
     token the target sampled there (different from the argmax wherever the data was generated with temperature).
     With greedy-generated data, teacher forcing on the true previous tokens is exactly the head's situation at
     inference whenever the earlier drafts were accepted (the only case in which a later draft can count).
-    log_every: print the running stats every so many steps (for logs without a progress bar)."""
+    log_every: print the running stats every so many steps (for logs without a progress bar).
+    prompt_lens: train only where the head drafts at inference, past each prompt (see _Packed); None = everywhere.
+    hidden_offsets: the first position each hidden[j] covers (None = 0: full sequences).
+    amp: bf16 autocast for the [positions, vocab] readouts (CUDA; the softmax / losses stay float32)."""
     device = embed.device
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     keep = [j for j, s in enumerate(seqs) if len(s) >= 3]
     seqs, hidden = [seqs[j] for j in keep], [hidden[j] for j in keep]
+    prompt_lens = None if prompt_lens is None else [prompt_lens[j] for j in keep]
+    hidden_offsets = None if hidden_offsets is None else [hidden_offsets[j] for j in keep]
     if not seqs:
         raise ValueError("train-draft needs sequences of at least 3 tokens")
     head = head or DraftHead(embed.shape[1], k=k)
@@ -125,8 +150,9 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
         remap = torch.full((lm_head.shape[0],), -1, dtype=torch.long, device=device)
         remap[sub] = torch.arange(len(sub), device=device)
         lm_head = lm_head[sub]
-    packed = _Packed(hidden, seqs, device)
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    packed = _Packed(hidden, seqs, device, prompt_lens, hidden_offsets)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp and device.type == "cuda")
     t0 = time.monotonic()
 
     def frac(i):  # training progress in [0, 1]: by steps, or by the clock when that is further along
@@ -143,8 +169,9 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
         h, nxt, prev, teach, label, mask = _sample_batch(packed, head.k, batch_positions, gen, device)
         if remap is not None:
             label = remap[label]
-        logits, conf = head.forward_teacher(h, embed[nxt], embed[prev], lm_head)
-        with torch.no_grad():
+        with autocast:
+            logits, conf = head.forward_teacher(h, embed[nxt], embed[prev], lm_head)
+        with torch.no_grad():  # the teacher in float32: bf16 logits would tie near-equal tokens (argmax labels)
             t_logits = teach @ lm_head.t()
             t_prob = torch.softmax(t_logits, -1)
             t_top = t_logits.argmax(-1)
@@ -152,9 +179,9 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
             if hard_label == "argmax":
                 label = t_top
         m = mask.float()
-        logp = torch.log_softmax(logits, -1)
+        logp = torch.log_softmax(logits.float(), -1)
         ce = -(t_prob * logp).sum(-1) - logp.gather(-1, label[..., None]).squeeze(-1)
-        bce = F.binary_cross_entropy_with_logits(conf, hit, reduction="none")
+        bce = F.binary_cross_entropy_with_logits(conf.float(), hit, reduction="none")
         loss = ((ce + conf_weight * bce) * m).sum() / m.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()

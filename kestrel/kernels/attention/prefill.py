@@ -16,7 +16,7 @@ from .paged_tile import load_kv_tile
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
-                    scale, window, stride_bt,
+                    scale, window, stride_bt, stride_qt,
                     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
@@ -34,8 +34,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr,
         m_mask = offs_m < q_len
         d_mask = offs_d < HEAD_DIM
         q_pos = ctx + offs_m
-        q_rows = (q_start + offs_m).to(tl.int64) * NUM_Q_HEADS + head
-        q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + offs_d[None, :],
+        q_rows = (q_start + offs_m).to(tl.int64) * NUM_Q_HEADS + head  # output rows: [T, Hq, D] contiguous
+        q = tl.load(q_ptr + ((q_start + offs_m).to(tl.int64) * stride_qt + head * HEAD_DIM)[:, None] + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
 
         # keys this tile can see: [lo, hi)
@@ -78,8 +78,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _, block_size, Hkv, Dk = k_cache.shape
     if Dk != D or Hq % Hkv:
         raise ValueError(f"q heads/dim {Hq}x{D} do not fit the cache's {Hkv}x{Dk}")
-    q = q.contiguous()
-    out = torch.empty_like(q) if out is None else out
+    if q.stride(-1) != 1 or q.stride(-2) != D:  # token rows may be strided (q heads sliced from a fused q|k
+        q = q.contiguous()                     # output): no copy for those, one launch less per layer
+    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device) if out is None else out
     B = seq_lens.shape[0]
     if T == 0 or B == 0:
         return out
@@ -88,7 +89,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_m, block_n = 64, 32  # keep the tiles inside shared memory
     grid = (B, Hq, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale, window,
-                          block_tables.stride(0), NUM_Q_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D,
+                          block_tables.stride(0), q.stride(0), NUM_Q_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D,
                           BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size, BLOCK_M=block_m,
                           BLOCK_N=block_n)
     return out
