@@ -46,6 +46,12 @@ class ComputeConfig:
     prefetch: int = 0  # "mv"/"mvs": planar blocks kept in flight to the L2 ahead of the loads (bulk prefetch)
     # "dequant_mm": N column blocks; > 1 dequantizes block i+1 on a side stream while cuBLAS multiplies block i
     chunks: int = 1
+    # "tc" with split_k > 1: 0 = fp32 atomics into a zeroed buffer, then a cast kernel; 1 = in-kernel reduction (the
+    # last split of each tile sums the others' workspace partials and stores y: one launch)
+    reduce: int = 0
+    # "tc": register cap per thread (0 = the compiler's choice). 128 lets two 8-warp CTAs share an SM where the
+    # compiler takes more (the split-K reduction's epilogue raises a 128x128 tile from 128 to 170 registers)
+    maxnreg: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,10 +136,10 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
         bn = 128 if layer.n >= 2048 else 64
         split = max(1, min(_pow2_floor(max(1, 4 * num_sms // -(-layer.n // bn))), k_steps // 2, 16))
         return ComputeConfig("mv", 16, bn, 0, split, num_warps=2, num_stages=3)
-    # sub-wave tc grids (< ~0.75 waves of 128x128 tiles) lose to dequant + cuBLAS from M = 65: H200 2026-12-03,
-    # M = 256: 8B qkv (0.73 waves) tie 41.7 vs 40.8 us, 8B down (0.48) tc 135.2 us vs cuBLAS alone 49.0
-    sub_wave = -(-m // 128) * -(-layer.n // 128) < 0.75 * num_sms
-    if m <= 64 or (m <= 256 and layer.spec.is_int and not sub_wave):
+    # int weights at M <= 256: the tc kernel. Sub-wave grids (< ~0.75 waves of 128x128 tiles) without split-K lost
+    # to dequant + cuBLAS (H200 2026-12-03, M = 256: 8B down tc s4 135.2 us, dequant + cuBLAS 89.5), but split over
+    # K at 2 stages they win (8B down tc 128x128 split 4 s2 79.7 us, bench/wna16_config_probe.py): heuristic_tc
+    if m <= 64 or (m <= 256 and layer.spec.is_int):
         return heuristic_tc(layer, m, num_sms)
     # M > 256 (and M > 64 for minifloat weights): dequant pass + cuBLAS. H200 round 1 of 2026-12-03
     # (bench/results/gemm_wna16_largem.md): one pass beat the tc kernel at M = 1024/4096 on every measured shape
@@ -149,7 +155,8 @@ def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfi
       split 4; the decode and the wgmma of one CTA serialise, so a second CTA per SM is the overlap.
     - M <= 256: 128x128; 4 stages while the tiles fit one wave (one CTA per SM anyway: 70B o 119.9 -> 80.3 us,
       8B qkv 61.6 -> 41.7), else 2 stages so two CTAs share an SM (8B gate_up: 141.8 us at 2 stages, 161.9 at 4).
-      Split-K lost everywhere at M = 256."""
+      Split-K lost at M = 256 on grids of >= ~1 wave; below ~0.75 waves 2 stages + split-K to ~2 CTAs per SM won
+      (8B down M = 256: 128x128 split 4 s2 79.7 us vs 135.2 at s4 unsplit, 2026-12-03 session-2 probe)."""
     k_steps = -(-layer.k // layer.spec.k_multiple)
     if m <= 64:
         tiles = -(-layer.n // 128)
@@ -158,6 +165,11 @@ def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfi
             split *= 2
         return ComputeConfig("tc", 64, 128, 0, split, num_warps=8, num_stages=3)
     tiles = -(-m // 128) * -(-layer.n // 128)
+    if tiles < 0.75 * num_sms:  # sub-wave grid: split K to ~2 CTAs per SM at 2 stages (each split >= 8 K steps)
+        split = 1
+        while tiles * split * 2 <= 2 * num_sms and split < 8 and k_steps // (split * 2) >= 8:
+            split *= 2
+        return ComputeConfig("tc", 128, 128, 0, split, num_warps=8, num_stages=2)
     return ComputeConfig("tc", 128, 128, 0, 1, num_warps=8, num_stages=4 if tiles <= num_sms else 2)
 
 

@@ -23,6 +23,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-candidates", type=int, default=None,
                    help="measure at most this many candidates per (shape, M), nearest to the heuristic first, to save time")
     p.add_argument("--list", action="store_true", help="only print the candidate counts, measure nothing")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="first JIT-compile every candidate in this many worker processes (Triton compiles are "
+                        "CPU-bound: on a many-core GPU host this takes most of the compile time off the timing)")
     from kestrel.kernels.lowbit_tuning import LOWBIT_KERNELS
     p.add_argument("--lowbit", action="append", choices=sorted(LOWBIT_KERNELS),
                    help="also tune this W8A8 / W4A8 / W4A4 GEMM for the same shapes and M (repeatable; "
@@ -108,6 +111,10 @@ def run(args) -> int:
     cache = Path(args.cache) if args.cache else user_cache_path()
     if args.max_candidates:
         total = sum(min(len(candidates(lay, m)), args.max_candidates) for lay in layers for m in ms)
+    if args.jobs:
+        from kestrel.kernels.tuning import warm_compile
+        n_cands = lambda lay, m: candidates(lay, m)[:args.max_candidates] if args.max_candidates else candidates(lay, m)
+        warm_compile([(lay, m, c) for lay in layers for m in ms for c in n_cands(lay, m)], args.jobs)
     with tqdm(total=total, desc=f"tuning on {gpu}", unit="cfg") as bar:
         for layer in layers:
             bar.set_postfix_str(layer.key)

@@ -38,8 +38,20 @@ def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
             seen.add(c)
             uniq.append(c)
     # nearest neighbours of the heuristic first, so --max-candidates does a local search around it
-    dist = lambda c: sum(a != b for a, b in zip(c.to_dict().values(), h.to_dict().values()))
-    return sorted(uniq, key=dist)
+    return sorted(uniq, key=lambda c: config_distance(c, h))
+
+
+def config_distance(c: ComputeConfig, h: ComputeConfig) -> float:
+    """How far config c is from h for the tuner's local search: split-K counts |log2| of the ratio (split 4 is one
+    step from 2 and 8), stages half a step each, another kernel 1.25 (so the other path of the same M, e.g.
+    dequant + cuBLAS next to tc at M = 256, stays among the first few), every other differing field 1. With the
+    plain count of differing fields, --max-candidates 6 at 8B down M = 256 never reached tc 128x128 split 4 s2, the
+    config the H200 probe found fastest (79.7 vs 89.5 us)."""
+    if c.kernel != h.kernel:
+        return 1.25
+    d = abs(math.log2(c.split_k / h.split_k)) + 0.5 * abs(c.num_stages - h.num_stages)
+    a, b = c.to_dict(), h.to_dict()
+    return d + sum(a[f] != b[f] for f in a if f not in ("kernel", "split_k", "num_stages"))
 
 
 def tc_configs(m: int) -> list[ComputeConfig]:
@@ -68,6 +80,11 @@ def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[C
         sk = 2
         while m <= 256 and tiles * sk <= 3 * num_sms and steps // sk >= 8 and sk <= 8:
             out.append(C(**{**c.to_dict(), "split_k": sk}))
+            # the in-kernel reduction (one launch instead of zeroed fp32 y + atomics + cast); on 128-row 8-warp
+            # tiles its epilogue needs 170 registers, so also capped at 128 to keep two CTAs per SM
+            out.append(C(**{**c.to_dict(), "split_k": sk, "reduce": 1}))
+            if c.block_m >= 128 and c.num_warps == 8:
+                out.append(C(**{**c.to_dict(), "split_k": sk, "reduce": 1, "maxnreg": 128}))
             sk *= 2
     if m >= 256:
         out += [C("dequant_mm", 1, 64, 128, 1, 4, 1), C("dequant_mm", 1, 128, 128, 1, 8, 1)]
@@ -148,6 +165,43 @@ def fastest(configs, measure, progress=None):
         if progress is not None:
             progress.update(1)
     return best, best_t, times
+
+
+def compile_key(layer: LayerConfig, m: int, cfg: ComputeConfig) -> tuple:
+    """What decides the Triton specialisations a call compiles (configs, format, the EVEN_K / EVEN_N / paired-decode
+    flags; M, N, K are runtime ints): calls with equal keys share their kernels, so warming one warms all."""
+    km = layer.spec.k_multiple
+    step = max(km, cfg.block_k) if cfg.kernel == "tc" else km
+    return (cfg, layer.spec, layer.k % step == 0, layer.n % cfg.block_n == 0, layer.n % 128 == 0, m <= 16)
+
+
+def _warm_one(job) -> tuple:
+    """Worker: run one (layer, M, config) call once so its kernels land in Triton's on-disk cache."""
+    import time
+    layer, m, cfg = job
+    t0 = time.time()
+    try:
+        from kestrel.kernels.gemm_wna16 import gemm_wna16
+        w = quantize(torch.randn(layer.n, layer.k, device="cuda") * 0.02, layer.spec)
+        gemm_wna16(torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16), w, cfg)
+        torch.cuda.synchronize()
+        return cfg, time.time() - t0, None
+    except Exception as ex:  # a config the compiler rejects is timed as inf by the tuner anyway
+        return cfg, time.time() - t0, repr(ex)[:200]
+
+
+def warm_compile(jobs: list[tuple], workers: int, log=print) -> None:
+    """JIT-compile the (layer, M, config) calls of `jobs` in `workers` processes (one per distinct compile_key):
+    Triton's compiles (5-30 s each on the H200 host) are CPU-bound and single-threaded, so the timing process
+    then only loads cubins from the shared cache instead of compiling one candidate after the other."""
+    import multiprocessing as mp
+    import time
+    uniq = list({compile_key(*j): j for j in jobs}.values())
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(max(1, min(workers, len(uniq)))) as pool:
+        errors = [err for _, _, err in pool.imap_unordered(_warm_one, uniq) if err]
+    log(f"warm-up: {len(uniq)} distinct compiles of {len(jobs)} calls in {time.time() - t0:.1f}s"
+        f" with {workers} workers, {len(errors)} failed")
 
 
 def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progress=None,
