@@ -246,7 +246,7 @@ def _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n, n_mask, N, a_pc, b_pc,
 def _epilogue(acc, y_ptr, s_ptr, gs_ptr, offs_m, offs_n, offs_n_ld, M, N, stride_ym, IS_INT: tl.constexpr,
               SCALE_KIND: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_GSCALE: tl.constexpr,
               TILE_EXP: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE: tl.constexpr = 0, ws_ptr=None, cnt_ptr=None,
-              slab=0, n_slabs=1, pid_k=0):
+              slab=0, n_slabs=1, pid_k=0, ATOMIC_SEM: tl.constexpr = "relaxed"):
     """REDUCE 1 (split-K): each split stores its fp32 partial in its own workspace slab, then takes a ticket on
     the tile's counter; the split that comes last sums the slabs, stores y in its dtype and resets the counter for
     the next call. No zeroed fp32 y, no atomics on y, no cast kernel: one launch instead of three."""
@@ -263,8 +263,9 @@ def _epilogue(acc, y_ptr, s_ptr, gs_ptr, offs_m, offs_n, offs_n_ld, M, N, stride
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    elif REDUCE == 0:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
+    elif REDUCE == 0:  # relaxed: the order of the partial sums is free; tl.atomic_add's default acq_rel put a
+        # MEMBAR.ALL.GPU beside each of the 8 vector atomics per thread (sm_90 SASS, 64x128 tile, Triton 3.6)
+        tl.atomic_add(y_ptrs, acc, mask=mask, sem=ATOMIC_SEM)
     else:
         BM: tl.constexpr = acc.shape[0]
         BN: tl.constexpr = acc.shape[1]
@@ -289,7 +290,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
                SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr,
                LAYOUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NH: tl.constexpr,
                DEC: tl.constexpr, TILE_EXP: tl.constexpr, DOT_F32: tl.constexpr, R: tl.constexpr,
-               ws_ptr=None, cnt_ptr=None, REDUCE: tl.constexpr = 0):
+               ws_ptr=None, cnt_ptr=None, REDUCE: tl.constexpr = 0, ATOMIC_SEM: tl.constexpr = "relaxed"):
     """NH = 2 runs a BLOCK_N tile as two halves (two decodes, two dots, two accumulators) sharing each x tile:
     half the x traffic of two CTAs, while each half keeps the 128-wide layout (vector stores, paired decode)."""
     PB: tl.constexpr = R * EPW
@@ -364,11 +365,12 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
         acc = tl.trans(acc)
     n_slabs = num_pid_m * num_pid_n * NH  # REDUCE 1: one workspace slab + counter per (tile, half)
     _epilogue(acc, y_ptr, s_ptr, gs_ptr, offs_m, offs_n, offs_n_ld, M, N, stride_ym, IS_INT, SCALE_KIND,
-              PER_CHANNEL, HAS_GSCALE, TILE_EXP, SPLIT_K, REDUCE, ws_ptr, cnt_ptr, pid * NH, n_slabs, pid_k)
+              PER_CHANNEL, HAS_GSCALE, TILE_EXP, SPLIT_K, REDUCE, ws_ptr, cnt_ptr, pid * NH, n_slabs, pid_k,
+              ATOMIC_SEM)
     if NH == 2:
         _epilogue(acc2, y_ptr, s_ptr, gs_ptr, offs_m, offs_n + HN, offs_n_ld2, M, N, stride_ym, IS_INT,
                   SCALE_KIND, PER_CHANNEL, HAS_GSCALE, TILE_EXP, SPLIT_K, REDUCE, ws_ptr, cnt_ptr, pid * NH + 1,
-                  n_slabs, pid_k)
+                  n_slabs, pid_k, ATOMIC_SEM)
 
 
 LAST_LAUNCH: dict = {}  # the last compiled kernel, for benches that inspect PTX / registers
@@ -376,10 +378,11 @@ LAST_LAUNCH: dict = {}  # the last compiled kernel, for benches that inspect PTX
 
 def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt: dict,
                   swap: bool | None = None, layout: int = 0, dec: int | None = None,
-                  group_m: int = 8) -> torch.Tensor:
+                  group_m: int = 8, atomic_sem: str = "relaxed") -> torch.Tensor:
     """x2 [M, K] contiguous (already permuted for act-order) -> y [M, N] in x2's dtype. `fmt` is the format
     constexpr dict of gemm_wna16. cfg.block_k is the K step in planar blocks' elements (0 = one block).
-    swap (W as the wgmma A operand, x^T as B) defaults to cfg.swap."""
+    swap (W as the wgmma A operand, x^T as B) defaults to cfg.swap. atomic_sem: memory order of the split-K
+    atomics (reduce 0); "acq_rel" (Triton's default, the kernel before 2026-12-03 #3) only for A/B benches."""
     m, _ = x2.shape
     n, k = qw.shape
     pb = fmt["R"] * fmt["EPW"]
@@ -417,6 +420,7 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
                                              TILE_EXP=tile_exp,
                                              DOT_F32=x2.device.type != "cuda", num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages, ws_ptr=ws, cnt_ptr=cnt, REDUCE=reduce,
+                                             ATOMIC_SEM=atomic_sem,
                                              **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **fmt)
     return y.to(x2.dtype) if split > 1 and not reduce else y
 
