@@ -98,6 +98,22 @@ def test_k_not_a_multiple_of_the_step(spec):
     _check(_weight(spec, n=40, k=576, seed=4), 19, ComputeConfig("tc", 32, 32, 256, 1, 4, 2))
 
 
+@pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 1, 8, 4), 37),
+                                   (ComputeConfig("tcg", 64, 128, 0, 2, 4, 3), 70),
+                                   (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3), 130)], ids=["one", "splitk", "bm128"])
+def test_gluon_tcg_kernel(cfg, m):
+    # the Gluon kernel (GPU, Hopper) or, elsewhere, the tc kernel it falls back to: symmetric int4 g128, whole
+    # tiles (N % 128, K % 128), ragged M (TMA zero-fills the missing rows; the store is masked)
+    qw = _weight(FORMATS["int4"], n=256, k=512, seed=12)
+    lay = LayerConfig(qw.spec, 256, 512)
+    assert cfg.valid_for(lay) and not cfg.valid_for(LayerConfig(FORMATS["uint4-zp"], 256, 512))
+    assert not ComputeConfig("tcg", 64, 128, 0, 4, 8, 4).valid_for(LayerConfig(qw.spec, 256, 384))  # empty split
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).bfloat16()
+    ref = x.double() @ dequantize(qw).double().t()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+    assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
+
+
 def test_split_k_reduce_leaves_counters_zeroed():
     # the tile counters are allocated once and never cleared by the host: every call must leave them at zero, or
     # the next call's "last split" would be the wrong one (a partial sum: O(1) error) and y would stay unwritten

@@ -34,6 +34,7 @@ class LayerConfig:
 @dataclass(frozen=True)
 class ComputeConfig:
     # "stream" / "gemv" (CUDA cores, tiny M) | "mv" / "mvs" (tensor cores, M <= 16) | "tc" (tensor cores, M > 16)
+    # | "tcg" (Gluon, Hopper: decode overlapped with an async wgmma; int4 g128, gemm_wna16_tcg.py)
     # | "dot" (older tensor-core path) | "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
     kernel: str = "dot"
     block_m: int = 16
@@ -62,9 +63,17 @@ class ComputeConfig:
 
     def valid_for(self, layer: LayerConfig) -> bool:
         k_steps = -(-layer.k // layer.spec.k_multiple)
-        if (self.kernel not in ("gemv", "mv", "mvs", "stream", "dot", "dequant_mm", "tc") or self.block_n < 16
+        if (self.kernel not in ("gemv", "mv", "mvs", "stream", "dot", "dequant_mm", "tc", "tcg") or self.block_n < 16
                 or self.split_k < 1):
             return False
+        if self.kernel == "tcg":  # gemm_wna16_tcg.py: symmetric int4 g128 bf16 scales, whole tiles, no empty split
+            sp = layer.spec
+            steps = layer.k // 128
+            per = -(-steps // self.split_k)
+            return (sp.is_int and sp.weight_bits == 4 and not sp.has_zero_point and sp.group_size == 128
+                    and sp.scale_dtype == "bf16" and layer.k % 128 == 0 and self.block_n in (64, 128, 256)
+                    and layer.n % self.block_n == 0 and self.block_m in (64, 128) and self.num_warps in (4, 8)
+                    and self.num_stages >= 2 and (self.split_k - 1) * per < steps)
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):
