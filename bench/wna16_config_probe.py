@@ -22,7 +22,7 @@ from gpu_timing import graph_us
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig
 from kestrel.kernels.gemm_wna16 import _format_args, gemm_wna16
 from kestrel.kernels.gemm_wna16_tc import gemm_wna16_tc
-from kestrel.kernels.tuning import FORMATS, make_weights
+from kestrel.kernels.tuning import FORMATS, make_weights, warm_compile
 from kestrel.quant import dequantize
 
 
@@ -48,9 +48,15 @@ def main():
     ap.add_argument("--ms", default="64")
     ap.add_argument("--configs", nargs="+", required=True)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--jobs", type=int, default=0, help="JIT-compile every probed config first in this many worker "
+                                                       "processes (kestrel.kernels.tuning.warm_compile)")
     args = ap.parse_args()
     t0, gpu = time.time(), torch.cuda.get_device_name()
     cfgs = [parse_config(c) for c in args.configs]
+    if args.jobs:  # the acq_rel A/B variants compile in the timing process (warm_compile calls gemm_wna16)
+        layers = [LayerConfig(FORMATS[args.format], *(int(v) for v in sh.split(","))) for sh in args.shapes.split(";")]
+        warm_compile([(lay, m, c) for lay in layers for m in (int(v) for v in args.ms.split(","))
+                      for c, at, kw in cfgs if not kw and c.valid_for(lay) and at in (None, m)], args.jobs)
     for shape in args.shapes.split(";"):
         if time.time() - t0 > args.budget_s:
             print("budget reached, skipping", shape, flush=True)

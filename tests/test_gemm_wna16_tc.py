@@ -248,13 +248,15 @@ def test_configs_valid_for_llama_shapes():
 
 
 def test_tuner_local_search_reaches_the_measured_winners():
-    # `kestrel tune --max-candidates 6` measures the 6 candidates nearest the heuristic: the H200 probe's winner at
-    # 8B down M = 256 (tc 128x128 split 4, 2 stages: 79.7 us vs dequant + cuBLAS 89.5) and the other path must be
-    # among them; split-K neighbours (x2, /2) come before far tiles
+    # `kestrel tune --max-candidates 8` measures the 8 candidates nearest the heuristic: the H200 probe's winner at
+    # 8B down M = 256 (tc 128x128 split 4, 2 stages: 79.7 us vs dequant + cuBLAS 89.5) and the first config of each
+    # other path (Gluon tcg at the split nearest one wave, dequant + cuBLAS) must be among them; split-K
+    # neighbours (x2, /2) come before far tiles
     from kestrel.kernels.tuning import compile_key, config_distance
     lay = LayerConfig(FORMATS["int4"], 4096, 14336)
-    first = candidates(lay, 256)[:6]
+    first = candidates(lay, 256)[:8]
     assert ComputeConfig("tc", 128, 128, 0, 4, 8, 2) in first and any(c.kernel == "dequant_mm" for c in first)
+    assert ComputeConfig("tcg", 128, 128, 0, 2, 8, 3) in first  # 64 tiles x 2 = 128 CTAs, one per SM
     h = heuristic(lay, 64)
     assert config_distance(ComputeConfig(**{**h.to_dict(), "split_k": h.split_k * 2}), h) == 1
     assert config_distance(ComputeConfig("tc", 64, 64, 0, h.split_k, 4, 3), h) == 2

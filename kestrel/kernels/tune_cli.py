@@ -23,6 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-candidates", type=int, default=None,
                    help="measure at most this many candidates per (shape, M), nearest to the heuristic first, to save time")
     p.add_argument("--list", action="store_true", help="only print the candidate counts, measure nothing")
+    p.add_argument("--no-gluon", action="store_true",
+                   help="leave the Gluon tcg kernel (Hopper) out of the candidates")
     p.add_argument("--jobs", type=int, default=0,
                    help="first JIT-compile every candidate in this many worker processes (Triton compiles are "
                         "CPU-bound: on a many-core GPU host this takes most of the compile time off the timing)")
@@ -94,10 +96,12 @@ def run(args) -> int:
         for n, k in dict.fromkeys(shapes):
             layer = LayerConfig(FORMATS[f], n, k)
             layers.append(layer)
-    total = sum(len(candidates(lay, m)) for lay in layers for m in ms)
+    gluon = not args.no_gluon
+    cands = lambda lay, m: candidates(lay, m, gluon)[:args.max_candidates or None]
+    total = sum(len(cands(lay, m)) for lay in layers for m in ms)
     if args.list:
         for lay in layers:
-            print(lay.key, {m: len(candidates(lay, m)) for m in ms})
+            print(lay.key, {m: len(cands(lay, m)) for m in ms})
         print(f"{total} measurements")
         return 0
 
@@ -109,16 +113,13 @@ def run(args) -> int:
     from kestrel.kernels.tuning import tune_layer
     gpu = torch.cuda.get_device_name()
     cache = Path(args.cache) if args.cache else user_cache_path()
-    if args.max_candidates:
-        total = sum(min(len(candidates(lay, m)), args.max_candidates) for lay in layers for m in ms)
     if args.jobs:
         from kestrel.kernels.tuning import warm_compile
-        n_cands = lambda lay, m: candidates(lay, m)[:args.max_candidates] if args.max_candidates else candidates(lay, m)
-        warm_compile([(lay, m, c) for lay in layers for m in ms for c in n_cands(lay, m)], args.jobs)
+        warm_compile([(lay, m, c) for lay in layers for m in ms for c in cands(lay, m)], args.jobs)
     with tqdm(total=total, desc=f"tuning on {gpu}", unit="cfg") as bar:
         for layer in layers:
             bar.set_postfix_str(layer.key)
-            res = tune_layer(layer, ms, gpu, progress=bar, max_candidates=args.max_candidates)
+            res = tune_layer(layer, ms, gpu, progress=bar, max_candidates=args.max_candidates, gluon=gluon)
             store_cache(cache, res)
             for key, v in res.items():
                 tqdm.write(f"{key}: {v['us']:.1f} us (heuristic {v['heuristic_us']}) {v['config']}")

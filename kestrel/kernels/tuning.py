@@ -29,16 +29,23 @@ MODEL_SHAPES = {  # (N, K) of the linear layers (fused qkv and gate_up)
 }
 
 
-def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
-    out = small_m_candidates(layer, m) if m <= 16 else large_m_candidates(layer, m)
+def candidates(layer: LayerConfig, m: int, gluon: bool = True) -> list[ComputeConfig]:
+    """gluon=False leaves out the Gluon "tcg" kernel (e.g. before it has been checked on a new GPU/Triton)."""
+    out = small_m_candidates(layer, m) if m <= 16 else large_m_candidates(layer, m, gluon=gluon)
     h = heuristic(layer, m)
     seen, uniq = set(), []
     for c in [h] + out:
         if c not in seen and c.valid_for(layer):
             seen.add(c)
             uniq.append(c)
-    # nearest neighbours of the heuristic first, so --max-candidates does a local search around it
-    return sorted(uniq, key=lambda c: config_distance(c, h))
+    # nearest neighbours of the heuristic first, so --max-candidates does a local search around it; the configs of
+    # each other kernel come in their own order, half a step apart, so the first of each is among the first few
+    rank, seen_k = {}, {}
+    for c in uniq:
+        if c.kernel != h.kernel:
+            rank[c] = seen_k.get(c.kernel, 0)
+            seen_k[c.kernel] = rank[c] + 1
+    return sorted(uniq, key=lambda c: config_distance(c, h) + 0.5 * rank.get(c, 0))
 
 
 def config_distance(c: ComputeConfig, h: ComputeConfig) -> float:
@@ -67,10 +74,26 @@ def tc_configs(m: int) -> list[ComputeConfig]:
     return [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 256, 0, 1, 8, 3)]
 
 
-def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeConfig]:
+def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeConfig]:
+    """The Gluon kernel (gemm_wna16_tcg.py, one 8-warp CTA per SM: 112-225 KB of shared memory): 64-row tiles at
+    M <= 64, 64- and 128-row tiles above, each split over K from the smallest split that fills ~half the SMs up
+    to ~2 waves. Configs the format or shape cannot take are dropped by valid_for."""
+    C = ComputeConfig
+    tiles = ([(64, 128, 4), (64, 128, 3)] if m <= 64 else [(128, 128, 3), (64, 128, 4)])
+    out = []
+    for bm, bn, st in tiles:
+        n_tiles = -(-m // bm) * -(-layer.n // bn)
+        splits = [sk for sk in (1, 2, 4, 8) if sk == 1 or num_sms // 2 <= n_tiles * sk <= 2 * num_sms]
+        # the split nearest one wave first (the first tcg config is the one --max-candidates surely measures)
+        out += [C("tcg", bm, bn, 0, sk, 8, st) for sk in sorted(splits, key=lambda sk: abs(math.log2(
+            n_tiles * sk / num_sms)))]
+    return out
+
+
+def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132, gluon: bool = True) -> list[ComputeConfig]:
     """M > 16: the tc tiles, each also split over K while the tiles fill fewer than ~3 CTAs per SM and each split
-    keeps >= 8 K steps (M <= 256); from M = 256 the dequant + cuBLAS path as one pass, and from M = 1024 also as
-    2-8 column blocks overlapped with the matmul (chunks). Also the grid of bench/wna16_tc_sweep.py --wide."""
+    keeps >= 8 K steps (M <= 256); up to M = 1024 the Gluon tcg tiles; from M = 256 the dequant + cuBLAS path as
+    one pass, and from M = 1024 also as 2-8 column blocks overlapped with the matmul (chunks)."""
     C = ComputeConfig
     steps = -(-layer.k // layer.spec.k_multiple)
     out = []
@@ -86,6 +109,8 @@ def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[C
             if c.block_m >= 128 and c.num_warps == 8:
                 out.append(C(**{**c.to_dict(), "split_k": sk, "reduce": 1, "maxnreg": 128}))
             sk *= 2
+    if gluon and m <= 1024:
+        out += tcg_configs(layer, m, num_sms)
     if m >= 256:
         out += [C("dequant_mm", 1, 64, 128, 1, 4, 1), C("dequant_mm", 1, 128, 128, 1, 8, 1)]
         if m >= 1024:
@@ -205,14 +230,14 @@ def warm_compile(jobs: list[tuple], workers: int, log=print) -> None:
 
 
 def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progress=None,
-               max_candidates: int | None = None) -> dict:
+               max_candidates: int | None = None, gluon: bool = True) -> dict:
     """-> {cache_key: {"config": {...}, "us": t, "heuristic_us": t_h}} for each M bucket."""
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     weights = make_weights(layer, device)
     results = {}
     for m in ms:
         x = torch.randn(m, layer.k, device=device, dtype=torch.bfloat16)
-        cands = candidates(layer, m)
+        cands = candidates(layer, m, gluon)
         if max_candidates:
             cands = cands[:max_candidates]
         ref = gemm_wna16(x, weights[0], heuristic(layer, m)).float()
