@@ -76,10 +76,11 @@ def tc_configs(m: int) -> list[ComputeConfig]:
 
 def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeConfig]:
     """The Gluon kernel (gemm_wna16_tcg.py, one 8-warp CTA per SM: 112-225 KB of shared memory): 64-row tiles at
-    M <= 64, 64- and 128-row tiles above, each split over K from the smallest split that fills ~half the SMs up
+    M <= 64, 64-, 128- and 256-row tiles above, each split over K from the smallest split that fills ~half the SMs up
     to ~2 waves. Configs the format or shape cannot take are dropped by valid_for."""
     C = ComputeConfig
-    tiles = ([(64, 128, 4), (64, 128, 3)] if m <= 64 else [(128, 128, 3), (64, 128, 4)])
+    # 256-row tiles (2 stages, 208 KB, 183 registers) decode each W tile once for all of M = 256
+    tiles = ([(64, 128, 4), (64, 128, 3)] if m <= 64 else [(128, 128, 3), (256, 128, 2), (64, 128, 4)])
     out = []
     for bm, bn, st in tiles:
         n_tiles = -(-m // bm) * -(-layer.n // bn)
