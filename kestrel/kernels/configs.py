@@ -72,7 +72,7 @@ class ComputeConfig:
             per = -(-steps // self.split_k)
             return (sp.is_int and sp.weight_bits == 4 and not sp.has_zero_point and sp.group_size == 128
                     and sp.scale_dtype == "bf16" and layer.k % 128 == 0 and self.block_n in (64, 128, 256)
-                    and layer.n % self.block_n == 0 and self.block_m in (64, 128, 256) and self.num_warps in (4, 8)
+                    and layer.n % self.block_n == 0 and self.block_m in (64, 128, 256) and self.num_warps in (4, 8, 16)
                     and self.num_stages >= 2 and (self.split_k - 1) * per < steps)
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)

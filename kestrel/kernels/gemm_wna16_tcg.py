@@ -57,8 +57,10 @@ def _issue(x_desc, q_desc, s_desc, bar, x_buf, q_buf, s_buf, off_m, off_n, step,
 
 
 @gluon.jit
-def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                SPLIT_K: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr, num_warps: gl.constexpr):
+def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
+                num_warps: gl.constexpr):
+    """split_k is a runtime value (one compile for every split > 1); ATOMIC = split_k > 1."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -67,7 +69,7 @@ def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, BLOCK_M: gl.c
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     n_steps = K // BK
-    per = gl.cdiv(n_steps, SPLIT_K)
+    per = gl.cdiv(n_steps, split_k)
     s0 = pid_k * per
     cnt = gl.minimum(s0 + per, n_steps) - s0
     # the host never launches an empty split; without the hint the loop's zero-trip path sets acc = 0 beside the
@@ -91,7 +93,8 @@ def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, BLOCK_M: gl.c
     # shifted by 4 j into the bf16x2 pair (128 + c_j, 128 + c_{j+4}) (Marlin's trick) and the pair is finished in
     # packed bf16x2 math (_ASM_PAIR: 2 instructions per weight). Permuted + reshaped to the [BK, BN] tile for ONE
     # shared store (per-field stores into slices of the tile made the membar pass put a CTA barrier between each)
-    L4: gl.constexpr = gl.BlockedLayout([1, 2, 4, 4], [2, 1, 1, 16], [num_warps, 1, 1, 1], [1, 3, 2, 0])
+    WR: gl.constexpr = 8 if num_warps > 8 else num_warps  # warps over the 16 word rows (2 per warp), rest over N
+    L4: gl.constexpr = gl.BlockedLayout([1, 2, 4, 4], [2, 1, 1, 16], [WR, 1, 1, num_warps // WR], [1, 3, 2, 0])
     q_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L4))
     j_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
     jsh = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=j_layout) * 4, 0), 1), 3)
@@ -124,13 +127,13 @@ def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, BLOCK_M: gl.c
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WR, num_warps // WR], [1, 0])
     out = gl.convert_layout(acc, out_layout)
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
     ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if SPLIT_K == 1:
+    if not ATOMIC:
         gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         gl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
@@ -158,6 +161,7 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
     grid = (-(-m // bm) * (n // bn), split)
-    _tcg_kernel[grid](x_desc, q_desc, s_desc, y, m, n, k, y.stride(0), BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split,
-                      STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, num_warps=cfg.num_warps)
+    _tcg_kernel[grid](x_desc, q_desc, s_desc, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
+                      ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
+                      num_warps=cfg.num_warps)
     return y.to(x2.dtype) if split > 1 else y

@@ -66,8 +66,9 @@ def tc_configs(m: int) -> list[ComputeConfig]:
     in the H200 round-1 sweep of 2026-12-03 (32-row, 256-row, 256-deep-K tiles and "mv" at M = 64 lost everywhere)."""
     C = ComputeConfig
     if m <= 64:
+        # 64x256 (two 128-wide halves sharing each x tile): half the x re-reads from the L2
         return [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 64, 0, 1, 4, 4),
-                C("tc", 64, 64, 0, 1, 4, 3)]
+                C("tc", 64, 64, 0, 1, 4, 3), C("tc", 64, 256, 0, 1, 8, 3)]
     if m <= 256:
         return [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 4),
                 C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 256, 0, 1, 8, 3)]
@@ -79,14 +80,22 @@ def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeC
     M <= 64, 64-, 128- and 256-row tiles above, each split over K from the smallest split that fills ~half the SMs up
     to ~2 waves. Configs the format or shape cannot take are dropped by valid_for."""
     C = ComputeConfig
-    # 256-row tiles (2 stages, 208 KB, 183 registers) decode each W tile once for all of M = 256
-    tiles = ([(64, 128, 4), (64, 128, 3)] if m <= 64 else [(128, 128, 3), (256, 128, 2), (64, 128, 4)])
+    # (block_m, block_n, stages, warps). Each CTA re-reads its x rows from the L2 once per N tile, so x traffic is
+    # 4 M / BN times the weight bytes (2x at M = 64 with 128-wide tiles, 8x at M = 256: the H200 probe of
+    # 2026-12-03 #3 ran at ~4.4 TB/s of L2 -> SM traffic there): 256-wide tiles halve it; 256-row tiles decode each
+    # W tile once for all of M = 256; 16 warps hide more latency (decode) with one CTA per SM
+    if m <= 64:
+        tiles = [(64, 128, 4, 8), (64, 256, 2, 8), (64, 256, 3, 16), (64, 128, 4, 16), (64, 128, 3, 8),
+                 (64, 256, 3, 8)]
+    else:
+        tiles = [(128, 128, 3, 8), (128, 256, 2, 16), (256, 128, 2, 16), (128, 256, 2, 8), (256, 128, 2, 8),
+                 (128, 128, 3, 16), (64, 128, 4, 8)]
     out = []
-    for bm, bn, st in tiles:
+    for bm, bn, st, w in tiles:
         n_tiles = -(-m // bm) * -(-layer.n // bn)
         splits = [sk for sk in (1, 2, 4, 8) if sk == 1 or num_sms // 2 <= n_tiles * sk <= 2 * num_sms]
         # the split nearest one wave first (the first tcg config is the one --max-candidates surely measures)
-        out += [C("tcg", bm, bn, 0, sk, 8, st) for sk in sorted(splits, key=lambda sk: abs(math.log2(
+        out += [C("tcg", bm, bn, 0, sk, w, st) for sk in sorted(splits, key=lambda sk: abs(math.log2(
             n_tiles * sk / num_sms)))]
     return out
 
@@ -198,6 +207,8 @@ def compile_key(layer: LayerConfig, m: int, cfg: ComputeConfig) -> tuple:
     flags; M, N, K are runtime ints): calls with equal keys share their kernels, so warming one warms all."""
     km = layer.spec.k_multiple
     step = max(km, cfg.block_k) if cfg.kernel == "tc" else km
+    if cfg.kernel == "tcg":  # split-K is a runtime value there: one kernel for every split > 1
+        cfg = ComputeConfig(**{**cfg.to_dict(), "split_k": min(cfg.split_k, 2)})
     return (cfg, layer.spec, layer.k % step == 0, layer.n % cfg.block_n == 0, layer.n % 128 == 0, m <= 16)
 
 
