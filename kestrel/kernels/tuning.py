@@ -207,7 +207,7 @@ def compile_key(layer: LayerConfig, m: int, cfg: ComputeConfig) -> tuple:
     flags; M, N, K are runtime ints): calls with equal keys share their kernels, so warming one warms all."""
     km = layer.spec.k_multiple
     step = max(km, cfg.block_k) if cfg.kernel == "tc" else km
-    if cfg.kernel == "tcg":  # split-K is a runtime value there: one kernel for every split > 1
+    if cfg.kernel in ("tc", "tcg"):  # split-K is a runtime value there: one kernel for every split > 1
         cfg = ComputeConfig(**{**cfg.to_dict(), "split_k": min(cfg.split_k, 2)})
     return (cfg, layer.spec, layer.k % step == 0, layer.n % cfg.block_n == 0, layer.n % 128 == 0, m <= 16)
 
