@@ -85,8 +85,9 @@ def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeC
     # 2026-12-03 #3 ran at ~4.4 TB/s of L2 -> SM traffic there): 256-wide tiles halve it; 256-row tiles decode each
     # W tile once for all of M = 256; 16 warps hide more latency (decode) with one CTA per SM
     if m <= 64:
+        # (64, 128, 2, 8): 112 KB of shared memory, two CTAs per SM
         tiles = [(64, 128, 4, 8), (64, 256, 2, 8), (64, 256, 3, 16), (64, 128, 4, 16), (64, 128, 3, 8),
-                 (64, 256, 3, 8)]
+                 (64, 256, 3, 8), (64, 128, 2, 8), (64, 256, 2, 16)]
     else:
         tiles = [(128, 128, 3, 8), (128, 256, 2, 16), (256, 128, 2, 16), (128, 256, 2, 8), (256, 128, 2, 8),
                  (128, 128, 3, 16), (64, 128, 4, 8)]
