@@ -23,6 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-candidates", type=int, default=None,
                    help="measure at most this many candidates per (shape, M), nearest to the heuristic first, to save time")
     p.add_argument("--list", action="store_true", help="only print the candidate counts, measure nothing")
+    p.add_argument("--all-out", default=None, metavar="JSONL",
+                   help="also write every measured candidate (key, config, us) to this file")
     p.add_argument("--no-gluon", action="store_true",
                    help="leave the Gluon tcg kernel (Hopper) out of the candidates")
     p.add_argument("--jobs", type=int, default=0,
@@ -116,10 +118,17 @@ def run(args) -> int:
     if args.jobs:
         from kestrel.kernels.tuning import warm_compile
         warm_compile([(lay, m, c) for lay in layers for m in ms for c in cands(lay, m)], args.jobs)
+    record = None
+    if args.all_out:
+        import json
+        log = open(args.all_out, "a")
+        record = lambda key, cfg, t: print(json.dumps({"key": key, "config": cfg.to_dict(), "us": round(t, 3)
+                                                       if t != float("inf") else None}), file=log, flush=True)
     with tqdm(total=total, desc=f"tuning on {gpu}", unit="cfg") as bar:
         for layer in layers:
             bar.set_postfix_str(layer.key)
-            res = tune_layer(layer, ms, gpu, progress=bar, max_candidates=args.max_candidates, gluon=gluon)
+            res = tune_layer(layer, ms, gpu, progress=bar, max_candidates=args.max_candidates, gluon=gluon,
+                             record=record)
             store_cache(cache, res)
             for key, v in res.items():
                 tqdm.write(f"{key}: {v['us']:.1f} us (heuristic {v['heuristic_us']}) {v['config']}")

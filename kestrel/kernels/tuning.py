@@ -245,8 +245,9 @@ def warm_compile(jobs: list[tuple], workers: int, log=print) -> None:
 
 
 def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progress=None,
-               max_candidates: int | None = None, gluon: bool = True) -> dict:
-    """-> {cache_key: {"config": {...}, "us": t, "heuristic_us": t_h}} for each M bucket."""
+               max_candidates: int | None = None, gluon: bool = True, record=None) -> dict:
+    """-> {cache_key: {"config": {...}, "us": t, "heuristic_us": t_h}} for each M bucket. record(key, cfg, us), if
+    given, sees every measured candidate (inf: rejected or failed)."""
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     weights = make_weights(layer, device)
     results = {}
@@ -264,6 +265,9 @@ def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progr
             return time_config_graph(lambda i: gemm_wna16(x, weights[i], cfg), len(weights))
         best, best_t, times = fastest(cands, measure, progress)
         heur_t = next((t for c, t in zip(cands, times) if c == heuristic(layer, m)), None)
+        if record is not None:
+            for c, t in zip(cands, times):
+                record(cache_key(gpu, layer, m_bucket(m)), c, t)
         if best is not None:
             results[cache_key(gpu, layer, m_bucket(m))] = {"config": best.to_dict(), "us": round(best_t, 3),
                                                           "heuristic_us": heur_t and round(heur_t, 3)}
