@@ -142,8 +142,9 @@ def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, split_k, BLOC
 def supports(qw: QuantizedWeight, x2: torch.Tensor, cfg: ComputeConfig) -> bool:
     """On the GPU with bf16 x (act-order is already applied to x by gemm_wna16); ComputeConfig.valid_for checks
     the format and the tile."""
+    tma_ok = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (x2, qw.qweight, qw.scales))
     return (x2.is_cuda and x2.dtype == torch.bfloat16 and qw.zeros is None and qw.global_scale is None
-            and qw.scales.dtype == torch.bfloat16 and qw.qweight.dtype == torch.int32
+            and qw.scales.dtype == torch.bfloat16 and qw.qweight.dtype == torch.int32 and tma_ok
             and torch.cuda.get_device_capability(x2.device)[0] == 9)
 
 
