@@ -148,6 +148,8 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
     # int weights at M <= 256: the tc kernel. Sub-wave grids (< ~0.75 waves of 128x128 tiles) without split-K lost
     # to dequant + cuBLAS (H200 2026-12-03, M = 256: 8B down tc s4 135.2 us, dequant + cuBLAS 89.5), but split over
     # K at 2 stages they win (8B down tc 128x128 split 4 s2 79.7 us, bench/wna16_config_probe.py): heuristic_tc
+    if m <= 256 and (tcg := heuristic_tcg(layer, m, num_sms)) is not None:
+        return tcg
     if m <= 64 or (m <= 256 and layer.spec.is_int):
         return heuristic_tc(layer, m, num_sms)
     # M > 256 (and M > 64 for minifloat weights): dequant pass + cuBLAS. H200 round 1 of 2026-12-03
@@ -155,6 +157,23 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
     # (1.2-1.4x) and at M = 256 for mxfp4; overlapping the pass with cuBLAS in column blocks (chunks) did not win
     # beyond noise, so chunks stay a tuner candidate
     return ComputeConfig("dequant_mm", 1, 64, fit_bk(128), 1, num_warps=4, num_stages=1)
+
+
+def heuristic_tcg(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig | None:
+    """16 < M <= 256, symmetric int4 g128 (bf16 scales): the Gluon kernel (gemm_wna16_tcg.py; the tc kernel with the
+    same tile off Hopper). From the H200 tune of 2026-12-03 session 3 round 2 (every candidate timed, 8 Llama-3
+    shapes, bench/results/gemm_wna16_largem.md): M <= 64 64x256 w8 s3 (won 5 of 8; the 256-wide tile halves the x
+    re-reads from the L2), M <= 256 128x128 w8 s3 (won 6 of 8), both split over K to the split nearest one wave
+    (one CTA per SM): the winners' splits on all 8 shapes but 8B o M = 64 (split 4 of 64x128: 13.3 vs 14.0 µs)."""
+    bm, bn, st = (64, 256, 3) if m <= 64 else (128, 128, 3)
+    tiles = -(-m // bm) * -(-layer.n // bn)
+    best = None
+    for sk in (1, 2, 4, 8):
+        cfg = ComputeConfig("tcg", bm, bn, 0, sk, num_warps=8, num_stages=st)
+        if cfg.valid_for(layer) and (best is None or abs(math.log2(tiles * sk / num_sms)) <
+                                     abs(math.log2(tiles * best.split_k / num_sms))):
+            best = cfg
+    return best
 
 
 def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
