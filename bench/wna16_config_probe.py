@@ -6,8 +6,9 @@ bench/gemm_wna16.py and `kestrel tune`. For quick GPU-round questions such as "d
 
   python bench/wna16_config_probe.py --shapes 8192,8192 --ms 64 \
       --configs "tc,64,128,0,4,8,3,swap" "tc,64,128,0,4,8,4,swap"
-Config: kernel,block_m,block_n,block_k,split_k,num_warps,num_stages[,swap][,chunks=N][@M]: "@M" probes it at that
-M only.
+Config: kernel,block_m,block_n,block_k,split_k,num_warps,num_stages[,swap][,field=N][,acq_rel][@M]: field=N sets
+any other ComputeConfig field (chunks, reduce, maxnreg), "acq_rel" runs a tc split-K config with the old acq_rel
+atomics (gemm_wna16_tc's atomic_sem, for A/B against the relaxed default), "@M" probes it at that M only.
 """
 from __future__ import annotations
 
@@ -19,17 +20,25 @@ import torch
 
 from gpu_timing import graph_us
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, TuningConfig
-from kestrel.kernels.gemm_wna16 import gemm_wna16
-from kestrel.kernels.tuning import FORMATS, make_weights
+from kestrel.kernels.gemm_wna16 import _format_args, gemm_wna16
+from kestrel.kernels.gemm_wna16_tc import gemm_wna16_tc
+from kestrel.kernels.tuning import FORMATS, make_weights, warm_compile
 from kestrel.quant import dequantize
 
 
-def parse_config(s: str) -> tuple[ComputeConfig, int | None]:
+def parse_config(s: str) -> tuple[ComputeConfig, int | None, dict]:
     s, _, at = s.partition("@")
     f = s.split(",")
     extra = {"swap": "swap" in f[7:]}
     extra.update({k: int(v) for k, v in (t.split("=") for t in f[7:] if "=" in t)})
-    return ComputeConfig(f[0], *(int(v) for v in f[1:7]), **extra), int(at) if at else None
+    kw = {"atomic_sem": "acq_rel"} if "acq_rel" in f[7:] else {}
+    return ComputeConfig(f[0], *(int(v) for v in f[1:7]), **extra), int(at) if at else None, kw
+
+
+def run(x, w, cfg, kw):
+    if not kw:
+        return gemm_wna16(x, w, cfg)
+    return gemm_wna16_tc(x, w, cfg, _format_args(w), **kw)
 
 
 def main():
@@ -39,9 +48,15 @@ def main():
     ap.add_argument("--ms", default="64")
     ap.add_argument("--configs", nargs="+", required=True)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--jobs", type=int, default=0, help="JIT-compile every probed config first in this many worker "
+                                                       "processes (kestrel.kernels.tuning.warm_compile)")
     args = ap.parse_args()
     t0, gpu = time.time(), torch.cuda.get_device_name()
     cfgs = [parse_config(c) for c in args.configs]
+    if args.jobs:  # the acq_rel A/B variants compile in the timing process (warm_compile calls gemm_wna16)
+        layers = [LayerConfig(FORMATS[args.format], *(int(v) for v in sh.split(","))) for sh in args.shapes.split(";")]
+        warm_compile([(lay, m, c) for lay in layers for m in (int(v) for v in args.ms.split(","))
+                      for c, at, kw in cfgs if not kw and c.valid_for(lay) and at in (None, m)], args.jobs)
     for shape in args.shapes.split(";"):
         if time.time() - t0 > args.budget_s:
             print("budget reached, skipping", shape, flush=True)
@@ -54,13 +69,13 @@ def main():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ deq.t()
             default = TuningConfig(gpu).lookup(layer, m)
-            for name, cfg in [("default", default)] + [("probe", c) for c, at in cfgs
-                                                            if c.valid_for(layer) and at in (None, m)]:
-                row = {"fmt": args.format, "N": n, "K": k, "M": m, "which": name, "config": cfg.to_dict()}
+            for name, cfg, kw in [("default", default, {})] + [("probe", c, kw) for c, at, kw in cfgs
+                                                                 if c.valid_for(layer) and at in (None, m)]:
+                row = {"fmt": args.format, "N": n, "K": k, "M": m, "which": name, "config": cfg.to_dict(), **kw}
                 try:
-                    y = gemm_wna16(x, ws[0], cfg).float()
+                    y = run(x, ws[0], cfg, kw).float()
                     row["err"] = round(((y - ref).norm() / ref.norm()).item(), 5)
-                    row["us"] = round(graph_us([lambda w=w: gemm_wna16(x, w, cfg) for w in ws],
+                    row["us"] = round(graph_us([lambda w=w: run(x, w, cfg, kw) for w in ws],
                                                20 if m < 1024 else 8), 2)
                 except Exception as ex:  # the compiler may reject a tile (shared memory, registers)
                     row["error"] = repr(ex)[:200]

@@ -24,7 +24,7 @@ from kestrel.kernels import gemm_wna16_tc as tc  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "gs_ptr": "*fp32", "y_ptr": "*bf16",
-        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "split_k": "i32"}
 FMT = {"int4": dict(BITS=4, EPW=8, IS_INT=True, EXP_BITS=1, MAN_BITS=0, CODE_OFFSET=8, HAS_ZERO=False,
                     SCALE_KIND=0, GROUP_SIZE=128, PER_CHANNEL=False, HAS_GSCALE=False, R=16),
        "mxfp4": dict(BITS=4, EPW=8, IS_INT=False, EXP_BITS=2, MAN_BITS=1, CODE_OFFSET=0, HAS_ZERO=False,
@@ -33,8 +33,8 @@ FMT = {"int4": dict(BITS=4, EPW=8, IS_INT=True, EXP_BITS=1, MAN_BITS=0, CODE_OFF
 
 def compile_sm90(fn, const: dict, warps: int, stages: int):
     names = fn.arg_names
-    sig = {n: PTRS.get(n, "constexpr") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in PTRS if n != "M"}
+    sig = {n: PTRS.get(n, "constexpr") for n in names}  # the old dot kernel has no split_k argument
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in PTRS if n in names and n not in ("M", "split_k")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
@@ -90,7 +90,7 @@ def dec2_pairs() -> dict:
     out = {}
     for fmt, bm, bn, stages in (("int4", 64, 128, 3), ("int4", 128, 128, 2), ("int4", 128, 256, 2),
                                 ("mxfp4", 128, 128, 2)):
-        const = dict(FMT[fmt], BLOCK_M=bm, BLOCK_N=bn, KB=1, SPLIT_K=1, NUM_STAGES=stages, GROUP_M=8, SWAP=False,
+        const = dict(FMT[fmt], BLOCK_M=bm, BLOCK_N=bn, KB=1, SPLIT=False, NUM_STAGES=stages, GROUP_M=8, SWAP=False,
                      LAYOUT=0, EVEN_K=True, EVEN_N=True, NH=bn // 128, DEC=2, TILE_EXP=0 if fmt == "int4" else 64,
                      DOT_F32=False)
         out[f"{fmt} {bm}x{bn}"] = pair_dim(compile_sm90(tc._tc_kernel, const, 8, stages).asm["ttgir"])
@@ -111,7 +111,7 @@ def main():
              (C("tc", 128, 256, 0, 1, 8, 2), 2), (C("tc", 128, 128, 0, 1, 4, 2), 2)]
     for fmt in ("int4", "mxfp4"):
         for cfg, dec in tiles if fmt == "int4" else [tiles[i] for i in (0, 2, 4)]:
-            const = dict(FMT[fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=1, SPLIT_K=1,
+            const = dict(FMT[fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=1, SPLIT=False,
                          NUM_STAGES=cfg.num_stages, GROUP_M=8, SWAP=cfg.swap, LAYOUT=0,
                          NH=2 if cfg.block_n == 256 and not cfg.swap else 1,
                          EVEN_K=True, EVEN_N=True, DEC=dec, TILE_EXP=0 if fmt == "int4" else 64,

@@ -60,7 +60,12 @@ def test_every_format(spec):
     (ComputeConfig("tc", 16, 64, 0, 2, 4, 2, swap=True), 17, {}),  # split-K (fp32 atomics), W^T as operand A
     (ComputeConfig("tc", 32, 32, 256, 1, 4, 2), 45, {"swap": False}),  # K step of two planar blocks
     (ComputeConfig("tc", 64, 32, 0, 2, 4, 2), 33, {"swap": True, "layout": 1}),  # gather-rows layout
-], ids=["noswap", "splitk", "bk256", "gather"])
+    # split-K reduced in the kernel (workspace partials, the last split of a tile sums them): 2 M x 4 N tiles,
+    # ragged last N tile; swapped; and the two-half 256-wide tile (one counter per half)
+    (ComputeConfig("tc", 32, 64, 0, 4, 4, 2, reduce=1), 37, {}),
+    (ComputeConfig("tc", 16, 64, 0, 2, 4, 2, swap=True, reduce=1, maxnreg=128), 17, {}),
+    (ComputeConfig("tc", 32, 256, 0, 2, 8, 2, reduce=1), 19, {}),
+], ids=["noswap", "splitk", "bk256", "gather", "splitk-reduce", "splitk-reduce-swap", "splitk-reduce-halves"])
 @pytest.mark.parametrize("spec", [FORMATS["int4"], FORMATS["uint4-zp"], FORMATS["mxfp4"], FORMATS["nvfp4"]],
                          ids=lambda s: s.name)
 def test_variants(spec, cfg, m, kw):
@@ -91,6 +96,33 @@ def test_fp16_activations(spec):
 def test_k_not_a_multiple_of_the_step(spec):
     # K = 576: packed K 640 = 5 planar blocks, so a 256-wide K step has a half-empty last step (masked)
     _check(_weight(spec, n=40, k=576, seed=4), 19, ComputeConfig("tc", 32, 32, 256, 1, 4, 2))
+
+
+@pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 1, 8, 4), 37),
+                                   (ComputeConfig("tcg", 64, 128, 0, 2, 4, 3), 70),
+                                   (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3), 130)], ids=["one", "splitk", "bm128"])
+def test_gluon_tcg_kernel(cfg, m):
+    # the Gluon kernel (GPU, Hopper) or, elsewhere, the tc kernel it falls back to: symmetric int4 g128, whole
+    # tiles (N % 128, K % 128), ragged M (TMA zero-fills the missing rows; the store is masked)
+    qw = _weight(FORMATS["int4"], n=256, k=512, seed=12)
+    lay = LayerConfig(qw.spec, 256, 512)
+    assert cfg.valid_for(lay) and not cfg.valid_for(LayerConfig(FORMATS["uint4-zp"], 256, 512))
+    assert not ComputeConfig("tcg", 64, 128, 0, 4, 8, 4).valid_for(LayerConfig(qw.spec, 256, 384))  # empty split
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).bfloat16()
+    ref = x.double() @ dequantize(qw).double().t()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+    assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
+
+
+def test_split_k_reduce_leaves_counters_zeroed():
+    # the tile counters are allocated once and never cleared by the host: every call must leave them at zero, or
+    # the next call's "last split" would be the wrong one (a partial sum: O(1) error) and y would stay unwritten
+    from kestrel.kernels.gemm_wna16_tc import _COUNTERS
+    qw = _weight(FORMATS["int4"], n=200, seed=11)
+    cfg = ComputeConfig("tc", 32, 64, 0, 4, 4, 2, reduce=1)
+    for m in (37, 70, 5):  # different grids reuse the same counters
+        _check(qw, m, cfg)
+    assert _COUNTERS and all(int(b.abs().sum()) == 0 for b in _COUNTERS.values())
 
 
 def test_through_gemm_wna16_act_order_and_batch_dims():
@@ -213,6 +245,31 @@ def test_configs_valid_for_llama_shapes():
     lay = LayerConfig(FORMATS["int4"], 4096, 4096)
     assert not ComputeConfig("tc", 64, 64, 384).valid_for(lay)  # K step not a power-of-two number of blocks
     assert not ComputeConfig("tc", 8, 64, 0).valid_for(lay)
+
+
+def test_tuner_local_search_reaches_the_measured_winners():
+    # `kestrel tune --max-candidates 8` measures the 8 candidates nearest the heuristic. At 8B down M = 256 the
+    # heuristic is the H200 winner of every-candidate tuning (tcg 128x128 split 2, 66.3 us) and the first config
+    # of each other path (tc, dequant + cuBLAS) must be among the 8; split-K neighbours (x2, /2) come first
+    from kestrel.kernels.tuning import compile_key, config_distance
+    lay = LayerConfig(FORMATS["int4"], 4096, 14336)
+    first = candidates(lay, 256)[:8]
+    assert first[0] == ComputeConfig("tcg", 128, 128, 0, 2, 8, 3)
+    assert {c.kernel for c in first} == {"tcg", "tc", "dequant_mm"}
+    assert ComputeConfig("tcg", 128, 128, 0, 4, 8, 3) in first[:4]
+    # the heuristic's split lands each shape near one wave of one-CTA-per-SM tiles (the tuned winners' splits)
+    assert heuristic(lay, 64) == ComputeConfig("tcg", 64, 256, 0, 8, 8, 3)
+    assert heuristic(LayerConfig(FORMATS["int4"], 8192, 8192), 64).split_k == 4
+    assert heuristic(LayerConfig(FORMATS["mxfp4"], 4096, 14336), 64).kernel == "tc"  # no Gluon fp4 decode
+    h = heuristic(lay, 64)
+    assert config_distance(ComputeConfig(**{**h.to_dict(), "split_k": h.split_k * 2}), h) == 1
+    assert config_distance(ComputeConfig("tcg", 64, 128, 0, h.split_k, 4, 3), h) == 2
+    assert config_distance(ComputeConfig("tc", 64, 256, 0, h.split_k, 8, 3), h) == 1.25  # another kernel
+    # the parallel warm-up compiles each distinct specialisation once: 8B o and 70B o share every tc kernel
+    c = ComputeConfig("tc", 64, 128, 0, 4, 8, 3)
+    assert compile_key(LayerConfig(FORMATS["int4"], 4096, 4096), 64, c) == compile_key(
+        LayerConfig(FORMATS["int4"], 8192, 8192), 64, c)
+    assert compile_key(lay, 64, c) != compile_key(LayerConfig(FORMATS["mxfp4"], 4096, 14336), 64, c)
 
 
 @pytest.mark.parametrize("spec", [FORMATS["int4"], FORMATS["uint4-zp"], FORMATS["mxfp4"], FORMATS["nvfp4"],

@@ -34,6 +34,7 @@ class LayerConfig:
 @dataclass(frozen=True)
 class ComputeConfig:
     # "stream" / "gemv" (CUDA cores, tiny M) | "mv" / "mvs" (tensor cores, M <= 16) | "tc" (tensor cores, M > 16)
+    # | "tcg" (Gluon, Hopper: decode overlapped with an async wgmma; int4 g128, gemm_wna16_tcg.py)
     # | "dot" (older tensor-core path) | "dequant_mm" (Triton dequant to bf16 + cuBLAS, large M)
     kernel: str = "dot"
     block_m: int = 16
@@ -46,6 +47,12 @@ class ComputeConfig:
     prefetch: int = 0  # "mv"/"mvs": planar blocks kept in flight to the L2 ahead of the loads (bulk prefetch)
     # "dequant_mm": N column blocks; > 1 dequantizes block i+1 on a side stream while cuBLAS multiplies block i
     chunks: int = 1
+    # "tc" with split_k > 1: 0 = fp32 atomics into a zeroed buffer, then a cast kernel; 1 = in-kernel reduction (the
+    # last split of each tile sums the others' workspace partials and stores y: one launch)
+    reduce: int = 0
+    # "tc": register cap per thread (0 = the compiler's choice). 128 lets two 8-warp CTAs share an SM where the
+    # compiler takes more (the split-K reduction's epilogue raises a 128x128 tile from 128 to 170 registers)
+    maxnreg: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,9 +63,17 @@ class ComputeConfig:
 
     def valid_for(self, layer: LayerConfig) -> bool:
         k_steps = -(-layer.k // layer.spec.k_multiple)
-        if (self.kernel not in ("gemv", "mv", "mvs", "stream", "dot", "dequant_mm", "tc") or self.block_n < 16
+        if (self.kernel not in ("gemv", "mv", "mvs", "stream", "dot", "dequant_mm", "tc", "tcg") or self.block_n < 16
                 or self.split_k < 1):
             return False
+        if self.kernel == "tcg":  # gemm_wna16_tcg.py: symmetric int4 g128 bf16 scales, whole tiles, no empty split
+            sp = layer.spec
+            steps = layer.k // 128
+            per = -(-steps // self.split_k)
+            return (sp.is_int and sp.weight_bits == 4 and not sp.has_zero_point and sp.group_size == 128
+                    and sp.scale_dtype == "bf16" and layer.k % 128 == 0 and self.block_n in (64, 128, 256)
+                    and layer.n % self.block_n == 0 and self.block_m in (64, 128, 256) and self.num_warps in (4, 8, 16)
+                    and self.num_stages >= 2 and (self.split_k - 1) * per < steps)
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):
@@ -130,16 +145,35 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
         bn = 128 if layer.n >= 2048 else 64
         split = max(1, min(_pow2_floor(max(1, 4 * num_sms // -(-layer.n // bn))), k_steps // 2, 16))
         return ComputeConfig("mv", 16, bn, 0, split, num_warps=2, num_stages=3)
-    # sub-wave tc grids (< ~0.75 waves of 128x128 tiles) lose to dequant + cuBLAS from M = 65: H200 2026-12-03,
-    # M = 256: 8B qkv (0.73 waves) tie 41.7 vs 40.8 us, 8B down (0.48) tc 135.2 us vs cuBLAS alone 49.0
-    sub_wave = -(-m // 128) * -(-layer.n // 128) < 0.75 * num_sms
-    if m <= 64 or (m <= 256 and layer.spec.is_int and not sub_wave):
+    # int weights at M <= 256: the tc kernel. Sub-wave grids (< ~0.75 waves of 128x128 tiles) without split-K lost
+    # to dequant + cuBLAS (H200 2026-12-03, M = 256: 8B down tc s4 135.2 us, dequant + cuBLAS 89.5), but split over
+    # K at 2 stages they win (8B down tc 128x128 split 4 s2 79.7 us, bench/wna16_config_probe.py): heuristic_tc
+    if m <= 256 and (tcg := heuristic_tcg(layer, m, num_sms)) is not None:
+        return tcg
+    if m <= 64 or (m <= 256 and layer.spec.is_int):
         return heuristic_tc(layer, m, num_sms)
     # M > 256 (and M > 64 for minifloat weights): dequant pass + cuBLAS. H200 round 1 of 2026-12-03
     # (bench/results/gemm_wna16_largem.md): one pass beat the tc kernel at M = 1024/4096 on every measured shape
     # (1.2-1.4x) and at M = 256 for mxfp4; overlapping the pass with cuBLAS in column blocks (chunks) did not win
     # beyond noise, so chunks stay a tuner candidate
     return ComputeConfig("dequant_mm", 1, 64, fit_bk(128), 1, num_warps=4, num_stages=1)
+
+
+def heuristic_tcg(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig | None:
+    """16 < M <= 256, symmetric int4 g128 (bf16 scales): the Gluon kernel (gemm_wna16_tcg.py; the tc kernel with the
+    same tile off Hopper). From the H200 tune of 2026-12-03 session 3 round 2 (every candidate timed, 8 Llama-3
+    shapes, bench/results/gemm_wna16_largem.md): M <= 64 64x256 w8 s3 (won 5 of 8; the 256-wide tile halves the x
+    re-reads from the L2), M <= 256 128x128 w8 s3 (won 6 of 8), both split over K to the split nearest one wave
+    (one CTA per SM): the winners' splits on all 8 shapes but 8B o M = 64 (split 4 of 64x128: 13.3 vs 14.0 µs)."""
+    bm, bn, st = (64, 256, 3) if m <= 64 else (128, 128, 3)
+    tiles = -(-m // bm) * -(-layer.n // bn)
+    best = None
+    for sk in (1, 2, 4, 8):
+        cfg = ComputeConfig("tcg", bm, bn, 0, sk, num_warps=8, num_stages=st)
+        if cfg.valid_for(layer) and (best is None or abs(math.log2(tiles * sk / num_sms)) <
+                                     abs(math.log2(tiles * best.split_k / num_sms))):
+            best = cfg
+    return best
 
 
 def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
@@ -149,7 +183,8 @@ def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfi
       split 4; the decode and the wgmma of one CTA serialise, so a second CTA per SM is the overlap.
     - M <= 256: 128x128; 4 stages while the tiles fit one wave (one CTA per SM anyway: 70B o 119.9 -> 80.3 us,
       8B qkv 61.6 -> 41.7), else 2 stages so two CTAs share an SM (8B gate_up: 141.8 us at 2 stages, 161.9 at 4).
-      Split-K lost everywhere at M = 256."""
+      Split-K lost at M = 256 on grids of >= ~1 wave; below ~0.75 waves 2 stages + split-K to ~2 CTAs per SM won
+      (8B down M = 256: 128x128 split 4 s2 79.7 us vs 135.2 at s4 unsplit, 2026-12-03 session-2 probe)."""
     k_steps = -(-layer.k // layer.spec.k_multiple)
     if m <= 64:
         tiles = -(-layer.n // 128)
@@ -158,6 +193,11 @@ def heuristic_tc(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfi
             split *= 2
         return ComputeConfig("tc", 64, 128, 0, split, num_warps=8, num_stages=3)
     tiles = -(-m // 128) * -(-layer.n // 128)
+    if tiles < 0.75 * num_sms:  # sub-wave grid: split K to ~2 CTAs per SM at 2 stages (each split >= 8 K steps)
+        split = 1
+        while tiles * split * 2 <= 2 * num_sms and split < 8 and k_steps // (split * 2) >= 8:
+            split *= 2
+        return ComputeConfig("tc", 128, 128, 0, split, num_warps=8, num_stages=2)
     return ComputeConfig("tc", 128, 128, 0, 1, num_warps=8, num_stages=4 if tiles <= num_sms else 2)
 
 

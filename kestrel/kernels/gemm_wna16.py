@@ -134,6 +134,12 @@ def gemm_wna16(x: torch.Tensor, qw: QuantizedWeight, config: ComputeConfig | Non
         else:
             y = x2 @ dequantize_tc(qw, _format_args(qw), x.dtype, cfg.block_n, cfg.num_warps).t()
         return y.reshape(*lead, n)
+    if cfg.kernel == "tcg":
+        from kestrel.kernels import gemm_wna16_tcg as tcg  # Gluon: imported only when such a config is chosen
+        if tcg.supports(qw, x2, cfg):
+            return tcg.gemm_wna16_tcg(x2, qw, cfg).reshape(*lead, n)
+        # CPU (no Gluon interpreter), fp16 activations, act-order: the tc kernel with the same tile
+        cfg = ComputeConfig(**{**cfg.to_dict(), "kernel": "tc"})
     if cfg.kernel == "tc":
         return gemm_wna16_tc(x2, qw, cfg, _format_args(qw)).reshape(*lead, n)
     if cfg.kernel == "stream":

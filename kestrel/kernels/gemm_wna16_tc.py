@@ -245,7 +245,11 @@ def _w_tile(qw_ptr, s_ptr, z_ptr, step, n_blocks, offs_n, n_mask, N, a_pc, b_pc,
 @triton.jit
 def _epilogue(acc, y_ptr, s_ptr, gs_ptr, offs_m, offs_n, offs_n_ld, M, N, stride_ym, IS_INT: tl.constexpr,
               SCALE_KIND: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_GSCALE: tl.constexpr,
-              TILE_EXP: tl.constexpr, SPLIT_K: tl.constexpr):
+              TILE_EXP: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr = 0, ws_ptr=None, cnt_ptr=None,
+              slab=0, n_slabs=1, pid_k=0, ATOMIC_SEM: tl.constexpr = "relaxed", split_k=1):
+    """REDUCE 1 (split-K): each split stores its fp32 partial in its own workspace slab, then takes a ticket on
+    the tile's counter; the split that comes last sums the slabs, stores y in its dtype and resets the counter for
+    the next call. No zeroed fp32 y, no atomics on y, no cast kernel: one launch instead of three."""
     post = 1.0
     if not IS_INT:
         post = 2.0 ** TILE_EXP
@@ -257,21 +261,36 @@ def _epilogue(acc, y_ptr, s_ptr, gs_ptr, offs_m, offs_n, offs_n_ld, M, N, stride
         acc = acc * post
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    elif REDUCE == 0:  # relaxed: the order of the partial sums is free; tl.atomic_add's default acq_rel put a
+        # MEMBAR.ALL.GPU beside each of the 8 vector atomics per thread (sm_90 SASS, 64x128 tile, Triton 3.6)
+        tl.atomic_add(y_ptrs, acc, mask=mask, sem=ATOMIC_SEM)
     else:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
+        BM: tl.constexpr = acc.shape[0]
+        BN: tl.constexpr = acc.shape[1]
+        rows = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        tl.store(ws_ptr + (pid_k * n_slabs + slab) * (BM * BN) + rows, acc)
+        tl.debug_barrier()  # every thread's partial is written before the ticket (acq_rel) is taken
+        ticket = tl.atomic_add(cnt_ptr + slab, 1, sem="acq_rel")
+        if ticket == split_k - 1:
+            tot = tl.zeros((BM, BN), dtype=tl.float32)
+            for j in range(split_k):  # .cg: the other splits' partials were written through other SMs' L1s
+                tot += tl.load(ws_ptr + (j * n_slabs + slab) * (BM * BN) + rows, cache_modifier=".cg")
+            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + slab, 0)
 
 
 @triton.jit
-def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_ym, split_k,
                BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
                MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
                SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-               SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr,
+               SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr,
                LAYOUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NH: tl.constexpr,
-               DEC: tl.constexpr, TILE_EXP: tl.constexpr, DOT_F32: tl.constexpr, R: tl.constexpr):
+               DEC: tl.constexpr, TILE_EXP: tl.constexpr, DOT_F32: tl.constexpr, R: tl.constexpr,
+               ws_ptr=None, cnt_ptr=None, REDUCE: tl.constexpr = 0, ATOMIC_SEM: tl.constexpr = "relaxed"):
     """NH = 2 runs a BLOCK_N tile as two halves (two decodes, two dots, two accumulators) sharing each x tile:
     half the x traffic of two CTAs, while each half keeps the 128-wide layout (vector stores, paired decode)."""
     PB: tl.constexpr = R * EPW
@@ -298,7 +317,7 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
     n_mask2 = offs_n + HN < N
     n_blocks = tl.cdiv(K, PB)  # packed K is padded to whole planar blocks; x is masked to K
     n_steps = tl.cdiv(n_blocks, KB)
-    per_split = tl.cdiv(n_steps, SPLIT_K)
+    per_split = tl.cdiv(n_steps, split_k)
     s0 = pid_k * per_split
     s1 = tl.minimum(s0 + per_split, n_steps)
     a_pc = None
@@ -344,11 +363,14 @@ def _tc_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, s
             acc2 = tl.dot(x, w2, acc2)
     if SWAP:
         acc = tl.trans(acc)
+    n_slabs = num_pid_m * num_pid_n * NH  # REDUCE 1: one workspace slab + counter per (tile, half)
     _epilogue(acc, y_ptr, s_ptr, gs_ptr, offs_m, offs_n, offs_n_ld, M, N, stride_ym, IS_INT, SCALE_KIND,
-              PER_CHANNEL, HAS_GSCALE, TILE_EXP, SPLIT_K)
+              PER_CHANNEL, HAS_GSCALE, TILE_EXP, SPLIT, REDUCE, ws_ptr, cnt_ptr, pid * NH, n_slabs, pid_k,
+              ATOMIC_SEM, split_k)
     if NH == 2:
         _epilogue(acc2, y_ptr, s_ptr, gs_ptr, offs_m, offs_n + HN, offs_n_ld2, M, N, stride_ym, IS_INT,
-                  SCALE_KIND, PER_CHANNEL, HAS_GSCALE, TILE_EXP, SPLIT_K)
+                  SCALE_KIND, PER_CHANNEL, HAS_GSCALE, TILE_EXP, SPLIT, REDUCE, ws_ptr, cnt_ptr, pid * NH + 1,
+                  n_slabs, pid_k, ATOMIC_SEM, split_k)
 
 
 LAST_LAUNCH: dict = {}  # the last compiled kernel, for benches that inspect PTX / registers
@@ -356,18 +378,20 @@ LAST_LAUNCH: dict = {}  # the last compiled kernel, for benches that inspect PTX
 
 def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt: dict,
                   swap: bool | None = None, layout: int = 0, dec: int | None = None,
-                  group_m: int = 8) -> torch.Tensor:
+                  group_m: int = 8, atomic_sem: str = "relaxed") -> torch.Tensor:
     """x2 [M, K] contiguous (already permuted for act-order) -> y [M, N] in x2's dtype. `fmt` is the format
     constexpr dict of gemm_wna16. cfg.block_k is the K step in planar blocks' elements (0 = one block).
-    swap (W as the wgmma A operand, x^T as B) defaults to cfg.swap."""
+    swap (W as the wgmma A operand, x^T as B) defaults to cfg.swap. atomic_sem: memory order of the split-K
+    atomics (reduce 0); "acq_rel" (Triton's default, the kernel before 2026-12-03 #3) only for A/B benches."""
     m, _ = x2.shape
     n, k = qw.shape
     pb = fmt["R"] * fmt["EPW"]
     kb = max(1, cfg.block_k // pb)
     swap = cfg.swap if swap is None else swap
     split = cfg.split_k
-    y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
-                                                       dtype=torch.float32 if split > 1 else x2.dtype)
+    reduce = int(split > 1 and cfg.reduce)
+    y = (torch.zeros if split > 1 and not reduce else torch.empty)(
+        (m, n), device=x2.device, dtype=torch.float32 if split > 1 and not reduce else x2.dtype)
     z = qw.zeros if qw.zeros is not None else qw.scales
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
     # 256-wide tiles (not swapped) run as two 128-wide halves: a single 256-wide decode loses the vector layout
@@ -384,15 +408,36 @@ def gemm_wna16_tc(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig, fmt
         dec = 2 if (cfg.block_n // nh == 128 and cfg.num_warps == 8 and kb == 1 and n % 128 == 0) else 1
     tile_exp = 64 if (x2.dtype == torch.bfloat16 and not fmt["IS_INT"]) else 0
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    ws = cnt = None
+    if reduce:
+        ws = torch.empty(split * grid[0] * cfg.block_m * cfg.block_n, device=x2.device, dtype=torch.float32)
+        cnt = _split_counters(x2.device, grid[0] * nh)
+    # split_k is a runtime value (SPLIT: split_k > 1 picks the epilogue): one compile for every split > 1
     LAST_LAUNCH["kernel"] = _tc_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, m, n, k, x2.stride(0),
-                                             y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=kb,
-                                             SPLIT_K=split, NUM_STAGES=cfg.num_stages,
+                                             y.stride(0), split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KB=kb,
+                                             SPLIT=split > 1, NUM_STAGES=cfg.num_stages,
                                              GROUP_M=group_m, SWAP=swap, LAYOUT=layout,
                                              DEC=dec, EVEN_K=k % (kb * pb) == 0, EVEN_N=n % cfg.block_n == 0, NH=nh,
                                              TILE_EXP=tile_exp,
                                              DOT_F32=x2.device.type != "cuda", num_warps=cfg.num_warps,
-                                             num_stages=cfg.num_stages, **fmt)
-    return y.to(x2.dtype) if split > 1 else y
+                                             num_stages=cfg.num_stages, ws_ptr=ws, cnt_ptr=cnt, REDUCE=reduce,
+                                             ATOMIC_SEM=atomic_sem,
+                                             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **fmt)
+    return y.to(x2.dtype) if split > 1 and not reduce else y
+
+
+_COUNTERS: dict = {}
+
+
+def _split_counters(device, n: int) -> torch.Tensor:
+    """Zeroed int32 tile counters of the in-kernel split-K reduction, kept per (device, stream): every kernel
+    leaves them at zero again (the last split of a tile resets its counter), so they are allocated once and not
+    cleared per call (no memset in a CUDA graph). Per stream, so two GEMMs in flight never share one."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return buf
 
 
 @triton.jit

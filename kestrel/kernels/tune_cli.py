@@ -24,10 +24,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="measure at most this many candidates per (shape, M), nearest to the heuristic first, to save time")
     p.add_argument("--list", action="store_true", help="only print the candidate counts, measure nothing")
     p.add_argument("--jobs", type=int, default=0,
-                   help="first JIT-compile every candidate in this many processes (Triton compiles one kernel at a "
-                        "time per process, 5-30 s each); 0: compile while timing")
-    p.add_argument("--record", default=None, metavar="JSON",
-                   help="also write every measured (layer, M, config, us) to this file")
+                   help="first JIT-compile every candidate in this many worker processes (Triton compiles are "
+                        "CPU-bound, 5-30 s each, one at a time per process); 0: compile while timing")
+    p.add_argument("--record", default=None, metavar="JSONL",
+                   help="also append every measured candidate (key, config, us; null = rejected) to this file")
+    p.add_argument("--no-gluon", action="store_true",
+                   help="leave the Gluon tcg kernel (Hopper) out of the candidates")
     from kestrel.kernels.lowbit_tuning import LOWBIT_KERNELS
     p.add_argument("--lowbit", action="append", choices=sorted(LOWBIT_KERNELS),
                    help="also tune this W8A8 / W4A8 / W4A4 GEMM for the same shapes and M (repeatable; "
@@ -96,10 +98,12 @@ def run(args) -> int:
         for n, k in dict.fromkeys(shapes):
             layer = LayerConfig(FORMATS[f], n, k)
             layers.append(layer)
-    total = sum(len(candidates(lay, m)) for lay in layers for m in ms)
+    gluon = not args.no_gluon
+    cands = lambda lay, m: candidates(lay, m, gluon)[:args.max_candidates or None]
+    total = sum(len(cands(lay, m)) for lay in layers for m in ms)
     if args.list:
         for lay in layers:
-            print(lay.key, {m: len(candidates(lay, m)) for m in ms})
+            print(lay.key, {m: len(cands(lay, m)) for m in ms})
         print(f"{total} measurements")
         return 0
 
@@ -111,22 +115,24 @@ def run(args) -> int:
     from kestrel.kernels.tuning import tune_layer
     gpu = torch.cuda.get_device_name()
     cache = Path(args.cache) if args.cache else user_cache_path()
-    if args.max_candidates:  # + 1: the config in use before is timed too
-        total = sum(min(len(candidates(lay, m)), args.max_candidates) + 1 for lay in layers for m in ms)
+    total += len(layers) * len(ms)  # the config in use before is timed too
     if args.jobs:
         from kestrel.kernels.tuning import warm_compile
-        warm_compile(layers, ms, args.jobs, args.max_candidates)
-    record = [] if args.record else None
+        warm_compile([(lay, m, c) for lay in layers for m in ms for c in cands(lay, m)], args.jobs)
+    record = None
+    if args.record:  # appended as measured: a killed run keeps what it timed
+        import json
+        log = open(args.record, "a")
+        record = lambda key, cfg, t: print(json.dumps({"key": key, "config": cfg.to_dict(), "us": round(t, 3)
+                                                       if t != float("inf") else None}), file=log, flush=True)
     with tqdm(total=total, desc=f"tuning on {gpu}", unit="cfg") as bar:
         for layer in layers:
             bar.set_postfix_str(layer.key)
-            res = tune_layer(layer, ms, gpu, progress=bar, max_candidates=args.max_candidates, record=record)
+            res = tune_layer(layer, ms, gpu, progress=bar, max_candidates=args.max_candidates, gluon=gluon,
+                             record=record)
             store_cache(cache, res)
             for key, v in res.items():
                 tqdm.write(f"{key}: {v['us']:.1f} us (heuristic {v['heuristic_us']}, previous {v['previous_us']}) "
                            f"{v['config']}")
-            if record is not None:  # after every layer: a killed run keeps what it measured
-                import json
-                Path(args.record).write_text(json.dumps({"gpu": gpu, "rows": record}, indent=0))
     print(f"wrote {cache}")
     return 0

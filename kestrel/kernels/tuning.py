@@ -30,17 +30,36 @@ MODEL_SHAPES = {  # (N, K) of the linear layers (fused qkv and gate_up)
 }
 
 
-def candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
-    out = small_m_candidates(layer, m) if m <= 16 else large_m_candidates(layer, m)
+def candidates(layer: LayerConfig, m: int, gluon: bool = True) -> list[ComputeConfig]:
+    """gluon=False leaves out the Gluon "tcg" kernel (e.g. before it has been checked on a new GPU/Triton)."""
+    out = small_m_candidates(layer, m) if m <= 16 else large_m_candidates(layer, m, gluon=gluon)
     h = heuristic(layer, m)
     seen, uniq = set(), []
     for c in [h] + out:
         if c not in seen and c.valid_for(layer):
             seen.add(c)
             uniq.append(c)
-    # nearest neighbours of the heuristic first, so --max-candidates does a local search around it
-    dist = lambda c: sum(a != b for a, b in zip(c.to_dict().values(), h.to_dict().values()))
-    return sorted(uniq, key=dist)
+    # nearest neighbours of the heuristic first, so --max-candidates does a local search around it; the configs of
+    # each other kernel come in their own order, half a step apart, so the first of each is among the first few
+    rank, seen_k = {}, {}
+    for c in uniq:
+        if c.kernel != h.kernel:
+            rank[c] = seen_k.get(c.kernel, 0)
+            seen_k[c.kernel] = rank[c] + 1
+    return sorted(uniq, key=lambda c: config_distance(c, h) + 0.5 * rank.get(c, 0))
+
+
+def config_distance(c: ComputeConfig, h: ComputeConfig) -> float:
+    """How far config c is from h for the tuner's local search: split-K counts |log2| of the ratio (split 4 is one
+    step from 2 and 8), stages half a step each, another kernel 1.25 (so the other path of the same M, e.g.
+    dequant + cuBLAS next to tc at M = 256, stays among the first few), every other differing field 1. With the
+    plain count of differing fields, --max-candidates 6 at 8B down M = 256 never reached tc 128x128 split 4 s2, the
+    config the H200 probe found fastest (79.7 vs 89.5 us)."""
+    if c.kernel != h.kernel:
+        return 1.25
+    d = abs(math.log2(c.split_k / h.split_k)) + 0.5 * abs(c.num_stages - h.num_stages)
+    a, b = c.to_dict(), h.to_dict()
+    return d + sum(a[f] != b[f] for f in a if f not in ("kernel", "split_k", "num_stages"))
 
 
 def tc_configs(m: int) -> list[ComputeConfig]:
@@ -48,18 +67,45 @@ def tc_configs(m: int) -> list[ComputeConfig]:
     in the H200 round-1 sweep of 2026-12-03 (32-row, 256-row, 256-deep-K tiles and "mv" at M = 64 lost everywhere)."""
     C = ComputeConfig
     if m <= 64:
+        # 64x256 (two 128-wide halves sharing each x tile): half the x re-reads from the L2
         return [C("tc", 64, 128, 0, 1, 8, 3), C("tc", 64, 128, 0, 1, 8, 4), C("tc", 64, 64, 0, 1, 4, 4),
-                C("tc", 64, 64, 0, 1, 4, 3)]
+                C("tc", 64, 64, 0, 1, 4, 3), C("tc", 64, 256, 0, 1, 8, 3)]
     if m <= 256:
         return [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 128, 0, 1, 8, 4),
                 C("tc", 64, 128, 0, 1, 8, 3), C("tc", 128, 256, 0, 1, 8, 3)]
     return [C("tc", 128, 128, 0, 1, 8, 2), C("tc", 128, 128, 0, 1, 8, 3), C("tc", 128, 256, 0, 1, 8, 3)]
 
 
-def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeConfig]:
+def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeConfig]:
+    """The Gluon kernel (gemm_wna16_tcg.py, one 8-warp CTA per SM: 112-225 KB of shared memory): 64-row tiles at
+    M <= 64, 64-, 128- and 256-row tiles above, each split over K from the smallest split that fills ~half the SMs up
+    to ~2 waves. Configs the format or shape cannot take are dropped by valid_for."""
+    C = ComputeConfig
+    # (block_m, block_n, stages, warps). Each CTA re-reads its x rows from the L2 once per N tile, so x traffic is
+    # 4 M / BN times the weight bytes (2x at M = 64 with 128-wide tiles, 8x at M = 256: the H200 probe of
+    # 2026-12-03 #3 ran at ~4.4 TB/s of L2 -> SM traffic there): 256-wide tiles halve it; 256-row tiles decode each
+    # W tile once for all of M = 256; 16 warps hide more latency (decode) with one CTA per SM
+    if m <= 64:
+        # (64, 128, 2, 8): 112 KB of shared memory, two CTAs per SM
+        tiles = [(64, 128, 4, 8), (64, 256, 2, 8), (64, 256, 3, 16), (64, 128, 4, 16), (64, 128, 3, 8),
+                 (64, 256, 3, 8), (64, 128, 2, 8), (64, 256, 2, 16)]
+    else:
+        tiles = [(128, 128, 3, 8), (128, 256, 2, 16), (256, 128, 2, 16), (128, 256, 2, 8), (256, 128, 2, 8),
+                 (128, 128, 3, 16), (64, 128, 4, 8)]
+    out = []
+    for bm, bn, st, w in tiles:
+        n_tiles = -(-m // bm) * -(-layer.n // bn)
+        splits = [sk for sk in (1, 2, 4, 8) if sk == 1 or num_sms // 2 <= n_tiles * sk <= 2 * num_sms]
+        # the split nearest one wave first (the first tcg config is the one --max-candidates surely measures)
+        out += [C("tcg", bm, bn, 0, sk, w, st) for sk in sorted(splits, key=lambda sk: abs(math.log2(
+            n_tiles * sk / num_sms)))]
+    return out
+
+
+def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132, gluon: bool = True) -> list[ComputeConfig]:
     """M > 16: the tc tiles, each also split over K while the tiles fill fewer than ~3 CTAs per SM and each split
-    keeps >= 8 K steps (M <= 256); from M = 256 the dequant + cuBLAS path as one pass, and from M = 1024 also as
-    2-8 column blocks overlapped with the matmul (chunks). Also the grid of bench/wna16_tc_sweep.py --wide."""
+    keeps >= 8 K steps (M <= 256); up to M = 1024 the Gluon tcg tiles; from M = 256 the dequant + cuBLAS path as
+    one pass, and from M = 1024 also as 2-8 column blocks overlapped with the matmul (chunks)."""
     C = ComputeConfig
     steps = -(-layer.k // layer.spec.k_multiple)
     out = []
@@ -69,7 +115,14 @@ def large_m_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[C
         sk = 2
         while m <= 256 and tiles * sk <= 3 * num_sms and steps // sk >= 8 and sk <= 8:
             out.append(C(**{**c.to_dict(), "split_k": sk}))
+            # the in-kernel reduction (one launch instead of zeroed fp32 y + atomics + cast); on 128-row 8-warp
+            # tiles its epilogue needs 170 registers, so also capped at 128 to keep two CTAs per SM
+            out.append(C(**{**c.to_dict(), "split_k": sk, "reduce": 1}))
+            if c.block_m >= 128 and c.num_warps == 8:
+                out.append(C(**{**c.to_dict(), "split_k": sk, "reduce": 1, "maxnreg": 128}))
             sk *= 2
+    if gluon and m <= 1024:
+        out += tcg_configs(layer, m, num_sms)
     if m >= 256:
         out += [C("dequant_mm", 1, 64, 128, 1, 4, 1), C("dequant_mm", 1, 128, 128, 1, 8, 1)]
         if m >= 1024:
@@ -149,90 +202,80 @@ def fastest(configs, measure, progress=None):
     return best, best_t, times
 
 
-def compile_key(cfg: ComputeConfig) -> ComputeConfig:
-    """The part of a config the JIT specialises on: the split count is a runtime argument (only split > 1 is a
-    constexpr), so configs that differ only there share one compiled kernel."""
-    return dataclasses.replace(cfg, split_k=min(cfg.split_k, 2))
+def compile_key(layer: LayerConfig, m: int, cfg: ComputeConfig) -> tuple:
+    """What decides the Triton specialisations a call compiles (config, format, the EVEN_K / EVEN_N / paired-decode
+    flags; M, N, K are runtime ints): calls with equal keys share their kernels, so warming one warms all. The split
+    count is a runtime argument (only split > 1 is a constexpr), so configs that differ only there compile once."""
+    km = layer.spec.k_multiple
+    step = max(km, cfg.block_k) if cfg.kernel == "tc" else km
+    cfg = dataclasses.replace(cfg, split_k=min(cfg.split_k, 2))
+    return (cfg, layer.spec, layer.k % step == 0, layer.n % cfg.block_n == 0, layer.n % 128 == 0, m <= 16)
 
 
-def layer_candidates(layer: LayerConfig, m: int, max_candidates: int | None = None) -> list[ComputeConfig]:
-    cands = candidates(layer, m)
+def layer_candidates(layer: LayerConfig, m: int, max_candidates: int | None = None,
+                     gluon: bool = True) -> list[ComputeConfig]:
+    cands = candidates(layer, m, gluon)
     return cands[:max_candidates] if max_candidates else cands
 
 
-_WARM_WEIGHTS: dict = {}
-
-
-def _warm_one(job):
-    """Worker: compile (run once) one config at the given M on the layer's own shape, so the timing process finds
-    the kernel in Triton's on-disk cache. -> (job, seconds, error or None)."""
-    layer, cfg, ms, device = job
+def _warm_one(job) -> tuple:
+    """Worker: run one (layer, M, config) call once so its kernels land in Triton's on-disk cache."""
     import time
-    from kestrel.kernels.gemm_wna16 import gemm_wna16
+    layer, m, cfg = job
     t0 = time.time()
     try:
-        if layer not in _WARM_WEIGHTS:  # a worker compiles many configs of a layer: quantize once
-            w = torch.randn(layer.n, layer.k, device=device, dtype=torch.float32) * 0.02
-            _WARM_WEIGHTS[layer] = quantize(w, layer.spec)
-        for m in ms:
-            gemm_wna16(torch.randn(m, layer.k, device=device, dtype=torch.bfloat16), _WARM_WEIGHTS[layer], cfg)
-        if device != "cpu":
+        from kestrel.kernels.gemm_wna16 import gemm_wna16
+        dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter (tests)
+        w = quantize(torch.randn(layer.n, layer.k, device=dev) * 0.02, layer.spec)
+        gemm_wna16(torch.randn(m, layer.k, device=dev, dtype=torch.bfloat16), w, cfg)
+        if dev == "cuda":
             torch.cuda.synchronize()
-        return job, time.time() - t0, None
-    except Exception as ex:  # the timing pass records it as inf
-        return job, time.time() - t0, repr(ex)[:200]
+        return cfg, time.time() - t0, None
+    except Exception as ex:  # a config the compiler rejects is timed as inf by the tuner anyway
+        return cfg, time.time() - t0, repr(ex)[:200]
 
 
-def warm_compile(layers: list[LayerConfig], ms: list[int], jobs: int, max_candidates: int | None = None,
-                 log=print, device="cuda") -> float:
-    """JIT-compile every candidate of these layers in `jobs` spawned processes (Triton compiles take 5-30 s each
-    and one process compiles serially). Configs the JIT cannot tell apart (same format, compile_key and
-    specialisation) are compiled once, on the first layer that has them. -> wall seconds."""
+def warm_compile(jobs: list[tuple], workers: int, log=print) -> None:
+    """JIT-compile the (layer, M, config) calls of `jobs` in `workers` processes (one per distinct compile_key):
+    Triton's compiles (5-30 s each on the H200 host) are CPU-bound and single-threaded, so the timing process
+    then only loads cubins from the shared cache instead of compiling one candidate after the other."""
     import multiprocessing as mp
     import time
+    uniq = list({compile_key(*j): j for j in jobs}.values())
     t0 = time.time()
-    todo: dict = {}
-    for layer in layers:
-        for m in ms:
-            for c in layer_candidates(layer, m, max_candidates):
-                key = (layer.spec, layer.n % 16 == 0 and layer.k % 16 == 0, compile_key(c))
-                todo.setdefault(key, (layer, c, set()))[2].add(m)
-    work = [(layer, c, sorted(m_set), device) for layer, c, m_set in todo.values()]
-    with mp.get_context("spawn").Pool(jobs) as pool:
-        for (layer, c, _, _), t, err in pool.imap_unordered(_warm_one, work):
-            if err:
-                log(f"compile failed {layer.key} {c}: {err}")
-    log(f"compiled {len(work)} kernels in {jobs} processes: {time.time() - t0:.1f} s")
-    return time.time() - t0
+    with mp.get_context("spawn").Pool(max(1, min(workers, len(uniq)))) as pool:
+        errors = [err for _, _, err in pool.imap_unordered(_warm_one, uniq) if err]
+    log(f"warm-up: {len(uniq)} distinct compiles of {len(jobs)} calls in {time.time() - t0:.1f}s"
+        f" with {workers} workers, {len(errors)} failed")
 
 
 def tune_layer(layer: LayerConfig, ms: list[int], gpu: str, device="cuda", progress=None,
-               max_candidates: int | None = None, record: list | None = None) -> dict:
+               max_candidates: int | None = None, gluon: bool = True, record=None) -> dict:
     """-> {cache_key: {"config": {...}, "us": t, "heuristic_us": t_h, "previous_us": t_p}} for each M bucket;
     the config in use before (TuningConfig.lookup: tune cache or heuristic) is measured too, so a stored winner is
-    never slower than what it replaces. `record` (a list) gets every measurement as a dict."""
+    never slower than what it replaces. record(key, cfg, us), if given, sees every measured candidate (inf:
+    rejected or failed)."""
     from kestrel.kernels.configs import TuningConfig
     from kestrel.kernels.gemm_wna16 import gemm_wna16
-    from kestrel.quant import dequantize
     weights = make_weights(layer, device)
-    deq = dequantize(weights[0]).float()
     results = {}
     for m in ms:
         x = torch.randn(m, layer.k, device=device, dtype=torch.bfloat16)
         prev = TuningConfig(gpu).lookup(layer, m)
-        cands = list(dict.fromkeys([prev] + layer_candidates(layer, m, max_candidates)))
-        ref = x.float() @ deq.t()
+        cands = list(dict.fromkeys([prev] + layer_candidates(layer, m, max_candidates, gluon)))
+        # reference: dequant + cuBLAS (x @ dequantize(W)^T in bf16), a code path none of the fused candidates share
+        ref = gemm_wna16(x, weights[0], ComputeConfig("dequant_mm", 1, 64, 128, 1, 4, 1)).float()
 
         def measure(cfg):
             y = gemm_wna16(x, weights[0], cfg).float()  # never store a config that computes something else
             if not ((y - ref).norm() <= 1e-2 * ref.norm()):
-                raise ValueError(f"{cfg} disagrees with x @ dequant(W)^T")
+                raise ValueError(f"{cfg} disagrees with dequant + cuBLAS")
             return time_config_graph(lambda i: gemm_wna16(x, weights[i], cfg), len(weights))
         best, best_t, times = fastest(cands, measure, progress)
         at = lambda want: next((round(t, 3) for c, t in zip(cands, times) if c == want and t < float("inf")), None)
         if record is not None:
-            record += [{"layer": layer.key, "M": m, "config": c.to_dict(), "us": t if t < float("inf") else None,
-                        "previous": c == prev} for c, t in zip(cands, times)]
+            for c, t in zip(cands, times):
+                record(cache_key(gpu, layer, m_bucket(m)), c, t)
         if best is not None:
             results[cache_key(gpu, layer, m_bucket(m))] = {"config": best.to_dict(), "us": round(best_t, 3),
                                                           "heuristic_us": at(heuristic(layer, m)),

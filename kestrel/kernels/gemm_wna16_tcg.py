@@ -1,0 +1,168 @@
+"""Hopper WNA16 GEMM in Gluon (Triton's explicit-layout dialect), M > 16: the decode of K step s+1 overlaps the
+asynchronous wgmma of step s ("tcg" kernel; symmetric int4 g128, bf16 activations, N % BLOCK_N == 0, K % 128 == 0).
+
+Why: the "tc" kernel (gemm_wna16_tc.py) decodes W into shared memory and waits on each wgmma right away (Triton 3.6
+pipelines the loads but not a dot whose operand is computed in the loop), so decode and MMA serialise inside a CTA.
+Here the loop is written out: a ring of STAGES TMA loads (x tile, packed words, scales) on mbarriers, the decoded
+W^T tile double-buffered in shared memory, and warpgroup_mma(is_async) + warpgroup_mma_wait(1), so one wgmma stays
+in flight while the next tile is decoded.
+
+Per K step (one planar block, packing.py: word row r of block b, field i holds k = 128 b + 16 i + r): the [16, BN]
+words are loaded once; field i is decoded (mantissa trick, one FFMA with the group scale) straight into rows
+16 i .. 16 i + 15 of the [128, BN] tile. Split-K: relaxed fp32 atomics into a zeroed y (cast after).
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kestrel.kernels.configs import ComputeConfig
+from kestrel.quant.weight import QuantizedWeight
+
+R = gl.constexpr(16)  # word rows per planar block (packing.PLANE_ROWS)
+BK = gl.constexpr(128)  # k per planar block of int4 (R * 8 fields)
+
+
+# two elements (fields j, j + 4 of one word: same word and shift in both operand slots) -> (c - offset) * s as
+# bf16x2: codes OR-ed under the exponent of 128 so the subtraction of (128 + offset) is exact, one rounding in the mul
+_ASM_PAIR = gl.constexpr("{ .reg .b32 t; shr.u32 t, $1, $3; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+                         "sub.rn.bf16x2 t, t, $5; mul.rn.bf16x2 $0, t, $6; }")
+
+
+@gluon.constexpr_function
+def _mma_warps(block_m, num_warps):
+    """warps along (M, N) of the wgmma: 4-warp groups along M while M has rows for them, the rest along N."""
+    wm = 4
+    while wm * 2 <= num_warps and block_m >= 16 * wm * 2:
+        wm *= 2
+    return [wm, num_warps // wm]
+
+
+@gluon.constexpr_function
+def _mma_layout(block_m, block_n, num_warps):
+    w = _mma_warps(block_m, num_warps)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=w, instr_shape=[16, block_n // w[1], 16])
+
+
+@gluon.jit
+def _issue(x_desc, q_desc, s_desc, bar, x_buf, q_buf, s_buf, off_m, off_n, step, pred):
+    mbarrier.expect(bar, x_desc.block_type.nbytes + q_desc.block_type.nbytes + s_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(x_desc, [off_m, step * BK], bar, x_buf, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [step * R, off_n], bar, q_buf, pred=pred)
+    tma.async_copy_global_to_shared(s_desc, [step, off_n], bar, s_buf, pred=pred)
+
+
+@gluon.jit
+def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
+                num_warps: gl.constexpr):
+    """split_k is a runtime value (one compile for every split > 1); ATOMIC = split_k > 1."""
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m  # M tiles of one N tile run side by side: each word tile is read from HBM once
+    pid_n = pid // num_pid_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
+    # the host never launches an empty split; without the hint the loop's zero-trip path sets acc = 0 beside the
+    # in-flight wgmma and ptxas serialises every wgmma (C7515)
+    gl.assume(cnt > 0)
+
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N], s_desc.layout)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BLOCK_N], gl.bfloat16)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BK, BLOCK_N], w_layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES - 1):
+        _issue(x_desc, q_desc, s_desc, bars.index(i), x_smem.index(i), q_smem.index(i), s_smem.index(i), off_m,
+               off_n, s0 + i, i < cnt)
+
+    # decode layout [R, 2, 4, BN] (word row, field // 4, field % 4, column): one thread holds all 8 fields of 4
+    # consecutive words, the two fields j and j + 4 of a word in adjacent registers, so one lop3 turns the word
+    # shifted by 4 j into the bf16x2 pair (128 + c_j, 128 + c_{j+4}) (Marlin's trick) and the pair is finished in
+    # packed bf16x2 math (_ASM_PAIR: 2 instructions per weight). Permuted + reshaped to the [BK, BN] tile for ONE
+    # shared store (per-field stores into slices of the tile made the membar pass put a CTA barrier between each)
+    WR: gl.constexpr = 8 if num_warps > 8 else num_warps  # warps over the 16 word rows (2 per warp), rest over N
+    L4: gl.constexpr = gl.BlockedLayout([1, 2, 4, 4], [2, 1, 1, 16], [WR, 1, 1, num_warps // WR], [1, 3, 2, 0])
+    q_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L4))
+    j_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
+    jsh = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=j_layout) * 4, 0), 1), 3)
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    for i in range(cnt):
+        slot = i % STAGES
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        q = gl.expand_dims(gl.expand_dims(q_smem.index(slot).load(q_layout), 1), 2)  # [R, 1, 1, BN] int32
+        sc = gl.expand_dims(gl.expand_dims(s_smem.index(slot).load(q_layout), 1), 2)  # [1, 1, 1, BN] bf16
+        shape: gl.constexpr = [R, 2, 4, BLOCK_N]
+        w = gl.inline_asm_elementwise(_ASM_PAIR, "=r,r,r,r,r,r,r",
+                                      [q.broadcast_to(shape), jsh.broadcast_to(shape),
+                                       gl.full(shape, 128 + CODE_OFFSET, gl.bfloat16, L4),
+                                       sc.broadcast_to(shape)], dtype=gl.bfloat16, is_pure=True, pack=2)
+        # row of the tile = 16 f + r with f = 4 hi + j
+        w = gl.reshape(gl.permute(gl.reshape(w, (R, 8, BLOCK_N)), (1, 0, 2)), (BK, BLOCK_N))
+        w_buf = w_smem.index(i % 2)  # read by the wgmma of step i - 2, finished (at most one in flight)
+        w_buf.store(w)
+        fence_async_shared()  # generic-proxy stores -> visible to the async-proxy wgmma
+        gl.thread_barrier()
+        acc = warpgroup_mma(x_smem.index(slot), w_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its x slot is free
+        gl.thread_barrier()  # ... in every warpgroup, before one thread refills that slot
+        nxt = i + STAGES - 1
+        ns = nxt % STAGES
+        _issue(x_desc, q_desc, s_desc, bars.index(ns), x_smem.index(ns), q_smem.index(ns), s_smem.index(ns), off_m,
+               off_n, s0 + nxt, nxt < cnt)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WR, num_warps // WR], [1, 0])
+    out = gl.convert_layout(acc, out_layout)
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if not ATOMIC:
+        gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        gl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
+
+
+def supports(qw: QuantizedWeight, x2: torch.Tensor, cfg: ComputeConfig) -> bool:
+    """On the GPU with bf16 x (act-order is already applied to x by gemm_wna16); ComputeConfig.valid_for checks
+    the format and the tile."""
+    tma_ok = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (x2, qw.qweight, qw.scales))
+    return (x2.is_cuda and x2.dtype == torch.bfloat16 and qw.zeros is None and qw.global_scale is None
+            and qw.scales.dtype == torch.bfloat16 and qw.qweight.dtype == torch.int32 and tma_ok
+            and torch.cuda.get_device_capability(x2.device)[0] == 9)
+
+
+def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) -> torch.Tensor:
+    """x2 [M, K] bf16 contiguous -> y [M, N] bf16; cfg: block_m (64/128), block_n, split_k, num_warps (4/8),
+    num_stages (TMA ring depth)."""
+    m, k = x2.shape
+    n = qw.shape[0]
+    bm, bn, split = cfg.block_m, cfg.block_n, cfg.split_k
+    r, bk = R.value, BK.value
+    lay = gl.NVMMASharedLayout.get_default_for
+    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], lay([bm, bk], gl.bfloat16))
+    q_desc = TensorDescriptor.from_tensor(qw.qweight, [r, bn], lay([r, bn], gl.int32))
+    s_desc = TensorDescriptor.from_tensor(qw.scales, [1, bn], lay([1, bn], gl.bfloat16))
+    y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
+                                                       dtype=torch.float32 if split > 1 else x2.dtype)
+    grid = (-(-m // bm) * (n // bn), split)
+    _tcg_kernel[grid](x_desc, q_desc, s_desc, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
+                      ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
+                      num_warps=cfg.num_warps)
+    return y.to(x2.dtype) if split > 1 else y
