@@ -156,9 +156,15 @@ def main():
         t0 = time.time()
         jobs = [(fmt, n, k, ms, "humming" in peers and fmt in args.peer_formats.split(",") and not args.no_warm_humming)
                 for fmt in args.formats.split(",") for _, (n, k) in shapes]
+        # at most half the budget: a warm-up still running when an outer `timeout` kills this process leaves its
+        # spawned workers holding the output pipe (seen on the H200: the job printed nothing); leaving the `with`
+        # terminates them, and whatever is not compiled yet compiles in the timing loop
         with mp.get_context("spawn").Pool(args.warm_workers) as pool:
-            for job, t, err in pool.map(_warm, jobs):
-                print(f"warm {job}: {t:.1f}s {err or ''}", flush=True)
+            try:
+                for job, t, err in pool.map_async(_warm, jobs).get(timeout=args.budget_s / 2):
+                    print(f"warm {job}: {t:.1f}s {err or ''}", flush=True)
+            except mp.TimeoutError:
+                print(f"warm-up cut at {args.budget_s / 2:.0f}s (half of --budget-s)", flush=True)
         print(f"warm-up {time.time() - t0:.1f}s", flush=True)
     rows = []
     torch.manual_seed(0)
