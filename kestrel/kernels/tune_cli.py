@@ -57,7 +57,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from kestrel.kernels.configs import LayerConfig, store_cache, user_cache_path
-    from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES, candidates
+    from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES, layer_candidates
 
     try:
         ms = sorted({int(v) for v in args.m.split(",") if v.strip()})
@@ -99,7 +99,7 @@ def run(args) -> int:
             layer = LayerConfig(FORMATS[f], n, k)
             layers.append(layer)
     gluon = not args.no_gluon
-    cands = lambda lay, m: candidates(lay, m, gluon)[:args.max_candidates or None]
+    cands = lambda lay, m: layer_candidates(lay, m, args.max_candidates, gluon)
     total = sum(len(cands(lay, m)) for lay in layers for m in ms)
     if args.list:
         for lay in layers:
