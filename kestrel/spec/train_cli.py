@@ -81,6 +81,8 @@ def add_parser(subparsers):
     p.add_argument("--data", default=None, help="JSON file of generated token sequences: reused when it exists, "
                    "written after generating otherwise (skip regeneration when retraining)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not wrap prompts in the chat template")
+    p.add_argument("--init", default=None, help="start from this trained head (same target, same --k) instead of "
+                   "a fresh one: training continues on newly generated text (e.g. one time-boxed GPU job after another)")
     p.add_argument("--steps", type=int, default=500, help="optimizer steps (default: %(default)s)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop training after this many seconds (the LR schedule follows the clock; default: no limit)")
@@ -281,7 +283,15 @@ def run(args) -> int:
         print(f"hidden states of {n_gen} tokens in {time.time() - t1:.1f}s", flush=True)
     tr = slice(n_ho, None)
     train_plens = plens[tr] if args.train_positions == "generated" else None
-    head = DraftHead(model.config.hidden_size, k=args.k, layers=args.layers, mult=args.mult, recurrent=args.recurrent)
+    if args.init:
+        head = DraftHead.load(args.init)
+        if head.cfg["hidden_size"] != model.config.hidden_size or head.k != args.k:
+            raise ValueError(f"--init {args.init}: head for hidden size {head.cfg['hidden_size']}, k={head.k}; this "
+                             f"run wants {model.config.hidden_size}, k={args.k}")
+        print(f"continuing from {args.init} ({head.meta.get('train_stats', '?')})", flush=True)
+    else:
+        head = DraftHead(model.config.hidden_size, k=args.k, layers=args.layers, mult=args.mult,
+                         recurrent=args.recurrent)
     head = train_head(model.embed_tokens.weight, model.lm_head.weight, hidden[tr], seqs[tr], k=args.k, steps=args.steps,
                       batch_positions=args.batch_positions, lr=args.lr, seed=args.seed, head=head,
                       progress=args.progress, max_seconds=args.max_seconds, log_every=0 if args.progress else 500,
