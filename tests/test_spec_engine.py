@@ -166,3 +166,27 @@ def test_train_draft_cli_and_head_drafter(tmp_path, reference):
     with pytest.raises(ValueError):
         DraftHead.load(str(prompts))  # not a safetensors head: clear error
     assert main(["train-draft", "--steps", "0", "--out", str(out)]) == 2  # bad flag value -> message, exit 2
+
+
+def test_train_draft_init_continues_from_a_head(tmp_path):
+    """--init starts from a saved head (weights carried, not re-initialised); a head of another k is refused."""
+    import json
+
+    from kestrel.cli import main
+    from kestrel.spec.draft_head import DraftHead
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    torch.manual_seed(1)
+    init = DraftHead(SHAPE["hidden_size"], k=3)
+    with torch.no_grad():
+        init.slot.fill_(0.5)  # far from a fresh head's randn * 0.02
+    init.save(str(tmp_path / "init.safetensors"))
+    out = tmp_path / "cont.safetensors"
+    base = ["train-draft", "--load-format", "dummy", "--model-shape", json.dumps(SHAPE), "--prompts", str(prompts),
+            "--no-chat", "--num-prompts", "4", "--gen-tokens", "8", "--steps", "2", "--batch-positions", "16",
+            "--lr", "1e-6", "--out", str(out), "--no-progress", "--init", str(tmp_path / "init.safetensors")]
+    assert main(base + ["--k", "3"]) == 0
+    got = DraftHead.load(str(out))
+    assert torch.allclose(got.slot, init.slot, atol=1e-3)
+    assert main(base + ["--k", "4"]) == 2  # k differs from the head's: a message, exit 2
