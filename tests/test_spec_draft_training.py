@@ -114,3 +114,14 @@ def test_self_written_prompts_and_heldout_split_are_disjoint():
     assert not held & {tuple(s[:p]) for s, p in zip(seqs[n_ho:], plens[n_ho:])}
     for s, p, h, o in zip(seqs, plens, hidden, offs):
         assert o == p - 1 and len(h) == len(s) - p  # one state per generated token
+
+
+def test_head_norm_keeps_the_training_eps_in_bf16():
+    """The head's norm (_rms: the Triton row kernel on CUDA at inference) normalises a bf16 head's small-norm states
+    as its float32 training did (an eps of bf16's 0.0078 would shrink them ~3x here)."""
+    from kestrel.spec.draft_head import _rms
+    norm = torch.nn.RMSNorm(64)
+    x = torch.randn(8, 64) * 0.03  # mean square ~1e-3, well below bf16's eps
+    ref = norm(x)  # float32 training path
+    got = _rms(norm.to(torch.bfloat16), x.to(torch.bfloat16)).float()
+    assert torch.allclose(got, ref, rtol=2e-2, atol=2e-2)

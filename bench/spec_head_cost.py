@@ -1,0 +1,81 @@
+"""Device time of one draft-head proposal (what the head adds to a speculative loop step), by batch and k, replayed
+from CUDA graphs as HeadGraphs / spec_loop run it; with the head's RMSNorms as kestrel's Triton row kernel vs
+PyTorch's (KESTREL_HEAD_TRITON_NORM), and the eager kernel count per proposal (each kernel in a graph also costs a
+launch gap). Session 3 R2 measured the head loop step 0.23 ms above the n-gram one at K=4, batch 1.
+
+  python bench/spec_head_cost.py --model smol.gguf --tokenizer tok --head head.safetensors
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kestrel.spec.draft_head import DraftHead  # noqa: E402
+
+
+def replay_ms(head, embed, lm_head, bs, k, reps=200) -> float:
+    h = torch.randn(bs, embed.shape[1], device=embed.device, dtype=embed.dtype)
+    x = torch.randint(0, embed.shape[0], (bs,), device=embed.device)
+    for _ in range(2):
+        head.draft_greedy(h, x, embed, lm_head, k, want_conf=False)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        head.draft_greedy(h, x, embed, lm_head, k, want_conf=False)
+    for _ in range(10):
+        g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def kernels(head, embed, lm_head, k) -> int:
+    h = torch.randn(1, embed.shape[1], device=embed.device, dtype=embed.dtype)
+    x = torch.zeros(1, dtype=torch.long, device=embed.device)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        head.draft_greedy(h, x, embed, lm_head, k, want_conf=False)
+        torch.cuda.synchronize()
+    return sum(e.count for e in p.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@torch.inference_mode()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--head", required=True)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+    if args.tokenizer:
+        import kestrel.model.loader as loader
+        from transformers import AutoTokenizer
+        loader.load_tokenizer = lambda kind, path: AutoTokenizer.from_pretrained(args.tokenizer)
+    from kestrel.model import load_model
+    m = load_model(args.model, dtype=getattr(torch, args.dtype), device="cuda", progress=False).model
+    embed, lm_head = m.embed_tokens.weight, m.lm_head.weight
+    head = DraftHead.load(args.head, device="cuda").to(embed.dtype)
+    ks = sorted({1, 2, 4, head.k})
+    print("| batch | k | Triton norm ms | PyTorch norm ms | kernels (Triton / PyTorch norm) |\n|---|---|---|---|---|")
+    for bs in args.batch:
+        for k in ks:
+            row = []
+            for flag in ("1", "0"):
+                os.environ["KESTREL_HEAD_TRITON_NORM"] = flag
+                row.append((replay_ms(head, embed, lm_head, bs, k), kernels(head, embed, lm_head, k)))
+            print(f"| {bs} | {k} | {row[0][0]:.3f} | {row[1][0]:.3f} | {row[0][1]} / {row[1][1]} |", flush=True)
+    os.environ["KESTREL_HEAD_TRITON_NORM"] = "1"
+
+
+if __name__ == "__main__":
+    main()
