@@ -36,7 +36,7 @@ from spec_decode import WORKLOADS, chat_prompts  # noqa: E402
 
 
 @torch.inference_mode()
-def prefixes(seqs, plens, k, model=None, hidden=None, head=None, hybrid_min_n: int | None = None):
+def prefixes(seqs, plens, k, model=None, hidden=None, head=None, hybrid_min_n: int | None = None, readout=None):
     """Accepted prefix length at every generated position: n-gram drafts (head=None), head drafts
     (kestrel.spec.acceptance, as train-draft's held-out split), or hybrid (the n-gram's where it matched an n-gram
     of >= hybrid_min_n tokens, the head's elsewhere; as the loop runs it)."""
@@ -44,7 +44,8 @@ def prefixes(seqs, plens, k, model=None, hidden=None, head=None, hybrid_min_n: i
     if head is not None:
         head = head.to(dev, model.embed_tokens.weight.dtype).eval()
         if hybrid_min_n is None:
-            return head_prefixes(head, seqs, plens, hidden, model.embed_tokens.weight, model.lm_head.weight, k)
+            return head_prefixes(head, seqs, plens, hidden, model.embed_tokens.weight, model.lm_head.weight, k,
+                                 readout=readout)
     out = []
     for j, (s, p) in enumerate(zip(seqs, plens)):
         L = len(s)
@@ -53,7 +54,7 @@ def prefixes(seqs, plens, k, model=None, hidden=None, head=None, hybrid_min_n: i
         d, has, n = ngram_draft_device(toks[None].expand(len(t), L), t + 2, k, return_n=True)
         if head is not None:
             dh, _ = head.draft_greedy(hidden[j][t].to(dev), toks[t + 1], model.embed_tokens.weight,
-                                      model.lm_head.weight, k)
+                                      model.lm_head.weight, k, readout=readout)
             d = torch.where((n >= hybrid_min_n)[:, None], d, dh)
         idx = t[:, None] + 2 + torch.arange(k, device=dev)[None, :]
         valid = (idx < L) & (has[:, None] | (head is not None))
@@ -98,13 +99,18 @@ def main(argv=None):
                                 dtype=engine.model.embed_tokens.weight.dtype)
         lines += table(f"{wl}: ngram", prefixes(seqs, plens, k), k)
         for h in args.head:
-            head = DraftHead.load(h)
+            head = DraftHead.load(h).to(engine.model.embed_tokens.weight.device, engine.model.embed_tokens.weight.dtype)
             name = os.path.basename(h)
-            lines += table(f"{wl}: head {name}", prefixes(seqs, plens, k, engine.model, hidden, head), k)
+            # the engine drafts over the head's draft vocabulary where it has one (subset_readout)
+            ro = head.subset_readout(engine.model.embed_tokens.weight, engine.model.lm_head.weight)
+            lines += table(f"{wl}: head {name}", prefixes(seqs, plens, k, engine.model, hidden, head, readout=ro), k)
+            if ro is not None:
+                lines += table(f"{wl}: head {name}, full-vocabulary readout",
+                               prefixes(seqs, plens, k, engine.model, hidden, head), k)
             for mn in (1, 2, 3):
                 lines += table(f"{wl}: hybrid (n-gram if n>={mn}, else head) {name}",
-                               prefixes(seqs, plens, k, engine.model, hidden, head, mn), k)
-        print("\n".join(lines[-1 - 4 * len(args.head):]), flush=True)
+                               prefixes(seqs, plens, k, engine.model, hidden, head, mn, readout=ro), k)
+        print("\n".join(lines[-1 - 5 * len(args.head):]), flush=True)
     text = "\n".join(lines) + f"\n\n({time.perf_counter() - t0:.0f} s)\n"
     print(text)
     if args.out:

@@ -1,7 +1,8 @@
 """Device time of one draft-head proposal (what the head adds to a speculative loop step), by batch and k, replayed
-from CUDA graphs as HeadGraphs / spec_loop run it; with the head's RMSNorms as kestrel's Triton row kernel vs
-PyTorch's (KESTREL_HEAD_TRITON_NORM), and the eager kernel count per proposal (each kernel in a graph also costs a
-launch gap). Session 3 R2 measured the head loop step 0.23 ms above the n-gram one at K=4, batch 1.
+from CUDA graphs as HeadGraphs / spec_loop run it: readout over the full vocabulary vs the head's draft vocabulary
+(DraftHead.subset_readout; a head without one is timed with the first --subset token ids, for cost only), and the
+eager kernel count per proposal (each kernel in a graph also costs a launch gap). Session 3 R2 measured the head
+loop step 0.23 ms above the n-gram one at K=4, batch 1; session 4 R1: Triton vs PyTorch norm 0.228 / 0.234 ms.
 
   python bench/spec_head_cost.py --model smol.gguf --tokenizer tok --head head.safetensors
 """
@@ -18,15 +19,15 @@ import torch  # noqa: E402
 from kestrel.spec.draft_head import DraftHead  # noqa: E402
 
 
-def replay_ms(head, embed, lm_head, bs, k, reps=200) -> float:
+def replay_ms(head, embed, lm_head, bs, k, readout=None, reps=200) -> float:
     h = torch.randn(bs, embed.shape[1], device=embed.device, dtype=embed.dtype)
     x = torch.randint(0, embed.shape[0], (bs,), device=embed.device)
     for _ in range(2):
-        head.draft_greedy(h, x, embed, lm_head, k, want_conf=False)
+        head.draft_greedy(h, x, embed, lm_head, k, want_conf=False, readout=readout)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        head.draft_greedy(h, x, embed, lm_head, k, want_conf=False)
+        head.draft_greedy(h, x, embed, lm_head, k, want_conf=False, readout=readout)
     for _ in range(10):
         g.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -38,12 +39,12 @@ def replay_ms(head, embed, lm_head, bs, k, reps=200) -> float:
     return a.elapsed_time(b) / reps
 
 
-def kernels(head, embed, lm_head, k) -> int:
+def kernels(head, embed, lm_head, k, readout=None) -> int:
     h = torch.randn(1, embed.shape[1], device=embed.device, dtype=embed.dtype)
     x = torch.zeros(1, dtype=torch.long, device=embed.device)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as p:
-        head.draft_greedy(h, x, embed, lm_head, k, want_conf=False)
+        head.draft_greedy(h, x, embed, lm_head, k, want_conf=False, readout=readout)
         torch.cuda.synchronize()
     return sum(e.count for e in p.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
@@ -56,6 +57,7 @@ def main(argv=None):
     ap.add_argument("--head", required=True)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--subset", type=int, default=8192)
     args = ap.parse_args(argv)
     if args.tokenizer:
         import kestrel.model.loader as loader
@@ -66,15 +68,15 @@ def main(argv=None):
     embed, lm_head = m.embed_tokens.weight, m.lm_head.weight
     head = DraftHead.load(args.head, device="cuda").to(embed.dtype)
     ks = sorted({1, 2, 4, head.k})
-    print("| batch | k | Triton norm ms | PyTorch norm ms | kernels (Triton / PyTorch norm) |\n|---|---|---|---|---|")
+    if head.vocab is None:
+        head.vocab = torch.arange(args.subset)
+    ro = head.subset_readout(embed, lm_head)
+    print(f"draft vocabulary {len(head.vocab)} of {embed.shape[0]}")
+    print("| batch | k | full-vocab readout ms | draft-vocab readout ms | kernels (full / draft vocab) |\n|---|---|---|---|---|")
     for bs in args.batch:
         for k in ks:
-            row = []
-            for flag in ("1", "0"):
-                os.environ["KESTREL_HEAD_TRITON_NORM"] = flag
-                row.append((replay_ms(head, embed, lm_head, bs, k), kernels(head, embed, lm_head, k)))
+            row = [(replay_ms(head, embed, lm_head, bs, k, r), kernels(head, embed, lm_head, k, r)) for r in (None, ro)]
             print(f"| {bs} | {k} | {row[0][0]:.3f} | {row[1][0]:.3f} | {row[0][1]} / {row[1][1]} |", flush=True)
-    os.environ["KESTREL_HEAD_TRITON_NORM"] = "1"
 
 
 if __name__ == "__main__":

@@ -125,3 +125,34 @@ def test_head_norm_keeps_the_training_eps_in_bf16():
     ref = norm(x)  # float32 training path
     got = _rms(norm.to(torch.bfloat16), x.to(torch.bfloat16)).float()
     assert torch.allclose(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_draft_vocab_readout_matches_a_full_readout_restricted_to_it(tmp_path):
+    """Greedy drafting over the head's draft vocabulary (norm folded into the readout) proposes, slot by slot, the
+    argmax of the full-vocabulary logits restricted to that vocabulary: with all tokens in it, exactly the full
+    drafts; with a subset, only its tokens, each the best of them given the chain. The vocabulary survives
+    save/load, and train-draft's frequent_tokens picks by count."""
+    from kestrel.spec.train_cli import frequent_tokens
+    torch.manual_seed(0)
+    H, V, k = 16, 50, 4
+    embed, lm_head = torch.randn(V, H), torch.randn(V, H)
+    head = DraftHead(H, k=k, recurrent=True).eval()
+    with torch.no_grad():
+        head.out_norm.weight.uniform_(0.5, 1.5)  # a non-trivial norm weight to fold
+    h, x = torch.randn(5, H), torch.tensor([1, 7, 9, 3, 0])
+    full, _ = head.draft_greedy(h, x, embed, lm_head, k)
+    head.vocab = torch.arange(V)
+    got, _ = head.draft_greedy(h, x, embed, lm_head, k, readout=head.subset_readout(embed, lm_head))
+    assert torch.equal(got, full)
+    sub = torch.tensor(sorted(torch.randperm(V)[:12].tolist()))
+    head.vocab = sub
+    got, conf = head.draft_greedy(h, x, embed, lm_head, k, readout=head.subset_readout(embed, lm_head))
+    assert bool(torch.isin(got, sub).all()) and conf.shape == (5, k)
+    prev = torch.cat([x[:, None], got[:, :-1]], 1)  # the chain the subset drafts took
+    logits, _ = head.forward_teacher(h, embed[x], embed[prev], lm_head)
+    assert torch.equal(sub[logits[..., sub].argmax(-1)], got)
+    p = tmp_path / "h.safetensors"
+    head.save(str(p))
+    assert torch.equal(DraftHead.load(str(p)).vocab, sub)
+    top, cover = frequent_tokens([[7, 7, 5, 5, 5, 9, 1], [9, 5, 2]], [2, 0], 2, 10)  # prompts' tokens not counted
+    assert top.tolist() == [5, 9] and abs(cover - 6 / 8) < 1e-6

@@ -23,7 +23,7 @@ def draft_positions(seq_len: int, prompt_len: int, device=None) -> torch.Tensor:
 
 @torch.inference_mode()
 def head_prefixes(head, seqs, prompt_lens, hidden, embed: torch.Tensor, lm_head: torch.Tensor, k: int,
-                  max_rows: int = 8192, hidden_offsets=None) -> torch.Tensor:
+                  max_rows: int = 8192, hidden_offsets=None, readout=None) -> torch.Tensor:
     """Accepted prefix length of the head's greedy drafts at every scorable position of every sequence. The head
     runs in embed's dtype and device, as HeadDrafter runs it in the engine. hidden[j] starts at position
     hidden_offsets[j] (default 0)."""
@@ -39,7 +39,8 @@ def head_prefixes(head, seqs, prompt_lens, hidden, embed: torch.Tensor, lm_head:
         idx = t[:, None] + 2 + torch.arange(k, device=dev)[None, :]
         for c in range(0, len(t), max_rows):
             tc, ic = t[c:c + max_rows], idx[c:c + max_rows]
-            d, _ = head.draft_greedy(h[tc - o].to(dev, embed.dtype), toks[tc + 1], embed, lm_head, k, want_conf=False)
+            d, _ = head.draft_greedy(h[tc - o].to(dev, embed.dtype), toks[tc + 1], embed, lm_head, k, want_conf=False,
+                                     readout=readout)
             out.append(match_prefix(d, toks[ic.clamp(max=L - 1)], ic < L).cpu())
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 

@@ -58,6 +58,7 @@ class DraftHead(nn.Module):
         self.refine_out = nn.Linear(refine_rank, H)
         self.out_norm = nn.RMSNorm(H)
         self.conf = nn.Linear(H, 1)
+        self.vocab = None  # optional LongTensor: the tokens greedy drafting may propose (subset_readout)
 
     def slots(self, h: torch.Tensor, e_next: torch.Tensor) -> torch.Tensor:
         """Parallel backbone: [N, H], [N, H] -> [N, k, H]."""
@@ -90,20 +91,46 @@ class DraftHead(nn.Module):
         confidence logits [N, k]."""
         return self.readout(self.chain(self.slots(h, e_next), e_prev_slots), lm_head)
 
+    def subset_readout(self, embed: torch.Tensor, lm_head: torch.Tensor):
+        """(token ids [N], their embeddings [N, H], lm_head rows times out_norm's weight [N, H]) for draft_greedy's
+        readout over the head's draft vocabulary, or None without one. Why: each slot's readout over the target's
+        full vocabulary reads the whole lm_head (49k x 576 bf16 = 57 MB, ~17 us on an H200: a third of a k=4
+        proposal, session 4 R1); the most frequent 8k tokens of the training text cover almost all of it, and
+        argmax(rmsnorm(z) @ L^T) = argmax((z * w) @ L^T) (the 1/rms factor is positive), so the norm goes too.
+        Lossless: a token outside the subset is only never proposed (verification decides)."""
+        if self.vocab is None:
+            return None
+        sub = self.vocab.to(embed.device)
+        w = self.out_norm.weight.detach().float().to(embed.device)
+        return sub, embed[sub].contiguous(), (lm_head[sub].float() * w).to(lm_head.dtype).contiguous()
+
     @torch.no_grad()
-    def draft_greedy(self, h, x_next, embed, lm_head, k, want_conf: bool = True):
+    def draft_greedy(self, h, x_next, embed, lm_head, k, want_conf: bool = True, readout=None):
         """draft() for all-greedy rows with no host syncs (capturable in a CUDA graph): tokens [N, k] (argmax),
         confidence [N, k] float32 (None without want_conf: the device loop does not read it, and each slot's
-        confidence is 3 more launches in its graph)."""
+        confidence is 3 more launches in its graph). readout: subset_readout()'s tensors (argmax over the draft
+        vocabulary only)."""
         z = self.slots(h, embed[x_next])
         toks, confs, prev, zi = [], [], x_next, None
+        if readout is not None:
+            sub, emb_s, lm_s = readout
+            e = None
         for i in range(min(k, self.k)):
-            zi = z[:, i] if i == 0 else self.refine(z[:, i], embed[prev], zi)
-            prev = (_rms(self.out_norm, zi) @ lm_head.t()).argmax(-1)
-            toks.append(prev)
+            if readout is None:
+                zi = z[:, i] if i == 0 else self.refine(z[:, i], embed[prev], zi)
+                prev = (_rms(self.out_norm, zi) @ lm_head.t()).argmax(-1)
+                toks.append(prev)
+            else:
+                zi = z[:, i] if i == 0 else self.refine(z[:, i], e, zi)
+                j = (zi @ lm_s.t()).argmax(-1)
+                e = emb_s[j]
+                toks.append(j)
             if want_conf:
                 confs.append(torch.sigmoid(self.conf(zi).squeeze(-1).float()))
-        return torch.stack(toks, 1), torch.stack(confs, 1) if want_conf else None
+        toks = torch.stack(toks, 1)
+        if readout is not None:
+            toks = sub[toks]
+        return toks, torch.stack(confs, 1) if want_conf else None
 
     @torch.no_grad()
     def draft(self, h, x_next, embed, lm_head, k, temperature=None, generator=None):
@@ -137,8 +164,10 @@ class DraftHead(nn.Module):
         """dtype: store the weights in e.g. bfloat16 (half the file; the head runs in the target's dtype anyway)."""
         from safetensors.torch import save_file
         meta = {"kestrel_draft_head": json.dumps(self.cfg), **{k: str(v) for k, v in (extra or {}).items()}}
-        save_file({k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}, path,
-                  metadata=meta)
+        t = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.vocab is not None:
+            t["draft_vocab"] = self.vocab.detach().long().contiguous().cpu()
+        save_file(t, path, metadata=meta)
 
     @classmethod
     def load(cls, path: str, device="cpu") -> "DraftHead":
@@ -152,6 +181,9 @@ class DraftHead(nn.Module):
         if "kestrel_draft_head" not in meta:
             raise ValueError(f"{path} is not a kestrel draft head (train one with `kestrel train-draft`)")
         head = cls(**json.loads(meta["kestrel_draft_head"]))
-        head.load_state_dict({k: v.float() for k, v in load_file(path, device="cpu").items()})
+        sd = load_file(path, device="cpu")
+        vocab = sd.pop("draft_vocab", None)
+        head.load_state_dict({k: v.float() for k, v in sd.items()})
+        head.vocab = vocab
         head.meta = meta
         return head.to(device).eval()

@@ -19,11 +19,16 @@ class HeadDrafter(Drafter):
         self.embed, self.lm_head = embed, lm_head
         self.generator = generator
         self.graphs = None  # HeadGraphs (head_graphs.py): greedy proposals replayed from CUDA graphs
+        # greedy drafting's readout over the head's draft vocabulary (None: the full vocabulary); KESTREL_HEAD_VOCAB=0
+        # turns it off (A/B of its cost)
+        import os
+        self.readout = head.subset_readout(embed, lm_head) if os.environ.get("KESTREL_HEAD_VOCAB", "1") != "0" \
+            else None
 
     def enable_cuda_graphs(self, batch_sizes: list[int]) -> None:
         from kestrel.spec.head_graphs import HeadGraphs
 
-        self.graphs = HeadGraphs(self.head, self.embed, self.lm_head, batch_sizes)
+        self.graphs = HeadGraphs(self.head, self.embed, self.lm_head, batch_sizes, self.readout)
         self.graphs.capture()
 
     @torch.inference_mode()

@@ -9,8 +9,8 @@ import torch
 
 
 class HeadGraphs:
-    def __init__(self, head, embed: torch.Tensor, lm_head: torch.Tensor, batch_sizes: list[int]):
-        self.head, self.embed, self.lm_head = head, embed, lm_head
+    def __init__(self, head, embed: torch.Tensor, lm_head: torch.Tensor, batch_sizes: list[int], readout=None):
+        self.head, self.embed, self.lm_head, self.readout = head, embed, lm_head, readout
         self.batch_sizes = sorted(batch_sizes)
         B, dev = self.batch_sizes[-1], embed.device
         self.h = torch.zeros(B, embed.shape[1], dtype=embed.dtype, device=dev)
@@ -24,13 +24,14 @@ class HeadGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.head.draft_greedy(self.h[:bs], self.x[:bs], self.embed, self.lm_head, self.head.k)
+                    self.head.draft_greedy(self.h[:bs], self.x[:bs], self.embed, self.lm_head, self.head.k,
+                                           readout=self.readout)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 self.outputs[bs] = self.head.draft_greedy(self.h[:bs], self.x[:bs], self.embed, self.lm_head,
-                                                          self.head.k)
+                                                          self.head.k, readout=self.readout)
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[bs] = g
