@@ -194,3 +194,32 @@ def test_fused_moe_planar_int4_vs_reference_loop(M):
     # same quantized values as the halves/pairs int4 layer
     halves = FusedMoE.from_float(router, w13, w2, k, "int4", group=64, planar=False)
     assert halves.w13.planar is None and torch.equal(moe.w13.dequantize(), halves.w13.dequantize())
+
+
+def test_tcg_config_falls_back_to_tc_off_hopper():
+    """a TcgConfig (Gluon kernel, Hopper only) runs the Triton tc kernel where Gluon cannot (here: the CPU
+    interpreter), with the same result; `supports` refuses CPU tensors and groups other than 128."""
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    from kestrel.kernels.moe_tcg import TcgConfig, supports
+    g = torch.Generator().manual_seed(4)
+    M, k, E, N, K = 6, 2, 4, 64, 256
+    q = torch.randint(-8, 8, (E, N, K), generator=g)
+    sc = torch.rand(E, N, K // 128, generator=g) * 0.1 + 0.01
+    W = moe_gemm.ExpertWeights("int4", planar=planar_from_codes(q, sc, 128))
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
+    T = M * k
+    cfg = TcgConfig(BM=16, BN=32)
+    assert not supports(x, W.planar, cfg)
+    assert not supports(x, planar_from_codes(q, sc.repeat_interleave(2, -1), 64), cfg)
+    Wd = (q.double() * sc.double().repeat_interleave(128, -1)).to(torch.bfloat16).double()
+    ref = torch.stack([x[t // k].double() @ Wd[ids.flatten()[t]].t() for t in range(T)])
+    al = moe_align(ids, E, cfg.BM)
+    out = torch.full((T, N), float("nan"))
+    moe_gemm.grouped_gemm(moe_gemm.quant_act(x, "bf16"), W, al, T, k, out, cfg)
+    assert _rel(out, ref) < 1e-6
+    tc = torch.full((T, N), float("nan"))
+    moe_gemm.grouped_gemm(moe_gemm.quant_act(x, "bf16"), W, al, T, k, tc, moe_gemm._tc_fallback(cfg))
+    assert torch.equal(out, tc)

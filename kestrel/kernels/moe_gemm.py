@@ -7,6 +7,7 @@ block's expert id and token rows, and the down projection multiplies by the rout
 int4 x bf16 experts in the WNA16 planar layout run their own grouped kernels instead: moe_mv.py (decode-sized expert
 blocks, < TC_MIN_BM rows) and moe_tc.py (larger blocks: one K = 128 tensor-core dot per step).
 """
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,15 @@ from kestrel.kernels.lowbit_gemm import (A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4
                                          Operand, launch)
 from kestrel.kernels.moe_mv import MvConfig, PlanarW4, grouped_gemm_planar, planar_from_nibbles
 from kestrel.kernels.moe_tc import TcConfig, grouped_gemm_planar_tc
+
+try:  # the Gluon grouped kernel (moe_tcg.py; GPU only)
+    from kestrel.kernels import moe_tcg
+    from kestrel.kernels.moe_tcg import TcgConfig
+except Exception:  # noqa: BLE001 (a Triton without Gluon: the tc kernel serves)
+    moe_tcg = None
+
+    class TcgConfig:  # placeholder: isinstance checks stay valid
+        pass
 
 WEIGHT_FORMATS = ("bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4")
 ACT_FORMATS = ("bf16", "fp8", "int8", "mxfp4", "nvfp4")
@@ -166,6 +176,8 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
         return MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=2, num_stages=3)
     if bm >= TC_MIN_BM:  # compute bound: one K=128 tensor-core dot per step (moe_tc). H200, M = 1024 up projection
         # (bench/results/moe_h200_run6.md): Qwen3 225.7 us vs 243.4 for mv, Mixtral 1548 vs 1707
+        if USE_TCG and moe_tcg is not None and w.planar.group == 128:  # Gluon: decode overlapped with the wgmma
+            return TcgConfig(BM=bm, BN=128, num_warps=8, num_stages=3, GROUP_M=8)
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
@@ -173,6 +185,13 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
 
 # planar int4 expert blocks of at least this many rows run the tc kernel (moe_tc.py) by default, smaller ones mv
 TC_MIN_BM = 64
+# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128); KESTREL_MOE_TCG=0 turns it off
+USE_TCG = os.environ.get("KESTREL_MOE_TCG", "0") != "0"
+
+
+def _tc_fallback(cfg: "TcgConfig") -> TcConfig:
+    """the Triton tc config standing in for a tcg one where Gluon cannot run (CPU interpreter, not Hopper)."""
+    return TcConfig(BM=cfg.BM, BN=cfg.BN, num_warps=8, num_stages=3, DEC=2)
 
 
 def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int, out: torch.Tensor,
@@ -182,6 +201,11 @@ def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int
     (moe_tc kernel). reduce_k
     > 0: out [slots // reduce_k, N] fp32 gets each token's sum over its slots (fp32 atomics, no fixed order)."""
     if w.planar is not None:
+        if isinstance(cfg, TcgConfig):
+            if moe_tcg.supports(a.data, w.planar, cfg):
+                return moe_tcg.grouped_gemm_planar_tcg(a.data, w.planar, align, num_slots, a_div, out, cfg,
+                                                       topk_weights, reduce_k)
+            cfg = _tc_fallback(cfg)
         if isinstance(cfg, TcConfig):
             return grouped_gemm_planar_tc(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)
         return grouped_gemm_planar(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)
