@@ -223,3 +223,27 @@ def test_tcg_config_falls_back_to_tc_off_hopper():
     tc = torch.full((T, N), float("nan"))
     moe_gemm.grouped_gemm(moe_gemm.quant_act(x, "bf16"), W, al, T, k, tc, moe_gemm._tc_fallback(cfg))
     assert torch.equal(out, tc)
+
+
+@pytest.mark.parametrize("bn,warps", [(128, 8), (256, 8), (64, 4), (128, 4)])
+def test_tcg_swapped_decode_layout_is_the_wgmma_a_fragment(bn, warps):
+    """moe_tcg's swapped kernel decodes [BN, 8 fields, 16 word rows] and reshapes it to the [BN, 128] wgmma A
+    operand: that reshape must land on Triton's own DotOperandLayout (same lanes / warps, registers permuted only,
+    so the convert is free) with the bf16x2 pair (register 0) on adjacent k (word rows r, r + 1)."""
+    gluon_ir = pytest.importorskip("triton._C.libtriton.gluon_ir")
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon import language as gl
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    b = gluon_ir.GluonOpBuilder(ctx)
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, 64, 16])
+    want = b.to_linear_layout(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)._to_ir(b), [bn, 128])
+    got = moe_gemm.moe_tcg._rows_layout.fn(bn, warps)
+    flat = lambda bases: [[n, 16 * f + r] for n, f, r in bases]  # noqa: E731 (k = 16 f + r: the planar order)
+    assert flat(got.lane_bases) == [list(v) for v in want.lane_bases]
+    assert flat(got.warp_bases) == [list(v) for v in want.warp_bases]
+    assert sorted(flat(got.reg_bases)) == sorted(list(v) for v in want.reg_bases)
+    assert flat(got.reg_bases)[0] == [0, 1] == list(want.reg_bases[0])
