@@ -125,6 +125,20 @@ def scaled_mm(a, s, wq, ws_row, fast=False):
     return torch._scaled_mm(a, wq.t(), scale_a=s, scale_b=ws_row, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
+def pdl_case(r, x, q, nc):
+    """above the fused-decode M: act quant + GEMM as a programmatic dependent launch pair (the GEMM prefetches its
+    first weight lines into the L2 while the quant runs), checked against the plain pair, then timed."""
+    from kestrel.kernels.gemm_w8a8 import FUSED_MAX_M
+    if x.shape[0] <= FUSED_MAX_M:
+        return
+    try:
+        r["pdl_err_vs_plain"] = rel(w8a8_linear(x, *q[0], pdl=True), w8a8_linear(x, *q[0], pdl=False))
+        r["kestrel_e2e_pdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=True) for i in range(nc)])
+    except Exception as ex:
+        traceback.print_exc()
+        r["pdl_error"] = repr(ex)[:200]
+
+
 def run_fp8(N, K, ms, rows, budget):
     nc = copies_for(N * K)
     Ws = [torch.randn(N, K, device="cuda") * 0.02 for _ in range(nc)]
@@ -142,6 +156,7 @@ def run_fp8(N, K, ms, rows, budget):
         r["err_vs_dequant"] = rel(y, ref_gemm_w8a8(a, s, *q[0]))
         r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
         r["kestrel_e2e_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i]) for i in range(nc)])
+        pdl_case(r, x, q, nc)
         if 16 < M <= 256:  # deeper TMA pipelines than the swept ones (the swept best was 0.91-0.99x cuBLASLt here)
             # (run 5: 6 stages = the default, BK 256 slower.) BN 64 / 32: 2-4x the CTAs of the 64x128 tiles
             # (8192 wide at M = 64: 64 CTAs for 132 SMs), and the swapped pointer kernel with a K split
@@ -202,6 +217,7 @@ def run_int8(N, K, ms, rows, budget):
         r["err_vs_dequant"] = rel(gemm_w8a8(a, s, *q[0]), ref_gemm_w8a8(a, s, *q[0]))
         r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
         r["kestrel_e2e_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i]) for i in range(nc)])
+        pdl_case(r, x, q, nc)
         if M > 16:  # torch._int_mm needs M > 16
             r["int_mm_scaled_us"] = safe_us([lambda i=i: (torch._int_mm(a, wt[i]).float() * s * q[i][1]).to(torch.bfloat16)
                                              for i in range(nc)])
@@ -320,6 +336,8 @@ RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
     ("fp8 gemm vs cuBLASLt _scaled_mm fast-accum", "scaled_mm_fast_us", "kestrel_gemm_us"),
     ("fp8 e2e vs _scaled_mm + our act quant", "scaled_mm_e2e_us", "kestrel_e2e_us"),
     ("fp8 e2e vs Humming W8A8", "humming_e2e_us", "kestrel_e2e_us"),
+    ("fp8 e2e, quant + GEMM as a PDL pair, vs Humming W8A8", "humming_e2e_us", "kestrel_e2e_pdl_us"),
+    ("fp8 e2e: plain pair / PDL pair", "kestrel_e2e_us", "kestrel_e2e_pdl_us"),
     ("fp8-weight decode, bf16 act (no act quant) vs Humming W8A8", "humming_e2e_us", "kestrel_a16_e2e_us"),
     ("fp8-weight decode, bf16 act, BK=128 vs Humming W8A8", "humming_e2e_us", "kestrel_a16_bk128_e2e_us"),
     ("fp8 gemm vs cuBLAS bf16", "cublas_bf16_us", "kestrel_gemm_us"),
