@@ -176,14 +176,15 @@ def test_moe_bad_inputs():
 @pytest.mark.parametrize("M", [5, 130])
 def test_fused_moe_planar_int4_vs_reference_loop(M):
     """the layer with planar int4 experts vs the per-expert loop: M = 5 runs the moe_mv kernel for both projections,
-    M = 130 (65 slots per expert: 64-row blocks) the moe_tc one."""
+    M = 130 (65 slots per expert: 64-row blocks) the moe_tcg one (here on the CPU: its moe_tc fallback)."""
     torch.manual_seed(6)
     H, I, E, k = 128, 128, 4, 2
     router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
     moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=64)  # planar by default here
     assert moe.w13.planar is not None and moe.w2.planar is not None
     x = torch.randn(M, H).to(torch.bfloat16)
-    want = MvConfig if M == 5 else TcConfig
+    from kestrel.kernels.moe_gemm import TcgConfig  # the Gluon kernel's config (the tc kernel runs it here)
+    want = MvConfig if M == 5 else (TcgConfig, TcConfig)
     assert all(isinstance(c, want) for c in moe_configs(M, k, E, "bf16", moe.w13, moe.w2))
     tw, ti = moe.route(x)
     y = moe(x)

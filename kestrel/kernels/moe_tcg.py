@@ -319,7 +319,8 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 8 == 0
             and x.data_ptr() % 16 == 0 and w.group == BLOCK_K and K % BLOCK_K == 0 and N % 4 == 0
             and w.qweight.is_contiguous() and w.scales.is_contiguous() and w.scales.dtype == torch.float32
-            and cfg.BM in (64, 128) and cfg.BN in (64, 128, 256) and cfg.num_warps in (4, 8)
+            and cfg.BM in ((32, 64, 128) if cfg.SWAP else (64, 128)) and cfg.BN in (64, 128, 256)
+            and cfg.num_warps in (4, 8)
             and (not cfg.SWAP or (cfg.BN >= 16 * cfg.num_warps and cfg.num_stages >= 2))
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
