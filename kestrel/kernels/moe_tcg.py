@@ -46,6 +46,8 @@ class TcgConfig:
     num_stages: int = 3  # depth of the load ring (x by cp.async, words + scales by TMA)
     GROUP_M: int = 8  # expert blocks that walk the N tiles together (0: all blocks of one N tile first)
     SWAP: int = 0  # 1: W decoded straight into the wgmma's register A operand, x^T the shared B (_moe_tcgs_kernel)
+    REFILL: int = 0  # swapped kernel: 1 refills the previous step's ring slot after the pre-MMA barrier (one CTA
+    # barrier per step instead of two; needs STAGES >= 2)
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
 
     def as_dict(self) -> dict:
@@ -221,7 +223,7 @@ def _decode_rows(q_buf, s_ptrs, n_ok, sel, sh, L3: gl.constexpr, a_layout: gl.co
 def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                      out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr,
-                     REDUCE: gl.constexpr, num_warps: gl.constexpr):
+                     REDUCE: gl.constexpr, EARLY_REFILL: gl.constexpr, num_warps: gl.constexpr):
     """acc^T [BN, BM] = W tile (registers, decoded) @ x^T (shared): no shared store of the decoded weights, no
     fence / barrier between decode and MMA for them; the decode of step i + 1 runs while the wgmma of step i does."""
     pid = gl.program_id(0)
@@ -277,19 +279,29 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     w = _decode_rows(q_smem.index(0), s_ptrs, n_ok, sel, sh, L3, a_layout, BLOCK_N)
     for i in range(n_steps):
         slot = i % STAGES
-        async_copy.wait_group(STAGES - 1)  # this thread's cp.async of step i landed (one group per step)
+        if EARLY_REFILL:  # groups: STAGES (prologue) + one per earlier iteration; step i's is at most STAGES - 2 old
+            async_copy.wait_group(STAGES - 2)
+        else:
+            async_copy.wait_group(STAGES - 1)  # this thread's cp.async of step i landed (one group per step)
         fence_async_shared()
         gl.thread_barrier()
         acc = warpgroup_mma(w, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        if EARLY_REFILL:
+            # past the barrier every warpgroup has finished iteration i - 1 (its wgmma waited, step i decoded), so
+            # slot (i - 1) % STAGES is free: refill it here and save the second CTA barrier per step
+            ps = (i + STAGES - 1) % STAGES
+            _issue(q_desc, s_desc, bars.index(ps), q_smem.index(ps), s_smem.index(ps), x_smem.index(ps), x_ptrs,
+                   qrow0, srow0, off_n, i + STAGES - 1, (i > 0) & (i + STAGES - 1 < n_steps))
         # the next step's decode while the wgmma runs (the last iteration decodes its own step again, unused)
         j = gl.minimum(i + 1, n_steps - 1)
         js = j % STAGES
         mbarrier.wait(bars.index(js), (j // STAGES) & 1)
         w_next = _decode_rows(q_smem.index(js), s_ptrs + j * N, n_ok, sel, sh, L3, a_layout, BLOCK_N)
         acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
-        gl.thread_barrier()  # every warpgroup done with slot i (x read by the wgmma, words by the decode)
-        _issue(q_desc, s_desc, bars.index(slot), q_smem.index(slot), s_smem.index(slot), x_smem.index(slot),
-               x_ptrs, qrow0, srow0, off_n, i + STAGES, i + STAGES < n_steps)
+        if not EARLY_REFILL:
+            gl.thread_barrier()  # every warpgroup done with slot i (x read by the wgmma, words by the decode)
+            _issue(q_desc, s_desc, bars.index(slot), q_smem.index(slot), s_smem.index(slot), x_smem.index(slot),
+                   x_ptrs, qrow0, srow0, off_n, i + STAGES, i + STAGES < n_steps)
         w = w_next
     async_copy.wait_group(0)
     for i in gl.static_range(STAGES):
@@ -345,8 +357,9 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
     tw = topk_weights if topk_weights is not None else out
     grid = (blocks * -(-N // bn),)
     kern, extra = (_moe_tcgs_kernel, (w.scales,)) if cfg.SWAP else (_moe_tcg_kernel, ())
+    kw = {"EARLY_REFILL": bool(cfg.REFILL)} if cfg.SWAP else {}
     kern[grid](x, q_desc, s_desc, *extra, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
                x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages,
                GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0,
-               num_warps=cfg.num_warps)
+               num_warps=cfg.num_warps, **kw)
     return out
