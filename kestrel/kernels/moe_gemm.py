@@ -136,6 +136,8 @@ def moe_config(num_slots: int, num_experts: int, act: str, planar: bool = False)
     1.5x slower than 64-row swapped ones on Mixtral at M = 1024, bench/results/moe_h200_run4.md)."""
     per_expert = num_slots / max(num_experts, 1)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 or planar else 128
+    if planar and bm == 64 and per_expert <= 96 and _tcg32():
+        bm = 32  # KESTREL_MOE_TCG_BM=32: 32-row blocks for the swapped Gluon kernel (less padding, wgmma N 32)
     dq16 = act in ("bf16", "mxfp4", "nvfp4")
     bk = 64 if dq16 else 128
     warps = 8 if bm >= 128 else 4
@@ -174,8 +176,9 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
         while split < 4 and progs * split * 2 <= 8 * num_sms and K // (128 * split * 2) >= 2:
             split *= 2
         return MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=2, num_stages=3)
-    if bm >= TC_MIN_BM:  # compute bound: one K=128 tensor-core dot per step (moe_tc). H200, M = 1024 up projection
-        # (bench/results/moe_h200_run6.md): Qwen3 225.7 us vs 243.4 for mv, Mixtral 1548 vs 1707
+    # compute bound: one K=128 tensor-core dot per step (moe_tc / moe_tcg). H200, M = 1024 up projection
+    # (bench/results/moe_h200_run6.md): Qwen3 225.7 us vs 243.4 for mv, Mixtral 1548 vs 1707
+    if bm >= TC_MIN_BM or (bm == 32 and num_slots / max(num_experts, 1) > 32 and _tcg32()):
         if USE_TCG and moe_tcg is not None and w.planar.group == 128:  # Gluon: decode overlapped with the wgmma
             # H200, M = 1024 (bench/results/moe_h200_run6.md, session 4 R1): swapped BN 256 204.7 / 132.5 / 1310 us
             # (Qwen3 up / down, Mixtral up) vs tc 225.7 / 147.8 / 1549; the unswapped tcg was slower than tc
@@ -192,6 +195,10 @@ TC_MIN_BM = 64
 # decoded into the wgmma's register operand), 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
 USE_TCG = os.environ.get("KESTREL_MOE_TCG", "2")
 USE_TCG = "" if USE_TCG == "0" else USE_TCG
+
+
+def _tcg32() -> bool:
+    return os.environ.get("KESTREL_MOE_TCG_BM") == "32" and USE_TCG == "2" and moe_tcg is not None
 
 
 def _tc_fallback(cfg: "TcgConfig") -> TcConfig:
