@@ -47,7 +47,7 @@ class TcgConfig:
     GROUP_M: int = 8  # expert blocks that walk the N tiles together (0: all blocks of one N tile first)
     SWAP: int = 0  # 1: W decoded straight into the wgmma's register A operand, x^T the shared B (_moe_tcgs_kernel)
     REFILL: int = 0  # swapped kernel: 1 refills the previous step's ring slot after the pre-MMA barrier (one CTA
-    # barrier per step instead of two; needs STAGES >= 2)
+    # barrier per step instead of two). BROKEN on the H200 (err 0.25, session 4 R2): `supports` refuses it
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
 
     def as_dict(self) -> dict:
@@ -334,6 +334,7 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             and cfg.BM in ((32, 64, 128) if cfg.SWAP else (64, 128)) and cfg.BN in (64, 128, 256)
             and cfg.num_warps in (4, 8)
             and (not cfg.SWAP or (cfg.BN >= 16 * cfg.num_warps and cfg.num_stages >= 2))
+            and not cfg.REFILL  # R2 (H200): REFILL=1 gave wrong results (err 0.25) and was slower: disabled
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
