@@ -1,6 +1,6 @@
 """Low-bit dense GEMMs on one GPU, peers side by side in one process:
   FP8 W8A8   kestrel vs torch._scaled_mm (cuBLASLt, row-wise scales) vs Humming W8A8 (fp8 weights, dynamic fp8 act)
-  INT8 W8A8  kestrel vs torch._int_mm (+ scale epilogue in torch)
+  INT8 W8A8  kestrel vs torch._int_mm (+ scale epilogue in torch) vs Humming W8A8 int8 (dynamic int8 act)
   W4A8       kestrel int4 g128 x fp8 vs Humming W4A8 (int4 g128, fp8 act) vs kestrel WNA16 int4 vs cuBLAS bf16
   W4A4       kestrel MXFP4 x MXFP4 (bf16-MMA emulation) vs cuBLAS bf16 (Humming's fp4 activations need sm_100)
 
@@ -125,6 +125,22 @@ def scaled_mm(a, s, wq, ws_row, fast=False):
     return torch._scaled_mm(a, wq.t(), scale_a=s, scale_b=ws_row, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
+def pdl_case(r, x, q, nc):
+    """above the fused-decode M: act quant + GEMM as a programmatic dependent launch pair (the GEMM prefetches its
+    first weight lines into the L2 while the quant runs; w8a8_linear's default), checked against the plain pair,
+    both timed."""
+    from kestrel.kernels.gemm_w8a8 import FUSED_MAX_M
+    if x.shape[0] <= FUSED_MAX_M:
+        return
+    try:
+        r["pdl_err_vs_plain"] = rel(w8a8_linear(x, *q[0], pdl=True), w8a8_linear(x, *q[0], pdl=False))
+        r["kestrel_e2e_pdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=True) for i in range(nc)])
+        r["kestrel_e2e_nopdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=False) for i in range(nc)])
+    except Exception as ex:
+        traceback.print_exc()
+        r["pdl_error"] = repr(ex)[:200]
+
+
 def run_fp8(N, K, ms, rows, budget):
     nc = copies_for(N * K)
     Ws = [torch.randn(N, K, device="cuda") * 0.02 for _ in range(nc)]
@@ -142,6 +158,7 @@ def run_fp8(N, K, ms, rows, budget):
         r["err_vs_dequant"] = rel(y, ref_gemm_w8a8(a, s, *q[0]))
         r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
         r["kestrel_e2e_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i]) for i in range(nc)])
+        pdl_case(r, x, q, nc)
         if 16 < M <= 256:  # deeper TMA pipelines than the swept ones (the swept best was 0.91-0.99x cuBLASLt here)
             # (run 5: 6 stages = the default, BK 256 slower.) BN 64 / 32: 2-4x the CTAs of the 64x128 tiles
             # (8192 wide at M = 64: 64 CTAs for 132 SMs), and the swapped pointer kernel with a K split
@@ -186,10 +203,13 @@ def run_fp8(N, K, ms, rows, budget):
     torch.cuda.empty_cache()
 
 
-def run_int8(N, K, ms, rows):
+def run_int8(N, K, ms, rows, budget):
     nc = copies_for(N * K)
-    q = [quantize_weight_w8a8(torch.randn(N, K, device="cuda") * 0.02, "int8") for _ in range(nc)]
+    Ws = [torch.randn(N, K, device="cuda") * 0.02 for _ in range(nc)]
+    q = [quantize_weight_w8a8(W, "int8") for W in Ws]
     wt = [wq.t() for wq, _ in q]
+    hum = humming_build("int8 layers", lambda: [humming_layer(N, K, {"dtype": "int8"}, {"dtype": "int8"},
+                                                              W.to(torch.bfloat16)) for W in Ws], budget)
     for M in ms:
         if past_deadline():
             break
@@ -198,11 +218,22 @@ def run_int8(N, K, ms, rows):
         r = {"section": "int8", "M": M, "N": N, "K": K}
         r["err_vs_dequant"] = rel(gemm_w8a8(a, s, *q[0]), ref_gemm_w8a8(a, s, *q[0]))
         r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
+        r["kestrel_e2e_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i]) for i in range(nc)])
+        pdl_case(r, x, q, nc)
         if M > 16:  # torch._int_mm needs M > 16
             r["int_mm_scaled_us"] = safe_us([lambda i=i: (torch._int_mm(a, wt[i]).float() * s * q[i][1]).to(torch.bfloat16)
                                              for i in range(nc)])
+            r["int_mm_e2e_us"] = safe_us([lambda i=i: (lambda a, s: (torch._int_mm(a, wt[i]).float() * s * q[i][1])
+                                                       .to(torch.bfloat16))(*aq.quant_int8(x)) for i in range(nc)])
+        if hum is not None:  # Humming W8A8 int8 (int8 weights per channel, dynamic per-token int8 activations)
+            try:
+                r["humming_err_vs_bf16"] = rel(hum[0](x), x.float() @ Ws[0].t())
+                r["humming_e2e_us"] = safe_us([lambda L=L: L(x) for L in hum])
+            except Exception as ex:
+                r["humming_error"] = repr(ex)[:200]
         rows.append(r)
         log("ROW", json.dumps(r))
+    del hum, Ws
     torch.cuda.empty_cache()
 
 
@@ -307,10 +338,13 @@ RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
     ("fp8 gemm vs cuBLASLt _scaled_mm fast-accum", "scaled_mm_fast_us", "kestrel_gemm_us"),
     ("fp8 e2e vs _scaled_mm + our act quant", "scaled_mm_e2e_us", "kestrel_e2e_us"),
     ("fp8 e2e vs Humming W8A8", "humming_e2e_us", "kestrel_e2e_us"),
+    ("fp8 e2e, quant + GEMM as a PDL pair, vs Humming W8A8", "humming_e2e_us", "kestrel_e2e_pdl_us"),
+    ("fp8 e2e: plain pair / PDL pair", "kestrel_e2e_nopdl_us", "kestrel_e2e_pdl_us"),
     ("fp8-weight decode, bf16 act (no act quant) vs Humming W8A8", "humming_e2e_us", "kestrel_a16_e2e_us"),
     ("fp8-weight decode, bf16 act, BK=128 vs Humming W8A8", "humming_e2e_us", "kestrel_a16_bk128_e2e_us"),
     ("fp8 gemm vs cuBLAS bf16", "cublas_bf16_us", "kestrel_gemm_us"),
     ("int8 gemm vs torch._int_mm+scale", "int_mm_scaled_us", "kestrel_gemm_us"),
+    ("int8 e2e vs torch._int_mm+scale + our act quant", "int_mm_e2e_us", "kestrel_e2e_us"),
     ("w4a8 e2e vs Humming W4A8", "humming_w4a8_e2e_us", "kestrel_w4a8_e2e_us"),
     ("w4a8 e2e vs kestrel WNA16 int4", "kestrel_wna16_int4_us", "kestrel_w4a8_e2e_us"),
     ("w4a8 gemm: fused in-register / default (expand + TMA)", "kestrel_w4a8_fused_gemm_us", "kestrel_w4a8_gemm_us"),
@@ -341,7 +375,8 @@ def write_report(rows, out, meta, stem="gemm_w8a8", ratios=None):
     for name, peer, ours in ratios or RATIOS:
         for r in rows:
             if r.get(peer) and r.get(ours):
-                lines.append(f"| {name} | {r['M']} | {r['N']}x{r['K']} | {r[peer] / r[ours]:.2f} |")
+                lines.append(f"| {name}{'' if r['section'] in name else ' [' + r['section'] + ']'} | {r['M']} | "
+                             f"{r['N']}x{r['K']} | {r[peer] / r[ours]:.2f} |")
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines[-60:]))
@@ -383,7 +418,7 @@ def main():
     for N, K in shapes:
         for sec, fn in (("fp8", lambda: run_fp8(N, K, ms, rows, args.budget_s)),
                         ("w4", lambda: run_w4(N, K, ms, rows, args.budget_s, secs)),
-                        ("int8", lambda: run_int8(N, K, ms, rows))):
+                        ("int8", lambda: run_int8(N, K, ms, rows, args.budget_s))):
             if sec in secs or (sec == "w4" and ({"w4a8", "w4a4"} & set(secs))):
                 log(f"== {sec} {N}x{K}")
                 try:

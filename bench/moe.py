@@ -115,7 +115,7 @@ def humming_forward(layers, x, topk_w, topk_ids, E, top_k):
     return run
 
 
-def run_model(name, ms, fmts, rows, budget, routings=8):
+def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256):
     E, k, H, I = MODELS[name]
     log(f"== {name}: E={E} top{k} H={H} I={I}")
     w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -145,8 +145,11 @@ def run_model(name, ms, fmts, rows, budget, routings=8):
         for f in fmts:
             moe = ours[f]
             try:
+                from kestrel.kernels.moe_gemm import moe_configs
+                r[f"kestrel_{f}_cfgs"] = [f"{type(c).__name__}{c.as_dict()}" for c in
+                                          moe_configs(M, k, E, moe.act, moe.w13, moe.w2)]
                 y = moe(x, (tw, ti))
-                if M <= 256 and check:  # the reference loop is slow at large M; correctness shown at small M
+                if M <= check_max_m and check:  # the reference loop is slow at large M; correctness shown at small M
                     ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), moe.act)
                     r[f"{f}_err_vs_dequant"] = rel(y, ref)
                 r[f"kestrel_{f}_us"] = safe_us([lambda moe=moe, xi=xi, rt=rt: moe(xi, rt) for xi, rt in zip(xs, rts)])
@@ -163,7 +166,7 @@ def run_model(name, ms, fmts, rows, budget, routings=8):
             if h in hum and f"humming_{h}_us" not in r:
                 try:
                     runs = [humming_forward(hum[h], xi, a, b, E, k) for xi, (a, b) in zip(xs, rts)]
-                    if M <= 256 and check:
+                    if M <= check_max_m and check:
                         r[f"humming_{h}_err_vs_bf16"] = rel(runs[0](), ref_moe(x, tw, ti, w13.float(), w2.float()))
                     r[f"humming_{h}_us"] = safe_us(runs)
                 except Exception as ex:
@@ -184,6 +187,7 @@ def main():
     p.add_argument("--humming-models", default="qwen3-30b-a3b,mixtral-8x7b",
                    help="models on which Humming runs too (its JIT costs ~10 s per layer and format)")
     p.add_argument("--routings", type=int, default=8, help="distinct token batches / routings timed in rotation")
+    p.add_argument("--check-max-m", type=int, default=256, help="check vs the fp32 per-expert loop up to this M")
     add_run_args(p, budget_s=240)
     args = p.parse_args()
     meta = start_run(args, "bench/moe.py")
@@ -196,7 +200,7 @@ def main():
         if past_deadline():
             break
         try:
-            run_model(name, ms, fmts, rows, args.budget_s if name in hm else -1, args.routings)
+            run_model(name, ms, fmts, rows, args.budget_s if name in hm else -1, args.routings, args.check_max_m)
         except Exception:
             traceback.print_exc()
         write_report(rows, args.out, meta, stem="moe", ratios=RATIOS)

@@ -31,6 +31,12 @@ from kestrel.kernels.moe_mv import MvConfig, PlanarW4, grouped_gemm_planar  # no
 from kestrel.kernels.moe_tc import TcConfig, grouped_gemm_planar_tc  # noqa: E402
 from kestrel.quant.packing import unpack_codes  # noqa: E402
 
+try:  # the Gluon grouped kernel (GPU only)
+    from kestrel.kernels.moe_tcg import TcgConfig, grouped_gemm_planar_tcg, supports as tcg_supports
+except Exception as _ex:  # noqa: BLE001
+    TcgConfig = None
+    TCG_IMPORT_ERROR = repr(_ex)
+
 DEV = os.environ.get("SWEEP_DEVICE", "cuda")
 
 
@@ -76,6 +82,11 @@ T_ = TcConfig
 TLARGE = [T_(64, 128, 4, 3, 0, 1), T_(64, 128, 4, 3, 1, 1), T_(128, 128, 8, 3, 0, 2), T_(128, 128, 8, 3, 0, 1),
           T_(64, 128, 8, 3, 0, 2), T_(128, 256, 8, 3, 0, 1), T_(128, 64, 4, 3, 0, 1), T_(64, 256, 8, 3, 0, 1),
           T_(128, 128, 8, 4, 0, 2), T_(64, 128, 4, 4, 0, 1), T_(128, 128, 8, 2, 0, 2), T_(128, 128, 8, 3, 1, 1)]
+
+
+# the Gluon tcg kernel (moe_tcg.py): BM:BN:warps:stages:GROUP_M:SWAP[:REFILL]
+TCG = ("64:256:8:3:8:1,64:256:8:2:8:1,64:256:8:4:8:1,32:256:8:3:8:1,"
+       "64:256:8:3:0:1,64:256:8:3:16:1,32:128:8:3:8:1")
 
 
 def random_w4(E, N, K, gen_seed=0):
@@ -171,13 +182,15 @@ def sweep_shape(name, ms, rows, args):
         cfgs = cfgs if "lowbit" in kernels else []
         tl_ = [T_(*(int(v) for v in c.split(":"))) for c in args.tc.split(",")] if args.tc else TLARGE
         tcfgs = tl_[:args.max_tc] if "tc" in kernels and T / E > 16 else []
+        gcfgs = ([TcgConfig(*(int(v) for v in c.split(":"))) for c in args.tcg.split(",")]
+                 if "tcg" in kernels and T / E > 16 and TcgConfig is not None else [])
         slots = torch.randperm(T)[:16].tolist()
         ref = ref_rows(x, W, idss[0], slots, k)
         bms = sorted({c.BM for c in cfgs})
         aligns = {bm: [ma.moe_align(i, E, bm) for i in idss] for bm in bms}
         pcfgs = (PDECODE if T / E <= 16 else PLARGE)[:args.max_planar] if "planar" in kernels else []
         pref = ref_rows_planar(x, P, idss[0], slots, k)
-        for bm in {c.BM for c in pcfgs + tcfgs} - set(aligns):
+        for bm in {c.BM for c in pcfgs + tcfgs + gcfgs} - set(aligns):
             aligns[bm] = [ma.moe_align(i, E, bm) for i in idss]
 
         def measure(r, launch, want):
@@ -199,6 +212,13 @@ def sweep_shape(name, ms, rows, args):
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "kernel": "planar", "cfg": cfg.as_dict(),
                  "touched_experts": touched}
             measure(r, lambda i, out, cfg=cfg: grouped_gemm_planar(x, P, aligns[cfg.BM][i], T, k, out, cfg), pref)
+        for cfg in gcfgs:  # first: the new kernel's numbers are the ones a time-boxed run must return
+            r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "kernel": "tcg", "cfg": cfg.as_dict(),
+                 "touched_experts": touched, "supported": tcg_supports(x, P, cfg)}
+            measure(r, lambda i, out, cfg=cfg: grouped_gemm_planar_tcg(x, P, aligns[cfg.BM][i], T, k, out, cfg), pref)
+            if time.time() - T0 > args.deadline_s:
+                log("deadline: stopping the tcg configs")
+                break
         for cfg in tcfgs:
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "kernel": "tc", "cfg": cfg.as_dict(),
                  "touched_experts": touched}
@@ -225,7 +245,7 @@ def sweep_shape(name, ms, rows, args):
             log("ROW", json.dumps(r))
         if SAVE[0]:
             SAVE[0]()  # after every M: a time-boxed run keeps what it measured
-        for kern in ("lowbit", "planar", "tc", None):
+        for kern in ("lowbit", "planar", "tc", "tcg", None):
             best = min((r for r in rows if r.get("shape") == name and r["M"] == M and r.get("us") and
                         r.get("kernel") == kern), key=lambda r: r["us"], default=None)
             if best:
@@ -272,7 +292,8 @@ def main():
     p.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "tiny" and not s.endswith("-down")))
     p.add_argument("--ms", default="1,64,1024")
     p.add_argument("--deadline-s", type=float, default=1e9)
-    p.add_argument("--kernels", default="lowbit,planar,tc", help="comma list of lowbit,planar,tc")
+    p.add_argument("--kernels", default="lowbit,planar,tc", help="comma list of lowbit,planar,tc,tcg")
+    p.add_argument("--tcg", default=TCG, help="tcg (Gluon) configs: BM:BN:warps:stages:GROUP_M:SWAP[:REFILL],...")
     p.add_argument("--max-planar", type=int, default=100, help="first N planar configs of the list only")
     p.add_argument("--max-tc", type=int, default=100, help="first N tc configs of the list only")
     p.add_argument("--tc", default="", help="tc configs instead of the list: BM:BN:warps:stages:swap:dec,...")

@@ -176,14 +176,15 @@ def test_moe_bad_inputs():
 @pytest.mark.parametrize("M", [5, 130])
 def test_fused_moe_planar_int4_vs_reference_loop(M):
     """the layer with planar int4 experts vs the per-expert loop: M = 5 runs the moe_mv kernel for both projections,
-    M = 130 (65 slots per expert: 64-row blocks) the moe_tc one."""
+    M = 130 (65 slots per expert: 64-row blocks) the moe_tcg one (here on the CPU: its moe_tc fallback)."""
     torch.manual_seed(6)
     H, I, E, k = 128, 128, 4, 2
     router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
     moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=64)  # planar by default here
     assert moe.w13.planar is not None and moe.w2.planar is not None
     x = torch.randn(M, H).to(torch.bfloat16)
-    want = MvConfig if M == 5 else TcConfig
+    from kestrel.kernels.moe_gemm import TcgConfig  # the Gluon kernel's config (the tc kernel runs it here)
+    want = MvConfig if M == 5 else (TcgConfig, TcConfig)
     assert all(isinstance(c, want) for c in moe_configs(M, k, E, "bf16", moe.w13, moe.w2))
     tw, ti = moe.route(x)
     y = moe(x)
@@ -194,3 +195,56 @@ def test_fused_moe_planar_int4_vs_reference_loop(M):
     # same quantized values as the halves/pairs int4 layer
     halves = FusedMoE.from_float(router, w13, w2, k, "int4", group=64, planar=False)
     assert halves.w13.planar is None and torch.equal(moe.w13.dequantize(), halves.w13.dequantize())
+
+
+def test_tcg_config_falls_back_to_tc_off_hopper():
+    """a TcgConfig (Gluon kernel, Hopper only) runs the Triton tc kernel where Gluon cannot (here: the CPU
+    interpreter), with the same result; `supports` refuses CPU tensors and groups other than 128."""
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    from kestrel.kernels.moe_tcg import TcgConfig, supports
+    g = torch.Generator().manual_seed(4)
+    M, k, E, N, K = 6, 2, 4, 64, 256
+    q = torch.randint(-8, 8, (E, N, K), generator=g)
+    sc = torch.rand(E, N, K // 128, generator=g) * 0.1 + 0.01
+    W = moe_gemm.ExpertWeights("int4", planar=planar_from_codes(q, sc, 128))
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32)
+    T = M * k
+    cfg = TcgConfig(BM=16, BN=32)
+    assert not supports(x, W.planar, cfg)
+    assert not supports(x, planar_from_codes(q, sc.repeat_interleave(2, -1), 64), cfg)
+    Wd = (q.double() * sc.double().repeat_interleave(128, -1)).to(torch.bfloat16).double()
+    ref = torch.stack([x[t // k].double() @ Wd[ids.flatten()[t]].t() for t in range(T)])
+    al = moe_align(ids, E, cfg.BM)
+    out = torch.full((T, N), float("nan"))
+    moe_gemm.grouped_gemm(moe_gemm.quant_act(x, "bf16"), W, al, T, k, out, cfg)
+    assert _rel(out, ref) < 1e-6
+    tc = torch.full((T, N), float("nan"))
+    moe_gemm.grouped_gemm(moe_gemm.quant_act(x, "bf16"), W, al, T, k, tc, moe_gemm._tc_fallback(cfg))
+    assert torch.equal(out, tc)
+
+
+@pytest.mark.parametrize("bn,warps", [(128, 8), (256, 8), (64, 4), (128, 4)])
+def test_tcg_swapped_decode_layout_is_the_wgmma_a_fragment(bn, warps):
+    """moe_tcg's swapped kernel decodes [BN, 8 fields, 16 word rows] and reshapes it to the [BN, 128] wgmma A
+    operand: that reshape must land on Triton's own DotOperandLayout (same lanes / warps, registers permuted only,
+    so the convert is free) with the bf16x2 pair (register 0) on adjacent k (word rows r, r + 1)."""
+    gluon_ir = pytest.importorskip("triton._C.libtriton.gluon_ir")
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon import language as gl
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    b = gluon_ir.GluonOpBuilder(ctx)
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, 64, 16])
+    want = b.to_linear_layout(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)._to_ir(b), [bn, 128])
+    got = moe_gemm.moe_tcg._rows_layout.fn(bn, warps)
+    flat = lambda bases: [[n, 16 * f + r] for n, f, r in bases]  # noqa: E731 (k = 16 f + r: the planar order)
+    assert flat(got.lane_bases) == [list(v) for v in want.lane_bases]
+    assert flat(got.warp_bases) == [list(v) for v in want.warp_bases]
+    assert sorted(flat(got.reg_bases)) == sorted(list(v) for v in want.reg_bases)
+    assert flat(got.reg_bases)[0] == [0, 1] == list(want.reg_bases[0])

@@ -51,3 +51,17 @@ def test_tune_stores_the_fastest_and_the_layer_uses_it(tiny, monkeypatch):
                               "int4", planar=True)
     moe(torch.randn(3, H).to(torch.bfloat16))
     assert seen == [want[2 * I, H], want[H, I]] and all(isinstance(c, MvConfig) for c in seen)
+
+
+def test_tcg_entries_round_trip_through_the_cache(tiny):
+    """a Gluon tcg winner is stored with kind "tcg" and comes back as a TcgConfig (the layer then runs it, or the tc
+    kernel where Gluon cannot run)."""
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    cands = moe_tune.candidates("moe-int4p", 1024, 128, 8, 1536, 2048)
+    tcg = [c for c in cands if isinstance(c, moe_gemm.TcgConfig)]
+    assert tcg and all(c.BM == cands[0].BM for c in tcg) and {c.SWAP for c in tcg} == {0, 1}
+    moe_tune.store("moe-int4p", 1024, 128, 8, 1536, 2048, tcg[0], 100.0, 120.0)
+    moe_tune._LOOKUPS.clear()
+    assert moe_tune.lookup("moe-int4p", 1024, 128, 8, 1536, 2048, tcg[0].BM) == tcg[0]

@@ -37,7 +37,9 @@ def _check_2d(x: torch.Tensor, multiple: int, what: str) -> torch.Tensor:
 
 @triton.jit
 def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
-                       IS_INT8: tl.constexpr, BLOCK: tl.constexpr, ONE_TRIP: tl.constexpr):
+                       IS_INT8: tl.constexpr, BLOCK: tl.constexpr, ONE_TRIP: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # let the GEMM that consumes q (a programmatic dependent launch) start its weight prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     g = tl.program_id(1)
     base = g * G
@@ -76,7 +78,7 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
                 tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
 
 
-def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool):
+def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = False):
     name = "quant_int8" if is_int8 else "quant_fp8"
     x = _check_2d(x, 1 if group_size in (-1, None) else group_size, name)
     M, K = x.shape
@@ -92,23 +94,24 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool):
     # of 8192 at M = 1, 1.6 us for the same row as 64 one-trip groups; bench/results/gemm_w8a8_h200_run5.md)
     BLOCK = min(triton.next_power_of_2(G), 8192)
     _quant_8bit_kernel[(M, n_groups)](x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8,
-                                      BLOCK=BLOCK, ONE_TRIP=G <= BLOCK,
+                                      BLOCK=BLOCK, ONE_TRIP=G <= BLOCK, PDL=pdl,
                                       num_warps=8 if BLOCK >= 4096 else 4 if BLOCK >= 1024 else 2)
     return q, s
 
 
-def quant_fp8(x: torch.Tensor, group_size: int = -1):
-    """x [M, K] -> (q float8_e4m3fn [M, K], scale fp32 [M, K // group]); group_size -1 = one scale per token."""
+def quant_fp8(x: torch.Tensor, group_size: int = -1, pdl: bool = False):
+    """x [M, K] -> (q float8_e4m3fn [M, K], scale fp32 [M, K // group]); group_size -1 = one scale per token.
+    pdl: the next kernel is a programmatic dependent launch (gemm_w8a8 pdl=True) that may start right away."""
     if not use_triton(x):
         return ref_quant_fp8(x, group_size)
-    return _quant_8bit(x, group_size, is_int8=False)
+    return _quant_8bit(x, group_size, is_int8=False, pdl=pdl)
 
 
-def quant_int8(x: torch.Tensor):
-    """x [M, K] -> (q int8 [M, K], scale fp32 [M, 1]); symmetric, per token."""
+def quant_int8(x: torch.Tensor, pdl: bool = False):
+    """x [M, K] -> (q int8 [M, K], scale fp32 [M, 1]); symmetric, per token. pdl: as quant_fp8."""
     if not use_triton(x):
         return ref_quant_int8(x)
-    return _quant_8bit(x, -1, is_int8=True)
+    return _quant_8bit(x, -1, is_int8=True, pdl=pdl)
 
 
 def ref_quant_fp8(x: torch.Tensor, group_size: int = -1):

@@ -4,6 +4,8 @@ Layouts: activation q [M, K] with per-token scale [M, 1] (or DeepSeek-style per-
 (K contiguous — what wgmma wants for 8-bit operands) with per-channel scale [N] (or 128x128 block scales
 [N // 128, K // 128]). out = (A_q * a_scale) @ (W_q * w_scale)^T in bf16 / fp16.
 """
+import os
+
 import torch
 
 from kestrel.kernels import act_quant
@@ -12,6 +14,9 @@ from kestrel.kernels.lowbit_gemm import (A_BF16, A_FP8, A_INT8, W_FP8, W_INT8, G
 
 FP8_BLOCK = 128  # DeepSeek-V3 block-scale granularity
 FUSED_MAX_M = 16  # w8a8_linear: fused activation quant up to this many tokens (above: separate quant + TMA GEMM)
+# w8a8_linear above FUSED_MAX_M: quant + GEMM as a programmatic-dependent-launch pair (KESTREL_W8A8_PDL=0 turns it
+# off). H200 fp8 8192x8192 M = 64: e2e 26.37 -> 25.62 us, same output (bench/results/gemm_w8a8_h200_run6_r2.md, s4)
+USE_PDL = os.environ.get("KESTREL_W8A8_PDL", "1") == "1"
 
 
 def quantize_weight_w8a8(w: torch.Tensor, dtype: str = "fp8", block: int = 0):
@@ -56,12 +61,15 @@ def _operands(a_q, a_scale, w_q, w_scale):
     return a_op, w_op, M, N, K
 
 
-def gemm_w8a8(a_q, a_scale, w_q, w_scale, out_dtype=torch.bfloat16, config: GemmConfig | None = None):
-    """(a_q [M, K], a_scale [M, 1 | K/g]) x (w_q [N, K], w_scale [N] | [N/128, K/128]) -> [M, N] out_dtype."""
+def gemm_w8a8(a_q, a_scale, w_q, w_scale, out_dtype=torch.bfloat16, config: GemmConfig | None = None,
+              pdl: bool = False):
+    """(a_q [M, K], a_scale [M, 1 | K/g]) x (w_q [N, K], w_scale [N] | [N/128, K/128]) -> [M, N] out_dtype.
+    pdl: launch the TMA kernel as a programmatic dependent of the kernel before it (which produced a_q / a_scale
+    and triggered early: act_quant pdl=True); it prefetches weights into the L2 while waiting."""
     a_op, w_op, M, N, K = _operands(a_q, a_scale, w_q, w_scale)
     if not act_quant.use_triton(a_q):
         return ref_gemm_w8a8(a_q, a_scale, w_q, w_scale).to(out_dtype)
-    return run_dense(a_op, w_op, M, N, K, out_dtype, config or tuned_config(M, N, K, a_op.fmt))
+    return run_dense(a_op, w_op, M, N, K, out_dtype, config or tuned_config(M, N, K, a_op.fmt), pdl=pdl)
 
 
 def gemm_w8a16(x: torch.Tensor, w_q, w_scale, out_dtype=torch.bfloat16, config: GemmConfig | None = None):
@@ -79,7 +87,7 @@ def gemm_w8a16(x: torch.Tensor, w_q, w_scale, out_dtype=torch.bfloat16, config: 
     return run_dense(Operand(A_BF16, x.to(torch.bfloat16).contiguous()), w_op, M, N, K, out_dtype, cfg)
 
 
-def w8a8_linear(x: torch.Tensor, w_q, w_scale, act_group: int = -1, out_dtype=None):
+def w8a8_linear(x: torch.Tensor, w_q, w_scale, act_group: int = -1, out_dtype=None, pdl: bool | None = None):
     """bf16 x [..., K] -> quantize per token (or per group) -> W8A8 GEMM -> [..., N]. fp8 per-channel weights at
     <= FUSED_MAX_M tokens: one fused launch with per-(token, 128) activation scales instead."""
     lead, K = x.shape[:-1], x.shape[-1]
@@ -90,11 +98,13 @@ def w8a8_linear(x: torch.Tensor, w_q, w_scale, act_group: int = -1, out_dtype=No
         # (gemm_w8a8_fused.py; H200: e2e 29.4 -> see bench/results/gemm_w8a8_h200_run5.md at M = 1)
         from kestrel.kernels.gemm_w8a8_fused import gemm_w8a8_fused
         return gemm_w8a8_fused(x2, w_q, w_scale, out_dtype or x.dtype).reshape(*lead, -1)
+    # quant -> GEMM as a programmatic dependent launch pair (Hopper+): the GEMM's CTAs start while the quant runs
+    pdl = (USE_PDL if pdl is None else pdl) and x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
     if w_q.dtype == torch.int8:
-        a_q, a_s = act_quant.quant_int8(x2)
+        a_q, a_s = act_quant.quant_int8(x2, pdl=pdl)
     else:
-        a_q, a_s = act_quant.quant_fp8(x2, act_group)
-    y = gemm_w8a8(a_q, a_s, w_q, w_scale, out_dtype or x.dtype)
+        a_q, a_s = act_quant.quant_fp8(x2, act_group, pdl=pdl)
+    y = gemm_w8a8(a_q, a_s, w_q, w_scale, out_dtype or x.dtype, pdl=pdl)
     return y.reshape(*lead, -1)
 
 

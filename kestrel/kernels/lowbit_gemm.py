@@ -500,8 +500,9 @@ def _tma_shape(a: Operand, w: Operand) -> bool:
 
 
 def run_dense(a: Operand, w: Operand, M: int, N: int, K: int, out_dtype: torch.dtype,
-              cfg: GemmConfig | None = None) -> torch.Tensor:
-    """Dense C[M, N] = A[M, K] @ W[N, K]^T with the scales of both operands."""
+              cfg: GemmConfig | None = None, pdl: bool = False) -> torch.Tensor:
+    """Dense C[M, N] = A[M, K] @ W[N, K]^T with the scales of both operands. pdl: the TMA kernel (if it runs) is a
+    programmatic dependent launch of the kernel before it (lowbit_tma.launch_tma)."""
     if M == 0:
         return torch.empty((0, N), dtype=out_dtype, device=a.data.device)
     if cfg is None:
@@ -510,7 +511,7 @@ def run_dense(a: Operand, w: Operand, M: int, N: int, K: int, out_dtype: torch.d
         from kestrel.kernels.lowbit_tma import launch_tma, tma_ok
         out = torch.empty((M, N), dtype=out_dtype, device=a.data.device)
         if tma_ok(a.data, w.data, out):
-            return launch_tma(a.data, a.scale.reshape(-1), w.data, w.scale.reshape(-1), out, cfg)
+            return launch_tma(a.data, a.scale.reshape(-1), w.data, w.scale.reshape(-1), out, cfg, pdl=pdl)
     if cfg.SPLIT_K > 1:
         acc = torch.zeros((M, N), dtype=torch.float32, device=a.data.device)
         launch(a, w, acc, M, N, K, cfg)

@@ -7,6 +7,7 @@ block's expert id and token rows, and the down projection multiplies by the rout
 int4 x bf16 experts in the WNA16 planar layout run their own grouped kernels instead: moe_mv.py (decode-sized expert
 blocks, < TC_MIN_BM rows) and moe_tc.py (larger blocks: one K = 128 tensor-core dot per step).
 """
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,15 @@ from kestrel.kernels.lowbit_gemm import (A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4
                                          Operand, launch)
 from kestrel.kernels.moe_mv import MvConfig, PlanarW4, grouped_gemm_planar, planar_from_nibbles
 from kestrel.kernels.moe_tc import TcConfig, grouped_gemm_planar_tc
+
+try:  # the Gluon grouped kernel (moe_tcg.py; GPU only)
+    from kestrel.kernels import moe_tcg
+    from kestrel.kernels.moe_tcg import TcgConfig
+except Exception:  # noqa: BLE001 (a Triton without Gluon: the tc kernel serves)
+    moe_tcg = None
+
+    class TcgConfig:  # placeholder: isinstance checks stay valid
+        pass
 
 WEIGHT_FORMATS = ("bf16", "fp8", "int8", "int4", "mxfp4", "nvfp4")
 ACT_FORMATS = ("bf16", "fp8", "int8", "mxfp4", "nvfp4")
@@ -126,6 +136,8 @@ def moe_config(num_slots: int, num_experts: int, act: str, planar: bool = False)
     1.5x slower than 64-row swapped ones on Mixtral at M = 1024, bench/results/moe_h200_run4.md)."""
     per_expert = num_slots / max(num_experts, 1)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 or planar else 128
+    if planar and bm == 64 and per_expert <= 96 and _tcg32():
+        bm = 32  # KESTREL_MOE_TCG_BM=32: 32-row blocks for the swapped Gluon kernel (less padding, wgmma N 32)
     dq16 = act in ("bf16", "mxfp4", "nvfp4")
     bk = 64 if dq16 else 128
     warps = 8 if bm >= 128 else 4
@@ -164,8 +176,14 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
         while split < 4 and progs * split * 2 <= 8 * num_sms and K // (128 * split * 2) >= 2:
             split *= 2
         return MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=2, num_stages=3)
-    if bm >= TC_MIN_BM:  # compute bound: one K=128 tensor-core dot per step (moe_tc). H200, M = 1024 up projection
-        # (bench/results/moe_h200_run6.md): Qwen3 225.7 us vs 243.4 for mv, Mixtral 1548 vs 1707
+    # compute bound: one K=128 tensor-core dot per step (moe_tc / moe_tcg). H200, M = 1024 up projection
+    # (bench/results/moe_h200_run6.md): Qwen3 225.7 us vs 243.4 for mv, Mixtral 1548 vs 1707
+    if bm >= TC_MIN_BM or (bm == 32 and num_slots / max(num_experts, 1) > 32 and _tcg32()):
+        if USE_TCG and moe_tcg is not None and w.planar.group == 128:  # Gluon: decode overlapped with the wgmma
+            # H200, M = 1024 (bench/results/moe_h200_run6.md, session 4 R1): swapped BN 256 204.7 / 132.5 / 1310 us
+            # (Qwen3 up / down, Mixtral up) vs tc 225.7 / 147.8 / 1549; the unswapped tcg was slower than tc
+            swap = USE_TCG == "2"
+            return TcgConfig(BM=bm, BN=256 if swap else 128, num_warps=8, num_stages=3, GROUP_M=8, SWAP=int(swap))
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
@@ -173,6 +191,19 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
 
 # planar int4 expert blocks of at least this many rows run the tc kernel (moe_tc.py) by default, smaller ones mv
 TC_MIN_BM = 64
+# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=2 (default: W
+# decoded into the wgmma's register operand), 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
+USE_TCG = os.environ.get("KESTREL_MOE_TCG", "2")
+USE_TCG = "" if USE_TCG == "0" else USE_TCG
+
+
+def _tcg32() -> bool:
+    return os.environ.get("KESTREL_MOE_TCG_BM") == "32" and USE_TCG == "2" and moe_tcg is not None
+
+
+def _tc_fallback(cfg: "TcgConfig") -> TcConfig:
+    """the Triton tc config standing in for a tcg one where Gluon cannot run (CPU interpreter, not Hopper)."""
+    return TcConfig(BM=cfg.BM, BN=cfg.BN, num_warps=8, num_stages=3, DEC=2)
 
 
 def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int, out: torch.Tensor,
@@ -182,6 +213,11 @@ def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int
     (moe_tc kernel). reduce_k
     > 0: out [slots // reduce_k, N] fp32 gets each token's sum over its slots (fp32 atomics, no fixed order)."""
     if w.planar is not None:
+        if isinstance(cfg, TcgConfig):
+            if moe_tcg.supports(a.data, w.planar, cfg):
+                return moe_tcg.grouped_gemm_planar_tcg(a.data, w.planar, align, num_slots, a_div, out, cfg,
+                                                       topk_weights, reduce_k)
+            cfg = _tc_fallback(cfg)
         if isinstance(cfg, TcConfig):
             return grouped_gemm_planar_tc(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)
         return grouped_gemm_planar(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)

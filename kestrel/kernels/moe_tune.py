@@ -46,6 +46,9 @@ def _config_of(entry):
     try:
         d = entry["config"]
         kind = entry.get("kind")
+        if kind == "tcg":
+            from kestrel.kernels.moe_gemm import TcgConfig, moe_tcg
+            return TcgConfig.from_dict(d) if moe_tcg is not None else None
         return (MvConfig if kind == "mv" else TcConfig if kind == "tc" else GemmConfig).from_dict(d)
     except (TypeError, KeyError):
         return None
@@ -79,9 +82,14 @@ def lookup(kernel: str, M: int, E: int, top_k: int, N: int, K: int, block_m: int
     return _LOOKUPS[key]
 
 
+def _kind(cfg) -> str:
+    from kestrel.kernels.moe_gemm import TcgConfig
+    return ("mv" if isinstance(cfg, MvConfig) else "tc" if isinstance(cfg, TcConfig) else
+            "tcg" if isinstance(cfg, TcgConfig) else "gemm")
+
+
 def store(kernel: str, M: int, E: int, top_k: int, N: int, K: int, cfg, us=None, heuristic_us=None) -> None:
-    entry = {"config": cfg.as_dict(),
-             "kind": "mv" if isinstance(cfg, MvConfig) else "tc" if isinstance(cfg, TcConfig) else "gemm"}
+    entry = {"config": cfg.as_dict(), "kind": _kind(cfg)}
     if us is not None:
         entry.update(us=round(us, 3), heuristic_us=None if heuristic_us is None else round(heuristic_us, 3))
     store_cache(cache_path(), {shape_key(gpu_name(), _name(kernel, E, top_k), N, K, m_bucket(M)): entry})
@@ -105,6 +113,11 @@ def candidates(kernel: str, M: int, E: int, top_k: int, N: int, K: int, heuristi
             for bn, warps, dec in ((128, 4, 1), (128, 8, 2), (256, 8, 1), (64, 4, 1)):
                 for stages in (3, 4):
                     out.append(TcConfig(BM=bm, BN=bn, num_warps=warps, num_stages=stages, DEC=dec))
+            from kestrel.kernels.moe_gemm import TcgConfig, moe_tcg
+            if moe_tcg is not None and bm in (64, 128):  # the Gluon kernels (Hopper; moe_gemm falls back to tc)
+                for swap, bn, stages in ((1, 256, 3), (1, 256, 2), (1, 256, 4), (1, 128, 3), (1, 128, 4),
+                                         (0, 128, 3)):
+                    out.append(TcgConfig(BM=bm, BN=bn, num_warps=8, num_stages=stages, GROUP_M=8, SWAP=swap))
     else:
         swaps = (0, 1) if act != "bf16" or kernel == "moe-int4" else (0,)
         # split-K outermost: a --max-candidates prefix covers every tile width before any K split (with thousands

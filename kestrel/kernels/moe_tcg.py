@@ -1,0 +1,366 @@
+"""Grouped MoE GEMM for planar int4 g128 experts (moe_mv.PlanarW4) at large token counts, in Gluon: the decode of
+K step s+1 overlaps the asynchronous wgmma of step s ("tcg": the dense gemm_wna16_tcg.py loop, adapted to experts).
+
+Why: moe_tc.py (Triton) decodes the weight tile into shared memory and waits on each wgmma right away (Triton 3.6
+does not pipeline a dot whose operand is computed in the loop), so decode and MMA serialise inside a CTA; at
+M = 1024 it reached 0.57x of Humming's MoE GEMM on Qwen3-30B-A3B's up projection (bench/results/moe_h200_run6.md).
+Here the loop is written out as in the dense tcg kernel: a ring of STAGES loads, the decoded W tile double-buffered
+in shared memory, warpgroup_mma(is_async) + warpgroup_mma_wait(1).
+
+Differences from the dense kernel: the x rows of an expert block are gathered (token ids from moe_align), so x is
+loaded with cp.async (one commit group per K step; TMA cannot gather on Hopper); the packed words and the fp32 group
+scales come by TMA from 2-D views [E * K / 8, N] / [E * K / 128, N] at the expert's row offset. Epilogue as moe_tc:
+routing weight, bf16 store into the slot rows or relaxed fp32 atomics into token rows (reduce_k).
+
+Numerics as moe_tc DEC 1/2: (c - 8) * bf16(scale) rounded to bf16 once (packed bf16x2 PTX), fp32 accumulation.
+GPU only (no interpreter for Gluon): moe_gemm falls back to moe_tc where `supports` is false.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kestrel.kernels.moe_mv import BLOCK_K, PlanarW4
+
+R = gl.constexpr(16)  # word rows per planar block (packing.PLANE_ROWS)
+BK = gl.constexpr(128)  # k per planar block of int4
+
+# as gemm_wna16_tcg._ASM_PAIR: fields j, j + 4 of one word -> bf16x2 ((c_j - 8) * s, (c_{j+4} - 8) * s)
+_ASM_PAIR = gl.constexpr("{ .reg .b32 t; shr.u32 t, $1, $3; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+                         "sub.rn.bf16x2 t, t, $5; mul.rn.bf16x2 $0, t, $6; }")
+
+
+@dataclass(frozen=True)
+class TcgConfig:
+    """compute config of the grouped Gluon kernel (BM = rows per expert block, shared with moe_align)."""
+    BM: int = 64
+    BN: int = 128
+    num_warps: int = 8
+    num_stages: int = 3  # depth of the load ring (x by cp.async, words + scales by TMA)
+    GROUP_M: int = 8  # expert blocks that walk the N tiles together (0: all blocks of one N tile first)
+    SWAP: int = 0  # 1: W decoded straight into the wgmma's register A operand, x^T the shared B (_moe_tcgs_kernel)
+    REFILL: int = 0  # swapped kernel: 1 refills the previous step's ring slot after the pre-MMA barrier (one CTA
+    # barrier per step instead of two). BROKEN on the H200 (err 0.25, session 4 R2): `supports` refuses it
+    SPLIT_K = 1  # no K split (class constant, as TcConfig)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TcgConfig":
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+@gluon.constexpr_function
+def _mma_layout(block_m, block_n, num_warps):
+    wm = 4  # 4-warp groups along M while M has rows for them, the rest along N
+    while wm * 2 <= num_warps and block_m >= 16 * wm * 2:
+        wm *= 2
+    wn = num_warps // wm
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, block_n // wn, 16])
+
+
+@gluon.jit
+def _issue(q_desc, s_desc, bar, q_buf, s_buf, x_buf, x_ptrs, qrow0, srow0, off_n, step, pred):
+    """step's loads into one ring slot: words + scales by TMA (on bar), the gathered x rows by cp.async (one
+    commit group, committed even when pred is false so the group count stays one per step)."""
+    mbarrier.expect(bar, q_desc.block_type.nbytes + s_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [qrow0 + step * R, off_n], bar, q_buf, pred=pred)
+    tma.async_copy_global_to_shared(s_desc, [srow0 + step, off_n], bar, s_buf, pred=pred)
+    async_copy.async_copy_global_to_shared(x_buf, x_ptrs + step * BK, mask=gl.full(x_ptrs.shape, 1, gl.int1,
+                                                                                  x_ptrs.type.layout) & pred)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _moe_tcg_kernel(x_ptr, q_desc, s_desc, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
+                    out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
+                    num_warps: gl.constexpr):
+    pid = gl.program_id(0)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    if GROUP_M > 0:  # tl.swizzle2d: GROUP_M expert blocks walk the N tiles together (weight tiles shared in L2)
+        width = GROUP_M * num_pid_n
+        first_m = (pid // width) * GROUP_M
+        size_m = gl.minimum(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+    else:
+        pid_m = pid % num_m_blocks
+        pid_n = pid // num_m_blocks
+    if pid_m * BLOCK_M >= gl.load(npost_ptr):  # padding blocks past the last expert's run
+        return
+    expert = gl.load(expert_ptr + pid_m)
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    gl.assume(n_steps > 0)  # (dense tcg: without it the zero-trip path serialises every wgmma)
+    qrow0 = expert * (K // 8)
+    srow0 = expert * n_steps
+
+    # gathered x rows: a warp covers 2 rows x 128 k in 16-byte pieces (cp.async 16 B per thread and row piece)
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+    tok = gl.load(sorted_ptr + rows)
+    a_rows = gl.where(tok < num_valid, tok // a_div, 0).to(gl.int64)
+    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    x_ptrs = x_ptr + gl.expand_dims(a_rows * stride_xm, 1) + gl.expand_dims(kx, 0)
+
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_N], s_desc.layout)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BLOCK_N], gl.bfloat16)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BK, BLOCK_N], w_layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES - 1):
+        _issue(q_desc, s_desc, bars.index(i), q_smem.index(i), s_smem.index(i), x_smem.index(i), x_ptrs, qrow0,
+               srow0, off_n, i, i < n_steps)
+
+    # decode as gemm_wna16_tcg: [R, 2, 4, BN] (word row, field // 4, field % 4, column), the two fields of a
+    # bf16x2 pair in adjacent registers, permuted + reshaped into the [BK, BN] tile for one shared store
+    WR: gl.constexpr = 8 if num_warps > 8 else num_warps
+    L4: gl.constexpr = gl.BlockedLayout([1, 2, 4, 4], [2, 1, 1, 16], [WR, 1, 1, num_warps // WR], [1, 3, 2, 0])
+    q_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L4))
+    j_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
+    jsh = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=j_layout) * 4, 0), 1), 3)
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    for i in range(n_steps):
+        slot = i % STAGES
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        q = gl.expand_dims(gl.expand_dims(q_smem.index(slot).load(q_layout), 1), 2)  # [R, 1, 1, BN] int32
+        sc = gl.expand_dims(gl.expand_dims(s_smem.index(slot).load(q_layout).to(gl.bfloat16), 1), 2)
+        shape: gl.constexpr = [R, 2, 4, BLOCK_N]
+        w = gl.inline_asm_elementwise(_ASM_PAIR, "=r,r,r,r,r,r,r",
+                                      [q.broadcast_to(shape), jsh.broadcast_to(shape),
+                                       gl.full(shape, 136, gl.bfloat16, L4), sc.broadcast_to(shape)],
+                                      dtype=gl.bfloat16, is_pure=True, pack=2)
+        w = gl.reshape(gl.permute(gl.reshape(w, (R, 8, BLOCK_N)), (1, 0, 2)), (BK, BLOCK_N))
+        w_buf = w_smem.index(i % 2)  # read by the wgmma of step i - 2, finished (at most one in flight)
+        w_buf.store(w)
+        async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step i landed (one group per step)
+        fence_async_shared()  # generic-proxy stores / cp.async -> visible to the async-proxy wgmma
+        gl.thread_barrier()  # ... from every thread
+        acc = warpgroup_mma(x_smem.index(slot), w_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its ring slot is free
+        gl.thread_barrier()  # ... in every warpgroup, before the slot is refilled
+        nxt = i + STAGES - 1
+        ns = nxt % STAGES
+        _issue(q_desc, s_desc, bars.index(ns), q_smem.index(ns), s_smem.index(ns), x_smem.index(ns), x_ptrs, qrow0,
+               srow0, off_n, nxt, nxt < n_steps)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    async_copy.wait_group(0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WR, num_warps // WR], [1, 0])
+    out = gl.convert_layout(acc, out_layout)
+    otok = gl.load(sorted_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout)))
+    row_ok = otok < num_valid
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+    if MUL_ROUTED:
+        out = out * gl.expand_dims(gl.load(topk_w_ptr + otok, mask=row_ok, other=0.0), 1)
+    mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_n < N, 0)
+    if REDUCE:  # each slot into its token's row (zeroed by the host), relaxed fp32 atomics
+        y_rows = (otok // out_div).to(gl.int64)
+        gl.atomic_add(y_ptr + gl.expand_dims(y_rows * stride_ym, 1) + gl.expand_dims(offs_n, 0), out, mask=mask,
+                      sem="relaxed")
+    else:
+        ptrs = y_ptr + gl.expand_dims(otok.to(gl.int64) * stride_ym, 1) + gl.expand_dims(offs_n, 0)
+        gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# swapped kernel: two words (rows r, r + 1: adjacent k of the wgmma A fragment) -> bf16x2 of field f of both:
+# prmt puts byte f // 2 of each at bytes 0 / 2, shr by 4 (f % 2) brings field f to bits 0 / 16, then as _ASM_PAIR
+_ASM_ROWS = gl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, $3; shr.u32 t, t, $5; "
+                         "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $7; mul.rn.bf16x2 $0, t, $8; }")
+
+
+@gluon.constexpr_function
+def _rows_layout(block_n, num_warps):
+    """[BN, 8 fields, 16 word rows] so that the reshape to [BN, 128] (k = 16 f + r, the planar order) is the wgmma A
+    fragment (DotOperandLayout k_width 2 of an MMA with all warps along BN; checked against Triton's linear layout
+    in tests): registers k0 (the bf16x2 pair: rows r, r + 1), n + 8, k + 8, then the fields, then further BN."""
+    reg = [[0, 0, 1], [8, 0, 0], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    r = 16 * num_warps
+    while r < block_n:
+        reg.append([r, 0, 0])
+        r *= 2
+    warp = []
+    w = 16
+    while w < 16 * num_warps:
+        warp.append([w, 0, 0])
+        w *= 2
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                      warp_bases=warp, block_bases=[], shape=[block_n, 8, 16])
+
+
+@gluon.jit
+def _decode_rows(q_buf, s_ptrs, n_ok, sel, sh, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """one K step's [BN, 128] bf16 weight tile (k in planar order = natural order) in the wgmma A layout; the
+    step's group scales straight from global memory (L2), in the layout of the tile's rows."""
+    sc = gl.load(s_ptrs, mask=n_ok, other=0.0).to(gl.bfloat16)
+    q = q_buf.permute((1, 0)).load(gl.SliceLayout(1, L3))  # [BN, 16] words, each thread its rows' 4 word rows
+    shape: gl.constexpr = [BLOCK_N, 8, 16]
+    w = gl.inline_asm_elementwise(_ASM_ROWS, "=r,r,r,r,r,r,r,r,r",
+                                  [gl.expand_dims(q, 1).broadcast_to(shape), sel.broadcast_to(shape),
+                                   sh.broadcast_to(shape), gl.full(shape, 136, gl.bfloat16, L3),
+                                   gl.expand_dims(gl.expand_dims(sc, 1), 2).broadcast_to(shape)],
+                                  dtype=gl.bfloat16, is_pure=True, pack=2)
+    return gl.convert_layout(gl.reshape(w, [BLOCK_N, 128]), a_layout)
+
+
+@gluon.jit
+def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
+                     out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr,
+                     REDUCE: gl.constexpr, EARLY_REFILL: gl.constexpr, num_warps: gl.constexpr):
+    """acc^T [BN, BM] = W tile (registers, decoded) @ x^T (shared): no shared store of the decoded weights, no
+    fence / barrier between decode and MMA for them; the decode of step i + 1 runs while the wgmma of step i does."""
+    pid = gl.program_id(0)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    if GROUP_M > 0:
+        width = GROUP_M * num_pid_n
+        first_m = (pid // width) * GROUP_M
+        size_m = gl.minimum(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+    else:
+        pid_m = pid % num_m_blocks
+        pid_n = pid // num_m_blocks
+    if pid_m * BLOCK_M >= gl.load(npost_ptr):
+        return
+    expert = gl.load(expert_ptr + pid_m)
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    gl.assume(n_steps > 0)
+    qrow0 = expert * (K // 8)
+    srow0 = expert * n_steps
+
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+    tok = gl.load(sorted_ptr + rows)
+    a_rows = gl.where(tok < num_valid, tok // a_div, 0).to(gl.int64)
+    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    x_ptrs = x_ptr + gl.expand_dims(a_rows * stride_xm, 1) + gl.expand_dims(kx, 0)
+
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_N], s_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        _issue(q_desc, s_desc, bars.index(i), q_smem.index(i), s_smem.index(i), x_smem.index(i), x_ptrs, qrow0,
+               srow0, off_n, i, i < n_steps)
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    L3: gl.constexpr = _rows_layout(BLOCK_N, num_warps)
+    f = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)  # prmt: bytes f//2 of both words
+    sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    n_ok = offs_sn < N - off_n
+    s_ptrs = s_ptr + srow0.to(gl.int64) * N + off_n + offs_sn
+    mbarrier.wait(bars.index(0), 0)
+    w = _decode_rows(q_smem.index(0), s_ptrs, n_ok, sel, sh, L3, a_layout, BLOCK_N)
+    for i in range(n_steps):
+        slot = i % STAGES
+        if EARLY_REFILL:  # groups: STAGES (prologue) + one per earlier iteration; step i's is at most STAGES - 2 old
+            async_copy.wait_group(STAGES - 2)
+        else:
+            async_copy.wait_group(STAGES - 1)  # this thread's cp.async of step i landed (one group per step)
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(w, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        if EARLY_REFILL:
+            # past the barrier every warpgroup has finished iteration i - 1 (its wgmma waited, step i decoded), so
+            # slot (i - 1) % STAGES is free: refill it here and save the second CTA barrier per step
+            ps = (i + STAGES - 1) % STAGES
+            _issue(q_desc, s_desc, bars.index(ps), q_smem.index(ps), s_smem.index(ps), x_smem.index(ps), x_ptrs,
+                   qrow0, srow0, off_n, i + STAGES - 1, (i > 0) & (i + STAGES - 1 < n_steps))
+        # the next step's decode while the wgmma runs (the last iteration decodes its own step again, unused)
+        j = gl.minimum(i + 1, n_steps - 1)
+        js = j % STAGES
+        mbarrier.wait(bars.index(js), (j // STAGES) & 1)
+        w_next = _decode_rows(q_smem.index(js), s_ptrs + j * N, n_ok, sel, sh, L3, a_layout, BLOCK_N)
+        acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
+        if not EARLY_REFILL:
+            gl.thread_barrier()  # every warpgroup done with slot i (x read by the wgmma, words by the decode)
+            _issue(q_desc, s_desc, bars.index(slot), q_smem.index(slot), s_smem.index(slot), x_smem.index(slot),
+                   x_ptrs, qrow0, srow0, off_n, i + STAGES, i + STAGES < n_steps)
+        w = w_next
+    async_copy.wait_group(0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    # acc^T [BN, BM] -> token rows of y: threads along n (contiguous in y)
+    out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    out = gl.convert_layout(acc, out_layout)
+    otok = gl.load(sorted_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)))
+    row_ok = otok < num_valid
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    if MUL_ROUTED:
+        out = out * gl.expand_dims(gl.load(topk_w_ptr + otok, mask=row_ok, other=0.0), 0)
+    mask = gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_n < N, 1)
+    if REDUCE:
+        y_rows = (otok // out_div).to(gl.int64)
+        gl.atomic_add(y_ptr + gl.expand_dims(y_rows * stride_ym, 0) + gl.expand_dims(offs_n, 1), out, mask=mask,
+                      sem="relaxed")
+    else:
+        ptrs = y_ptr + gl.expand_dims(otok.to(gl.int64) * stride_ym, 0) + gl.expand_dims(offs_n, 1)
+        gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
+    """Hopper, bf16 row-major x with 16-byte aligned rows, int4 g128 planar weights, a tile the kernel handles."""
+    E, N, K = w.shape
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0 and w.group == BLOCK_K and K % BLOCK_K == 0 and N % 4 == 0
+            and w.qweight.is_contiguous() and w.scales.is_contiguous() and w.scales.dtype == torch.float32
+            and cfg.BM in ((32, 64, 128) if cfg.SWAP else (64, 128)) and cfg.BN in (64, 128, 256)
+            and cfg.num_warps in (4, 8)
+            and (not cfg.SWAP or (cfg.BN >= 16 * cfg.num_warps and cfg.num_stages >= 2))
+            and not cfg.REFILL  # R2 (H200): REFILL=1 gave wrong results (err 0.25) and was slower: disabled
+            and torch.cuda.get_device_capability(x.device)[0] == 9)
+
+
+def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int, a_div: int, out: torch.Tensor,
+                            cfg: TcgConfig, topk_weights: torch.Tensor | None = None,
+                            reduce_k: int = 0) -> torch.Tensor:
+    """same contract as moe_tc.grouped_gemm_planar_tc (caller checks `supports`)."""
+    sorted_ids, expert_ids, num_post = align
+    E, N, K = w.shape
+    blocks = expert_ids.numel()
+    if sorted_ids.numel() != blocks * cfg.BM:
+        raise ValueError(f"the sort/align was made for another block size than BM={cfg.BM}")
+    if reduce_k:
+        if out.dtype != torch.float32 or out.shape[0] * reduce_k != num_slots:
+            raise ValueError(f"reduce_k={reduce_k}: out must be fp32 [{num_slots // reduce_k}, N]")
+        out.zero_()
+    r, bn = R.value, cfg.BN
+    lay = gl.NVMMASharedLayout.get_default_for
+    q_desc = TensorDescriptor.from_tensor(w.qweight.view(E * K // 8, N), [r, bn], lay([r, bn], gl.int32))
+    s_desc = TensorDescriptor.from_tensor(w.scales.view(E * (K // BLOCK_K), N), [1, bn], lay([1, bn], gl.float32))
+    tw = topk_weights if topk_weights is not None else out
+    grid = (blocks * -(-N // bn),)
+    kern, extra = (_moe_tcgs_kernel, (w.scales,)) if cfg.SWAP else (_moe_tcg_kernel, ())
+    kw = {"EARLY_REFILL": bool(cfg.REFILL)} if cfg.SWAP else {}
+    kern[grid](x, q_desc, s_desc, *extra, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
+               x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages,
+               GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0,
+               num_warps=cfg.num_warps, **kw)
+    return out
