@@ -1,0 +1,147 @@
+"""Decode (M <= 8) WNA16 A/B on one GPU, same process: the default config (tune cache) against
+  - "mvs8": the same tile as the swapped kernel with x as an 8-wide MMA N side (ComputeConfig("mvs", 8, ...)):
+    half the MMAs and half the per-group scale FMAs of the 16-row tile (sm_90 SASS: mxfp4 4.32 -> 3.85-3.94,
+    int4 2.50 -> 2.33-2.36 thread-instructions per weight element, bench/wna16_mv_sass.py), at a few splits;
+  - MXFP4 only: e8m0 scales folded into the decoded weights (gemm_wna16_small.FOLD_E8M0) on and off.
+Every config is checked against x @ dequant(W)^T (float32) before timing. Timing: CUDA graph of 20 calls rotating
+over >= 200 MB of weight copies (L2 cold), median of 10 replays. Kestrel's kernels compile first in worker processes.
+Writes $OUT/wna16_mvs8_sweep.json after every shape.
+
+  python bench/wna16_mvs8_sweep.py --ms 1,4 --formats int4,mxfp4
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gpu_timing import copy_bandwidth, shape_weights  # noqa: E402
+from kestrel.kernels.timing import graph_time_us  # noqa: E402
+
+
+def variants(layer, m, gpu, fmt):
+    """[(tag, config, fold)] for one point; fold None = the module default."""
+    from kestrel.kernels.configs import TuningConfig
+    dflt = TuningConfig(gpu).lookup(layer, m)
+    base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
+                                                                         num_stages=3)
+    out = [("dflt", dflt, None)]
+    if fmt == "mxfp4":
+        out.append(("dflt-nofold", dflt, False))
+    if m <= 8:
+        for sk in sorted({base.split_k, max(1, base.split_k // 2), base.split_k * 2}):
+            c = dataclasses.replace(base, kernel="mvs", block_m=8, split_k=sk)
+            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{sk}", c, None))
+        for bn, w in ((64, 1), (128, 2)):
+            if (bn, w) != (base.block_n, base.num_warps):
+                c = dataclasses.replace(base, kernel="mvs", block_m=8, block_n=bn, num_warps=w)
+                out.append((f"mvs8 bn{bn} w{w} sk{c.split_k}", c, None))
+        if fmt == "mxfp4":
+            c = dataclasses.replace(base, kernel="mvs", block_m=8)
+            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{c.split_k} nofold", c, False))
+    return [(t, c, f) for t, c, f in out if c.valid_for(layer)]
+
+
+def _warm(job):
+    fmt, n, k, ms, gpu = job
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.kernels.configs import LayerConfig
+    from kestrel.kernels.gemm_wna16 import gemm_wna16
+    from kestrel.kernels.tuning import FORMATS
+    from kestrel.quant import quantize
+    t0, errs = time.time(), []
+    qw = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, FORMATS[fmt])
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for tag, cfg, fold in variants(LayerConfig(FORMATS[fmt], n, k), m, gpu, fmt):
+            sm.FOLD_E8M0 = True if fold is None else fold
+            try:
+                gemm_wna16(x, qw, cfg)
+            except Exception as ex:
+                errs.append(f"{tag}: {ex!r}"[:200])
+    torch.cuda.synchronize()
+    return job[:3], time.time() - t0, errs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ms", default="1,4")
+    ap.add_argument("--formats", default="int4,mxfp4")
+    ap.add_argument("--models", default="llama3-8b,llama3-70b")
+    ap.add_argument("--layers", default=None, help="keep only these layers, in this order (e.g. llama3-70b:o)")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--budget-s", type=float, default=60)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = ap.parse_args()
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.kernels.configs import LayerConfig
+    from kestrel.kernels.gemm_wna16 import gemm_wna16
+    from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
+    gpu = torch.cuda.get_device_name()
+    fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
+    shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
+              for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
+    if args.layers:
+        by = dict(shapes)
+        shapes = [(s, by[s]) for s in args.layers.split(",") if s in by]
+    import multiprocessing as mp
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        try:
+            for job, t, errs in pool.map_async(_warm, [(f, n, k, ms, gpu) for _, (n, k) in shapes for f in fmts]).get(
+                    timeout=args.budget_s / 2):
+                print(f"warm {job}: {t:.1f}s {errs if errs else ''}", flush=True)
+        except mp.TimeoutError:
+            print("warm-up cut at half the budget", flush=True)
+    print(f"warm-up {time.time() - t_start:.1f}s", flush=True)
+    copy_bw = copy_bandwidth()["rw_TBps"]
+    print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
+    meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    rows = []
+    dump = lambda: json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
+                             open(os.path.join(args.out, "wna16_mvs8_sweep.json"), "w"), indent=0)
+    for name, (n, k) in shapes:
+        for fmt in fmts:
+            if rows and time.time() - t_start > args.budget_s:
+                print(f"budget reached: skip {fmt} {name}", flush=True)
+                continue
+            w0, qw0, qws, deq = shape_weights(FORMATS[fmt], n, k)
+            layer = LayerConfig(FORMATS[fmt], n, k)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = x.float() @ deq.t()
+                line, d_us = f"{fmt:5s} {name:18s} M={m:<2d}", None
+                for tag, cfg, fold in variants(layer, m, gpu, fmt):
+                    sm.FOLD_E8M0 = True if fold is None else fold
+                    try:
+                        y = gemm_wna16(x, qw0, cfg)
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        us = graph_time_us([lambda q=q: gemm_wna16(x, q, cfg) for q in qws], calls=20, replays=10)
+                    except Exception as ex:
+                        print(f"fail {tag} {fmt} {name} M={m}: {ex!r}"[:300], flush=True)
+                        continue
+                    if not err < 1e-2:
+                        print(f"WRONG RESULT {tag} {fmt} {name} M={m}: rel err {err:.3g}", flush=True)
+                    d_us = us if tag == "dflt" else d_us
+                    rows.append(dict(fmt=fmt, layer=name, N=n, K=k, M=m, tag=tag, config=cfg.to_dict(),
+                                     fold=fold, us=us, err=err, pct_copy=100 * qw0.nbytes / (us * 1e-6) / 1e12 / copy_bw))
+                    line += f" | {tag} {us:.2f}" + (f" ({d_us / us:.3f}x)" if tag != "dflt" and d_us else "")
+                sm.FOLD_E8M0 = True
+                print(line, flush=True)
+            del w0, qw0, qws, deq
+            torch.cuda.empty_cache()
+            dump()
+    dump()
+    print(f"wall {time.time() - t_start:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
