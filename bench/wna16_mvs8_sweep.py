@@ -2,7 +2,7 @@
   - "mvs8": the same tile as the swapped kernel with x as an 8-wide MMA N side (ComputeConfig("mvs", 8, ...)):
     half the MMAs and half the per-group scale FMAs of the 16-row tile (sm_90 SASS: mxfp4 4.32 -> 3.85-3.94,
     int4 2.50 -> 2.33-2.36 thread-instructions per weight element, bench/wna16_mv_sass.py), at a few splits;
-  - MXFP4 only: e8m0 scales folded into the decoded weights (gemm_wna16_small.FOLD_E8M0) on and off.
+  - MXFP4 only: e8m0 scales folded into the decoded weights (gemm_wna16_small.FOLD_E8M0) against the default.
 Every config is checked against x @ dequant(W)^T (float32) before timing. Timing: CUDA graph of 20 calls rotating
 over >= 200 MB of weight copies (L2 cold), median of 10 replays. Kestrel's kernels compile first in worker processes.
 Writes $OUT/wna16_mvs8_sweep.json after every shape.
@@ -33,7 +33,7 @@ def variants(layer, m, gpu, fmt):
                                                                          num_stages=3)
     out = [("dflt", dflt, None)]
     if fmt == "mxfp4":
-        out.append(("dflt-nofold", dflt, False))
+        out.append(("dflt-fold", dflt, True))
     if m <= 8:
         for sk in sorted({base.split_k, max(1, base.split_k // 2), base.split_k * 2}):
             c = dataclasses.replace(base, kernel="mvs", block_m=8, split_k=sk)
@@ -44,29 +44,53 @@ def variants(layer, m, gpu, fmt):
                 out.append((f"mvs8 bn{bn} w{w} sk{c.split_k}", c, None))
         if fmt == "mxfp4":
             c = dataclasses.replace(base, kernel="mvs", block_m=8)
-            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{c.split_k} nofold", c, False))
+            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{c.split_k} fold", c, True))
     return [(t, c, f) for t, c, f in out if c.valid_for(layer)]
 
 
-def _warm(job):
-    fmt, n, k, ms, gpu = job
-    from kestrel.kernels import gemm_wna16_small as sm
+def compile_key(fmt, cfg, fold):
+    """What Triton specialises on here (N, K, M are runtime values; every Llama N and K is a multiple of 128)."""
+    return (fmt, cfg.kernel, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.block_k, cfg.split_k > 1,
+            fold)
+
+
+def warm_jobs(shapes, fmts, ms, gpu, workers):
+    """One compile per compile key, spread over `workers` jobs [(fmt, n, k, [(m, config dict, fold)])]."""
     from kestrel.kernels.configs import LayerConfig
+    from kestrel.kernels.tuning import FORMATS
+    seen, items = set(), []
+    for _, (n, k) in shapes:
+        for fmt in fmts:
+            for m in ms:
+                for _, cfg, fold in variants(LayerConfig(FORMATS[fmt], n, k), m, gpu, fmt):
+                    key = compile_key(fmt, cfg, fold)
+                    if key not in seen:
+                        seen.add(key)
+                        items.append((fmt, n, k, m, cfg.to_dict(), fold))
+    jobs = [[] for _ in range(max(1, workers))]
+    for i, it in enumerate(items):
+        jobs[i % len(jobs)].append(it)
+    return [j for j in jobs if j]
+
+
+def _warm(items):
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.kernels.configs import ComputeConfig
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS
     from kestrel.quant import quantize
-    t0, errs = time.time(), []
-    qw = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, FORMATS[fmt])
-    for m in ms:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        for tag, cfg, fold in variants(LayerConfig(FORMATS[fmt], n, k), m, gpu, fmt):
-            sm.FOLD_E8M0 = True if fold is None else fold
-            try:
-                gemm_wna16(x, qw, cfg)
-            except Exception as ex:
-                errs.append(f"{tag}: {ex!r}"[:200])
+    t0, errs, fold0, qws = time.time(), [], sm.FOLD_E8M0, {}
+    for fmt, n, k, m, cfg, fold in items:
+        if (fmt, n, k) not in qws:
+            qws[(fmt, n, k)] = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, FORMATS[fmt])
+        sm.FOLD_E8M0 = fold0 if fold is None else fold
+        try:
+            gemm_wna16(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qws[(fmt, n, k)],
+                       ComputeConfig.from_dict(cfg))
+        except Exception as ex:
+            errs.append(f"{fmt} {cfg}: {ex!r}"[:200])
     torch.cuda.synchronize()
-    return job[:3], time.time() - t0, errs
+    return len(items), time.time() - t0, errs
 
 
 def main():
@@ -86,6 +110,7 @@ def main():
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
     gpu = torch.cuda.get_device_name()
+    fold0 = sm.FOLD_E8M0
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
               for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
@@ -95,9 +120,9 @@ def main():
     import multiprocessing as mp
     with mp.get_context("spawn").Pool(args.workers) as pool:
         try:
-            for job, t, errs in pool.map_async(_warm, [(f, n, k, ms, gpu) for _, (n, k) in shapes for f in fmts]).get(
+            for cnt, t, errs in pool.map_async(_warm, warm_jobs(shapes, fmts, ms, gpu, args.workers)).get(
                     timeout=args.budget_s / 2):
-                print(f"warm {job}: {t:.1f}s {errs if errs else ''}", flush=True)
+                print(f"warm {cnt} kernels: {t:.1f}s {errs if errs else ''}", flush=True)
         except mp.TimeoutError:
             print("warm-up cut at half the budget", flush=True)
     print(f"warm-up {time.time() - t_start:.1f}s", flush=True)
@@ -120,7 +145,7 @@ def main():
                 ref = x.float() @ deq.t()
                 line, d_us = f"{fmt:5s} {name:18s} M={m:<2d}", None
                 for tag, cfg, fold in variants(layer, m, gpu, fmt):
-                    sm.FOLD_E8M0 = True if fold is None else fold
+                    sm.FOLD_E8M0 = fold0 if fold is None else fold
                     try:
                         y = gemm_wna16(x, qw0, cfg)
                         err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -134,7 +159,7 @@ def main():
                     rows.append(dict(fmt=fmt, layer=name, N=n, K=k, M=m, tag=tag, config=cfg.to_dict(),
                                      fold=fold, us=us, err=err, pct_copy=100 * qw0.nbytes / (us * 1e-6) / 1e12 / copy_bw))
                     line += f" | {tag} {us:.2f}" + (f" ({d_us / us:.3f}x)" if tag != "dflt" and d_us else "")
-                sm.FOLD_E8M0 = True
+                sm.FOLD_E8M0 = fold0
                 print(line, flush=True)
             del w0, qw0, qws, deq
             torch.cuda.empty_cache()

@@ -92,7 +92,10 @@ _ASM_FP4_ODD_F16 = _asm_fp4_field(True, True)
 # 2^FOLD_EXP goes back on the fp32 accumulator once. FOLD_EXP = 16: scales 2^-109 .. 2^17 exact, and the folded
 # weights (>= 0.5 * 2^(e-143)) stay bf16-normal for e >= 18. Real MXFP4 scales are ~2^-20 .. 2^2.
 FOLD_EXP = tl.constexpr(16)
-FOLD_E8M0 = True  # A/B switch (bench/wna16_decode_sweep.py): False = scale applied per group on the fp32 partial
+# A/B switch (bench/wna16_mvs8_sweep.py); off until measured on the GPU: on this Triton's ptxas (offline sm_90
+# SASS, bench/wna16_mv_sass.py) the fold saves the per-group scale FMAs but adds register moves (4-12 % more
+# loop instructions). False = the group scale is applied on each group's fp32 MMA partial.
+FOLD_E8M0 = False
 
 
 @triton.jit
