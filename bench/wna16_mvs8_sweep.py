@@ -2,7 +2,8 @@
   - "mvs8": the same tile as the swapped kernel with x as an 8-wide MMA N side (ComputeConfig("mvs", 8, ...)):
     half the MMAs and half the per-group scale FMAs of the 16-row tile (sm_90 SASS: mxfp4 4.32 -> 3.85-3.94,
     int4 2.50 -> 2.33-2.36 thread-instructions per weight element, bench/wna16_mv_sass.py), at a few splits;
-  - MXFP4 only: e8m0 scales folded into the decoded weights (gemm_wna16_small.FOLD_E8M0) against the default.
+  - MXFP4 only: x scaled by 2^XS_EXP so the e2m1 decode drops its per-pair multiply (gemm_wna16_small.XS_E2M1;
+    sm_90 SASS: mv 4.41 -> 4.06, mvs8 3.87 -> 3.43 instructions per weight), on the default tile and on mvs8.
 Every config is checked against x @ dequant(W)^T (float32) before timing. Timing: CUDA graph of 20 calls rotating
 over >= 200 MB of weight copies (L2 cold), median of 10 replays. Kestrel's kernels compile first in worker processes.
 Writes $OUT/wna16_mvs8_sweep.json after every shape.
@@ -26,25 +27,29 @@ from kestrel.kernels.timing import graph_time_us  # noqa: E402
 
 
 def variants(layer, m, gpu, fmt):
-    """[(tag, config, fold)] for one point; fold None = the module default."""
+    """[(tag, config, xs)] for one point: xs = gemm_wna16_small.XS_E2M1 for that run (x scaled by 2^XS_EXP, e2m1
+    decoded without the per-pair multiply; MXFP4 only, else None = the module default)."""
     from kestrel.kernels.configs import TuningConfig
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
-    out = [("dflt", dflt, None)]
-    if fmt == "mxfp4":
-        out.append(("dflt-fold", dflt, True))
+    fp4 = fmt == "mxfp4"
+    out = [("dflt", dflt, False if fp4 else None)]
+    if fp4:
+        out.append(("dflt-xs", dflt, True))
+        if dflt != base:
+            out.append(("mv-xs", base, True))
     if m <= 8:
         for sk in sorted({base.split_k, max(1, base.split_k // 2), base.split_k * 2}):
             c = dataclasses.replace(base, kernel="mvs", block_m=8, split_k=sk)
-            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{sk}", c, None))
+            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{sk}{'-xs' if fp4 else ''}", c, True if fp4 else None))
         for bn, w in ((64, 1), (128, 2)):
             if (bn, w) != (base.block_n, base.num_warps):
                 c = dataclasses.replace(base, kernel="mvs", block_m=8, block_n=bn, num_warps=w)
-                out.append((f"mvs8 bn{bn} w{w} sk{c.split_k}", c, None))
-        if fmt == "mxfp4":
+                out.append((f"mvs8 bn{bn} w{w} sk{c.split_k}{'-xs' if fp4 else ''}", c, True if fp4 else None))
+        if fp4:
             c = dataclasses.replace(base, kernel="mvs", block_m=8)
-            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{c.split_k} fold", c, True))
+            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{c.split_k}", c, False))
     return [(t, c, f) for t, c, f in out if c.valid_for(layer)]
 
 
@@ -79,11 +84,11 @@ def _warm(items):
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS
     from kestrel.quant import quantize
-    t0, errs, fold0, qws = time.time(), [], sm.FOLD_E8M0, {}
+    t0, errs, xs0, qws = time.time(), [], sm.XS_E2M1, {}
     for fmt, n, k, m, cfg, fold in items:
         if (fmt, n, k) not in qws:
             qws[(fmt, n, k)] = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, FORMATS[fmt])
-        sm.FOLD_E8M0 = fold0 if fold is None else fold
+        sm.XS_E2M1 = xs0 if fold is None else fold
         try:
             gemm_wna16(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qws[(fmt, n, k)],
                        ComputeConfig.from_dict(cfg))
@@ -110,7 +115,7 @@ def main():
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
     gpu = torch.cuda.get_device_name()
-    fold0 = sm.FOLD_E8M0
+    xs0 = sm.XS_E2M1
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
               for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
@@ -130,14 +135,15 @@ def main():
     print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
     meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    rows, entries = [], {}
+    rows, entries = [], {"xs0": {}, "xs1": {}}
 
     def dump():
         json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
                   open(os.path.join(args.out, "wna16_mvs8_sweep.json"), "w"), indent=0)
-        # tune-cache entries (bench/merge_tune_cache.py) where a config of the module's fold setting beat the
+        # tune-cache entries (bench/merge_tune_cache.py) where a config beat the
         # default by > 2 % at the measured M (its bucket only)
-        json.dump(entries, open(os.path.join(args.out, "wna16_mvs8_tune_entries.json"), "w"), indent=1)
+        for tag, ent in entries.items():
+            json.dump(ent, open(os.path.join(args.out, f"wna16_mvs8_tune_entries_{tag}.json"), "w"), indent=1)
     for name, (n, k) in shapes:
         for fmt in fmts:
             if rows and time.time() - t_start > args.budget_s:
@@ -150,7 +156,7 @@ def main():
                 ref = x.float() @ deq.t()
                 line, d_us = f"{fmt:5s} {name:18s} M={m:<2d}", None
                 for tag, cfg, fold in variants(layer, m, gpu, fmt):
-                    sm.FOLD_E8M0 = fold0 if fold is None else fold
+                    sm.XS_E2M1 = xs0 if fold is None else fold
                     try:
                         y = gemm_wna16(x, qw0, cfg)
                         err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -164,15 +170,16 @@ def main():
                     rows.append(dict(fmt=fmt, layer=name, N=n, K=k, M=m, tag=tag, config=cfg.to_dict(),
                                      fold=fold, us=us, err=err, pct_copy=100 * qw0.nbytes / (us * 1e-6) / 1e12 / copy_bw))
                     line += f" | {tag} {us:.2f}" + (f" ({d_us / us:.3f}x)" if tag != "dflt" and d_us else "")
-                sm.FOLD_E8M0 = fold0
+                sm.XS_E2M1 = xs0
                 pt = [r for r in rows if (r["fmt"], r["layer"], r["M"]) == (fmt, name, m) and r["err"] < 1e-2]
                 dr = [r for r in pt if r["tag"] == "dflt"]
-                best = min((r for r in pt if r["fold"] is None), key=lambda r: r["us"], default=None)
-                if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:
-                    from kestrel.kernels.configs import cache_key, m_bucket
-                    entries[cache_key(gpu, layer, m_bucket(m))] = {
-                        "config": best["config"], "us": round(best["us"], 3), "previous_us": round(dr[0]["us"], 3),
-                        "measured": f"{meta['date']} bench/wna16_mvs8_sweep.py ({best['tag']})"}
+                from kestrel.kernels.configs import cache_key, m_bucket
+                for xs in (False, True):  # entries for XS_E2M1 off / on (int4 rows count for both)
+                    best = min((r for r in pt if r["fold"] in (None, xs)), key=lambda r: r["us"], default=None)
+                    if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:
+                        entries[f"xs{int(xs)}"][cache_key(gpu, layer, m_bucket(m))] = {
+                            "config": best["config"], "us": round(best["us"], 3), "previous_us": round(dr[0]["us"], 3),
+                            "measured": f"{meta['date']} bench/wna16_mvs8_sweep.py ({best['tag']})"}
                 print(line, flush=True)
             del w0, qw0, qws, deq
             torch.cuda.empty_cache()

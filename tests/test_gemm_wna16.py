@@ -251,3 +251,44 @@ def test_mv_fp4_fold_multiplier_ptx_semantics():
                     torch.bfloat16).double()
                 want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
                 assert torch.equal(got, want * 2.0 ** (e - 127 - fe)), (e, f, got, want)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
+                                  QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True)],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_e2m1_scaled_x(spec, dt, monkeypatch):
+    # XS_E2M1: e2m1 decoded to value * 2^-126 with x scaled by 2^XS_EXP (bf16 only; fp16 keeps the multiply), with
+    # large and tiny activations, split-K and a masked two-block step
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "XS_E2M1", True)
+    fmt = {"IS_INT": False, "EXP_BITS": 2, "MAN_BITS": 1}
+    assert sm.scale_x_e2m1(fmt, dt) == (dt == torch.bfloat16)
+    qw = quantize(torch.randn(48, 5 * 128, generator=torch.Generator().manual_seed(15)), spec)
+    for seed, cfg in ((0, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2)),
+                      (1, ComputeConfig("mvs", 8, 16, 0, split_k=3, num_warps=1, num_stages=3))):
+        _check(qw, 5, cfg, dtype=dt, seed=seed)
+    g = torch.Generator().manual_seed(16)
+    for scale in (1e-6, 1e4 if dt == torch.bfloat16 else 10.0):  # x far from 1 (fp16 outputs overflow at 1e4)
+        x = (torch.randn(3, qw.shape[1], generator=g) * scale).to(dt)
+        ref = x.double() @ dequantize(qw).double().t()
+        y = gemm_wna16(x, qw, ComputeConfig("mvs", 8, 16, 0, split_k=2, num_warps=1, num_stages=3)).double()
+        assert ((y - ref).norm() / ref.norm()).item() < TOL
+
+
+def test_mv_fp4_raw_decode_ptx_semantics():
+    # the multiply-free e2m1 PTX (XS_E2M1) gives value * 2^-126 as bf16 bits exactly (0.5 -> the subnormal 2^-127)
+    from test_gemm_wna16_tc import _run_ptx
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.quant.formats import decode_minifloat
+    g = torch.Generator().manual_seed(17)
+    for _ in range(24):
+        w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+        for f in range(8):
+            b = f // 2
+            sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
+            out = _run_ptx((sm._ASM_FP4_ODD_RAW if f % 2 else sm._ASM_FP4_EVEN_RAW).value, [w0, w1, sel, sel])
+            got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
+                torch.bfloat16).double()
+            want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
+            assert torch.equal(got, want * 2.0 ** -126), (f, got, want)
