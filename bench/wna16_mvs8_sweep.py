@@ -106,6 +106,8 @@ def main():
     ap.add_argument("--layers", default=None, help="keep only these layers, in this order (e.g. llama3-70b:o)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=60)
+    ap.add_argument("--humming", default="", help="also time Humming (same format) at these points, comma list of "
+                    "fmt:layer (its first call JIT-compiles for ~10 s)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     t_start = time.time()
@@ -151,10 +153,30 @@ def main():
                 continue
             w0, qw0, qws, deq = shape_weights(FORMATS[fmt], n, k)
             layer = LayerConfig(FORMATS[fmt], n, k)
+            hum = None
+            if f"{fmt}:{name}" in args.humming.split(","):
+                try:
+                    from gemm_wna16 import build_humming  # bench/gemm_wna16.py: same format spelling
+                    t0 = time.time()
+                    hum = [build_humming(fmt, w0 * (1 + 1e-3 * i))[0] for i in range(len(qws))]
+                    hum[0](torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
+                    print(f"humming {fmt} {name}: built + first call {time.time() - t0:.1f}s", flush=True)
+                except Exception as ex:
+                    print(f"humming {fmt} {name} failed: {ex!r}"[:300], flush=True)
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ deq.t()
                 line, d_us = f"{fmt:5s} {name:18s} M={m:<2d}", None
+                if hum is not None:
+                    try:  # Humming quantizes w0 itself: its error vs the float weight is informative only
+                        h_us = graph_time_us([lambda L=L: L(x) for L in hum], calls=20, replays=10)
+                        yf = x.float() @ w0.float().t()
+                        rows.append(dict(fmt=fmt, layer=name, N=n, K=k, M=m, tag="humming", config=None, fold=None,
+                                         us=h_us, err_vs_float=((hum[0](x).float() - yf).norm() / yf.norm()).item(),
+                                         err=float("nan"), pct_copy=100 * qw0.nbytes / (h_us * 1e-6) / 1e12 / copy_bw))
+                        line += f" | humming {h_us:.2f}"
+                    except Exception as ex:
+                        print(f"humming call failed: {ex!r}"[:300], flush=True)
                 for tag, cfg, fold in variants(layer, m, gpu, fmt):
                     sm.XS_E2M1 = xs0 if fold is None else fold
                     try:
@@ -171,7 +193,8 @@ def main():
                                      fold=fold, us=us, err=err, pct_copy=100 * qw0.nbytes / (us * 1e-6) / 1e12 / copy_bw))
                     line += f" | {tag} {us:.2f}" + (f" ({d_us / us:.3f}x)" if tag != "dflt" and d_us else "")
                 sm.XS_E2M1 = xs0
-                pt = [r for r in rows if (r["fmt"], r["layer"], r["M"]) == (fmt, name, m) and r["err"] < 1e-2]
+                pt = [r for r in rows if (r["fmt"], r["layer"], r["M"]) == (fmt, name, m) and r["err"] < 1e-2
+                      and r["tag"] != "humming"]
                 dr = [r for r in pt if r["tag"] == "dflt"]
                 from kestrel.kernels.configs import cache_key, m_bucket
                 for xs in (False, True):  # entries for XS_E2M1 off / on (int4 rows count for both)
@@ -181,7 +204,7 @@ def main():
                             "config": best["config"], "us": round(best["us"], 3), "previous_us": round(dr[0]["us"], 3),
                             "measured": f"{meta['date']} bench/wna16_mvs8_sweep.py ({best['tag']})"}
                 print(line, flush=True)
-            del w0, qw0, qws, deq
+            del w0, qw0, qws, deq, hum
             torch.cuda.empty_cache()
             dump()
     dump()
