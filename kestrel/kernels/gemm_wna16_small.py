@@ -69,18 +69,18 @@ def _asm_fp4_field(odd: bool, fp16: bool) -> tl.constexpr:
     multiplier $5 as one bf16x2/f16x2 register. The byte permute puts byte B of word 0 in bytes 0-1 and of word 1
     in bytes 2-3 (ptxas shares it between the two fields of a byte); from the copy in byte 1 (3) the sign goes to
     bit 15 (31) and the exponent + mantissa to bits 8..6 (bf16) or 11..9 (fp16), where an e2m1 subnormal is a
-    bf16/fp16 subnormal, i.e. value / 2^126 (bf16) or / 2^14 (fp16); one LOP3 merges sign and magnitude, and the
+    bf16/fp16 subnormal, i.e. value / 2^126 (bf16) or / 2^14 (fp16); sign and magnitude are merged, and the
     multiply by $5 (2^126 / 2^14, or with e8m0 scales folded in: 2^126 * scale * 2^-FOLD_EXP, bf16) gives the
-    (scaled) value exactly: 5 instructions per register pair (4 for the odd field, whose permute is shared)."""
+    (scaled) value exactly."""
     if fp16:
         mag, sign = ("shr.u32 u, t, 3; ", "") if odd else ("shl.b32 u, t, 1; ", "shl.b32 t, t, 4; ")
         mask, ty = "0x0E000E00", "f16x2"
     else:
         mag, sign = ("shr.u32 u, t, 6; ", "") if odd else ("shr.u32 u, t, 2; ", "shl.b32 t, t, 4; ")
         mask, ty = "0x01C001C0", "bf16x2"
-    # lop3 0xEC: (t & 0x80008000) | u
+    # the and/and/or below is the GPU-verified form (session 2); ptxas merges it into one LOP3 itself (sm_90 SASS)
     return tl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $1, $2, $3; " + mag + sign + f"and.b32 u, u, {mask}; "
-                        f"lop3.b32 t, t, u, 0x80008000, 0xEC; mul.rn.{ty} $0, t, $5; }}")
+                        f"and.b32 t, t, 0x80008000; or.b32 t, t, u; mul.rn.{ty} $0, t, $5; }}")
 
 
 def _asm_fp4_raw(odd: bool) -> tl.constexpr:
