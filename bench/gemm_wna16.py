@@ -76,6 +76,39 @@ def _warm(job):
         return job[:3], time.time() - t0, repr(ex)[:300]
 
 
+def warm_humming_threaded(jobs, threads, timeout_s):
+    """Humming compiles each kernel in a compiler subprocess (the GIL is free meanwhile), so threads of this process
+    overlap the compiles; its on-disk cubin cache (file-locked per kernel) then serves the timing loop. One M = 1 call
+    per (format, shape): later M <= 16 calls of a shape took 0.01 s in earlier runs."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    def one(job):
+        fmt, (n, k) = job
+        t0 = time.time()
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        layer = build_humming(fmt, w)[0]
+        layer(torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
+        torch.cuda.synchronize()
+        return time.time() - t0
+
+    t0 = time.time()
+    pool = ThreadPoolExecutor(threads)
+    futs = {pool.submit(one, j): j for j in jobs}
+
+    def finish():
+        """Wait (at most timeout_s from the start) and report; returns with unfinished compiles left running."""
+        done, pending = wait(futs, timeout=max(0.0, timeout_s - (time.time() - t0)))
+        for f in done:
+            err = f.exception()
+            print(f"humming warm {futs[f]}: {'%.1fs' % f.result() if err is None else repr(err)[:200]}", flush=True)
+        if pending:
+            print(f"humming warm: {len(pending)} still compiling at the {timeout_s:.0f}s cut", flush=True)
+        pool.shutdown(wait=False, cancel_futures=True)
+        torch.cuda.empty_cache()
+        print(f"humming warm-up ({threads} threads, {len(jobs)} kernels) {time.time() - t0:.1f}s", flush=True)
+    return finish
+
+
 def build_gemlite(fmt, qw):
     from gemlite.helper import A16Wn
     if fmt != "int4":
@@ -104,6 +137,9 @@ def main():
     ap.add_argument("--no-warm-humming", action="store_true",
                     help="the warm-up workers compile only kestrel; Humming JIT-compiles in the timing process (H200, "
                          "2026-12-03: ~5 s per shape there, while 6 parallel workers took 51 s for 2 M each)")
+    ap.add_argument("--warm-humming-threads", type=int, default=0,
+                    help="before timing, make Humming's first call (its JIT: ~10 s per format and shape, a compiler "
+                         "subprocess) for every (format, shape) from this many threads of the timing process")
     ap.add_argument("--layers", default=None,
                     help="keep only these layers, in this order (comma list, e.g. llama3-70b:o)")
     ap.add_argument("--interleave", action="store_true", help="alternate the models' layers and the formats (a budget cut "
@@ -151,6 +187,10 @@ def main():
             by_name = dict(shapes)
             shapes = [(name, by_name[name]) for name in args.layers.split(",") if name in by_name]
     ms = [int(v) for v in args.ms.split(",")]
+    hum_warm = None  # started before the kestrel warm-up so the two overlap
+    if args.warm_humming_threads and "humming" in peers:
+        hum_warm = warm_humming_threaded([(f, nk) for f in args.formats.split(",") if f in args.peer_formats.split(",")
+                                          for _, nk in shapes], args.warm_humming_threads, args.budget_s / 2)
     if args.warm_workers:
         import multiprocessing as mp
         t0 = time.time()
@@ -166,6 +206,8 @@ def main():
             except mp.TimeoutError:
                 print(f"warm-up cut at {args.budget_s / 2:.0f}s (half of --budget-s)", flush=True)
         print(f"warm-up {time.time() - t0:.1f}s", flush=True)
+    if hum_warm is not None:
+        hum_warm()
     rows = []
     torch.manual_seed(0)
     fmts = args.formats.split(",")

@@ -198,3 +198,97 @@ def test_mv_fp4_decode_ptx_semantics(dt):
             got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(dt).float()
             want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).float()
             assert torch.equal(got, want), (f, hex(w0), hex(w1), got, want)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128),
+                                  QuantSpec("uint4", has_zero_point=True, group_size=32, scale_dtype="fp16"),
+                                  QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
+                                  QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True)],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("m", [1, 5, 8, 11])
+def test_mvs_block_m_8(spec, m):
+    # mvs with x as an 8-wide MMA N side (M <= 8 in one row block; M = 11 takes two), split-K, 2 blocks per step
+    qw = quantize(torch.randn(40, 5 * spec.k_multiple, generator=torch.Generator().manual_seed(12)), spec)
+    _check(qw, m, ComputeConfig("mvs", 8, 32, 0, split_k=2, num_warps=1, num_stages=3))
+    _check(qw, m, ComputeConfig("mvs", 8, 16, 2 * spec.k_multiple, split_k=2, num_warps=2, num_stages=2))
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "nofold"])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mag", [1e-4, 1.0, 300.0])
+def test_mxfp4_scale_fold(fold, dt, mag, monkeypatch):
+    # e8m0 scales folded into the decoded weights (mv / mvs, bf16; fp16 keeps the per-group scale) vs not, over
+    # scales from ~2^-20 to ~2^6 (inside the exact range of FOLD_EXP), split-K and a masked two-block step
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "FOLD_E8M0", fold)  # (default off until GPU-measured)
+    spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
+    qw = quantize(torch.randn(48, 5 * 128, generator=torch.Generator().manual_seed(13)) * mag, spec)
+    fmt = {"IS_INT": False, "SCALE_KIND": 1, "PER_CHANNEL": False, "EXP_BITS": 2, "MAN_BITS": 1, "GROUP_SIZE": 32,
+           "R": 16}
+    assert sm.fold_e8m0(fmt, dt) == (fold and dt == torch.bfloat16)
+    _check(qw, 3, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2), dtype=dt)
+    _check(qw, 7, ComputeConfig("mvs", 8, 16, 0, split_k=3, num_warps=1, num_stages=3), dtype=dt)
+    _check(qw, 2, ComputeConfig("mv", 16, 16, 0, split_k=1, num_warps=1, num_stages=1), dtype=dt)
+
+
+def test_mv_fp4_fold_multiplier_ptx_semantics():
+    # the folded multiplier (bf16 2^(e-1-FOLD_EXP)) in the e2m1 PTX gives value * 2^(e-127) * 2^-FOLD_EXP exactly
+    from test_gemm_wna16_tc import _run_ptx
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.quant.formats import decode_minifloat
+    g = torch.Generator().manual_seed(14)
+    fe = sm.FOLD_EXP.value
+    for e in (fe - 5, 100, 120, 127, 135, fe + 128):
+        mb = min(max(e + 126 - fe, 1), 254) << 7
+        for _ in range(6):
+            w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+            for f in range(8):
+                b = f // 2
+                sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
+                asm = sm._ASM_FP4_ODD_BF16 if f % 2 else sm._ASM_FP4_EVEN_BF16
+                out = _run_ptx(asm.value, [w0, w1, sel, sel, mb | (mb << 16), mb | (mb << 16)])
+                got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
+                    torch.bfloat16).double()
+                want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
+                assert torch.equal(got, want * 2.0 ** (e - 127 - fe)), (e, f, got, want)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
+                                  QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True)],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_e2m1_scaled_x(spec, dt, monkeypatch):
+    # XS_E2M1: e2m1 decoded to value * 2^-126 with x scaled by 2^XS_EXP (bf16 only; fp16 keeps the multiply), with
+    # large and tiny activations, split-K and a masked two-block step
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "XS_E2M1", True)
+    fmt = {"IS_INT": False, "EXP_BITS": 2, "MAN_BITS": 1}
+    assert sm.scale_x_e2m1(fmt, dt) == (dt == torch.bfloat16)
+    qw = quantize(torch.randn(48, 5 * 128, generator=torch.Generator().manual_seed(15)), spec)
+    for seed, cfg in ((0, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2)),
+                      (1, ComputeConfig("mvs", 8, 16, 0, split_k=3, num_warps=1, num_stages=3))):
+        _check(qw, 5, cfg, dtype=dt, seed=seed)
+    g = torch.Generator().manual_seed(16)
+    for scale in (1e-6, 1e4 if dt == torch.bfloat16 else 10.0):  # x far from 1 (fp16 outputs overflow at 1e4)
+        x = (torch.randn(3, qw.shape[1], generator=g) * scale).to(dt)
+        ref = x.double() @ dequantize(qw).double().t()
+        y = gemm_wna16(x, qw, ComputeConfig("mvs", 8, 16, 0, split_k=2, num_warps=1, num_stages=3)).double()
+        assert ((y - ref).norm() / ref.norm()).item() < TOL
+
+
+def test_mv_fp4_raw_decode_ptx_semantics():
+    # the multiply-free e2m1 PTX (XS_E2M1) gives value * 2^-126 as bf16 bits exactly (0.5 -> the subnormal 2^-127)
+    from test_gemm_wna16_tc import _run_ptx
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.quant.formats import decode_minifloat
+    g = torch.Generator().manual_seed(17)
+    for _ in range(24):
+        w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+        for f in range(8):
+            b = f // 2
+            sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
+            out = _run_ptx((sm._ASM_FP4_ODD_RAW if f % 2 else sm._ASM_FP4_EVEN_RAW).value, [w0, w1, sel, sel])
+            got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
+                torch.bfloat16).double()
+            want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
+            assert torch.equal(got, want * 2.0 ** -126), (f, got, want)

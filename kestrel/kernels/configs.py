@@ -81,7 +81,9 @@ class ComputeConfig:
             return -(-k_steps // kb) >= self.split_k
         if self.kernel == "dequant_mm" and (self.block_k < 16 or self.block_k & (self.block_k - 1) or self.chunks < 1):
             return False
-        if self.kernel in ("dot", "mv", "mvs") and self.block_m < 16:
+        if self.kernel in ("dot", "mv") and self.block_m < 16:
+            return False
+        if self.kernel == "mvs" and self.block_m not in (8, 16):  # mvs: x is the MMA's N side, 8 is an MMA shape
             return False
         if self.kernel == "stream" and self.block_m not in (1, 2, 4):
             return False

@@ -65,49 +65,87 @@ def _nibble_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr, SUB: tl.constexpr)
 
 
 def _asm_fp4_field(odd: bool, fp16: bool) -> tl.constexpr:
-    """PTX: e2m1 field (byte $3's low nibble, or the high one when odd) of two words -> their exact values as one
-    bf16x2/f16x2 register. The byte permute puts byte B of word 0 in bytes 0-1 and of word 1 in bytes 2-3 (ptxas
-    shares it between the two fields of a byte); from the copy in byte 1 (3) the sign goes to bit 15 (31) and the
-    exponent + mantissa to bits 8..6 (bf16) or 11..9 (fp16), where an e2m1 subnormal is a bf16/fp16 subnormal;
-    the multiply by $5 = 2^126 (bf16) / 2^14 (fp16) then gives the value exactly."""
+    """PTX: e2m1 field (byte $3's low nibble, or the high one when odd) of two words -> their values times the
+    multiplier $5 as one bf16x2/f16x2 register. The byte permute puts byte B of word 0 in bytes 0-1 and of word 1
+    in bytes 2-3 (ptxas shares it between the two fields of a byte); from the copy in byte 1 (3) the sign goes to
+    bit 15 (31) and the exponent + mantissa to bits 8..6 (bf16) or 11..9 (fp16), where an e2m1 subnormal is a
+    bf16/fp16 subnormal, i.e. value / 2^126 (bf16) or / 2^14 (fp16); sign and magnitude are merged, and the
+    multiply by $5 (2^126 / 2^14, or with e8m0 scales folded in: 2^126 * scale * 2^-FOLD_EXP, bf16) gives the
+    (scaled) value exactly."""
     if fp16:
         mag, sign = ("shr.u32 u, t, 3; ", "") if odd else ("shl.b32 u, t, 1; ", "shl.b32 t, t, 4; ")
         mask, ty = "0x0E000E00", "f16x2"
     else:
         mag, sign = ("shr.u32 u, t, 6; ", "") if odd else ("shr.u32 u, t, 2; ", "shl.b32 t, t, 4; ")
         mask, ty = "0x01C001C0", "bf16x2"
+    # the and/and/or below is the GPU-verified form (session 2); ptxas merges it into one LOP3 itself (sm_90 SASS)
     return tl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $1, $2, $3; " + mag + sign + f"and.b32 u, u, {mask}; "
                         f"and.b32 t, t, 0x80008000; or.b32 t, t, u; mul.rn.{ty} $0, t, $5; }}")
 
 
+def _asm_fp4_raw(odd: bool) -> tl.constexpr:
+    """As _asm_fp4_field (bf16) without the multiply: value * 2^-126 (an e2m1 0.5 is a bf16 subnormal), for the
+    mv / mvs path that scales x by 2^XS_EXP instead (4 instructions per register pair, 3 for the odd field)."""
+    mag, sign = ("shr.u32 u, t, 6; ", "") if odd else ("shr.u32 u, t, 2; ", "shl.b32 t, t, 4; ")
+    return tl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $1, $2, $3; " + mag + sign + "and.b32 u, u, 0x01C001C0; "
+                        "lop3.b32 $0, t, u, 0x80008000, 0xEC; }")
+
+
+_ASM_FP4_EVEN_RAW = _asm_fp4_raw(False)
+_ASM_FP4_ODD_RAW = _asm_fp4_raw(True)
 _ASM_FP4_EVEN_BF16 = _asm_fp4_field(False, False)
 _ASM_FP4_ODD_BF16 = _asm_fp4_field(True, False)
 _ASM_FP4_EVEN_F16 = _asm_fp4_field(False, True)
 _ASM_FP4_ODD_F16 = _asm_fp4_field(True, True)
+# e8m0 scales folded into the bf16 decode multiplier (mv / mvs, bf16 activations): 2^126 * 2^(e-127) * 2^-FOLD_EXP,
+# i.e. bf16 exponent field e + 126 - FOLD_EXP, exact for e in [FOLD_EXP - 125, FOLD_EXP + 128] (clamped outside);
+# 2^FOLD_EXP goes back on the fp32 accumulator once. FOLD_EXP = 16: scales 2^-109 .. 2^17 exact, and the folded
+# weights (>= 0.5 * 2^(e-143)) stay bf16-normal for e >= 18. Real MXFP4 scales are ~2^-20 .. 2^2.
+FOLD_EXP = tl.constexpr(16)
+# A/B switch (bench/wna16_mvs8_sweep.py); off until measured on the GPU: on this Triton's ptxas (offline sm_90
+# SASS, bench/wna16_mv_sass.py) the fold saves the per-group scale FMAs but adds register moves (4-12 % more
+# loop instructions). False = the group scale is applied on each group's fp32 MMA partial.
+FOLD_E8M0 = False
+# e2m1 weights with bf16 activations (mv / mvs): decode to value * 2^-126 without the per-pair multiply and scale x
+# by 2^XS_EXP instead (one packed multiply per x pair per field, ~1/8 of the weight pairs at 16 rows); the product
+# value * x * 2^(XS_EXP - 126) is exact in the fp32 MMA and 2^(126 - XS_EXP) goes back on the accumulator once.
+# Needs |x| < 2^(128 - XS_EXP) = 2^28 and the tensor cores to take bf16 subnormals (e2m1 +-0.5 -> 2^-127).
+XS_EXP = tl.constexpr(100)
+XS_E2M1 = False  # A/B switch (bench/wna16_mvs8_sweep.py)
 
 
 @triton.jit
-def _fp4_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr):
-    """GPU only (inline PTX): e2m1 field FIELD of int32 words -> bf16/fp16 values, two words per register pair
-    (about 2.5 instructions per element with the shared permute, against ~7 for the fp32 bit decode)."""
+def _fp4_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr, mul):
+    """GPU only (inline PTX): e2m1 field FIELD of int32 words -> bf16/fp16 values * mul, two words per register
+    pair; `mul` (int32, q's shape) holds the bf16x2/f16x2 multiplier of each element in both halves (the two
+    elements of a pair are adjacent k of one column in the MMA operand layout, so they share it)."""
     B: tl.constexpr = FIELD // 2
     sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)
-    mul = tl.full(q.shape, 0x74007400 if FP16 else 0x7E807E80, tl.int32)  # 2^14 / 2^126 in both halves
-    cons: tl.constexpr = "=r,r,r,r,r,r,r"  # out; words, selector, multiplier (each twice: pack=2)
-    if FP16:
-        if FIELD % 2 == 0:
-            return tl.inline_asm_elementwise(_ASM_FP4_EVEN_F16, cons, [q, sel, mul], dtype=tl.float16, is_pure=True,
-                                             pack=2)
-        else:
-            return tl.inline_asm_elementwise(_ASM_FP4_ODD_F16, cons, [q, sel, mul], dtype=tl.float16, is_pure=True,
-                                             pack=2)
+    asm: tl.constexpr = (_ASM_FP4_EVEN_F16 if FIELD % 2 == 0 else _ASM_FP4_ODD_F16) if FP16 else (
+        _ASM_FP4_EVEN_BF16 if FIELD % 2 == 0 else _ASM_FP4_ODD_BF16)
+    # out; words, selector, multiplier (each twice: pack=2)
+    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", [q, sel, mul], dtype=tl.float16 if FP16 else tl.bfloat16,
+                                     is_pure=True, pack=2)
+
+
+@triton.jit
+def _fp4_pairs_raw(q, FIELD: tl.constexpr):
+    """GPU only (inline PTX): e2m1 field FIELD of int32 words -> bf16 value * 2^-126 (see XS_EXP)."""
+    B: tl.constexpr = FIELD // 2
+    sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)
+    asm: tl.constexpr = _ASM_FP4_EVEN_RAW if FIELD % 2 == 0 else _ASM_FP4_ODD_RAW
+    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [q, sel], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _scale_x(x, ASM: tl.constexpr):
+    """bf16 x * 2^XS_EXP (exact): one packed multiply per pair on the GPU."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r",
+                                         [x, tl.full(x.shape, 2.0 ** XS_EXP, tl.bfloat16)], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
     else:
-        if FIELD % 2 == 0:
-            return tl.inline_asm_elementwise(_ASM_FP4_EVEN_BF16, cons, [q, sel, mul], dtype=tl.bfloat16, is_pure=True,
-                                             pack=2)
-        else:
-            return tl.inline_asm_elementwise(_ASM_FP4_ODD_BF16, cons, [q, sel, mul], dtype=tl.bfloat16, is_pure=True,
-                                             pack=2)
+        return (x.to(tl.float32) * (2.0 ** XS_EXP)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -169,9 +207,12 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_KIND: tl.constexpr,
               GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr, MASK_B: tl.constexpr,
-              PRE_S: tl.constexpr, R: tl.constexpr):
+              PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
-    s_pre its group-scale row when PRE_S (prefetched by the caller)."""
+    s_pre its group-scale row when PRE_S (prefetched by the caller). FOLD (e2m1 + e8m0, bf16): the group scale is
+    folded into the decoded weights (times 2^-FOLD_EXP, exact), so every field's MMA chains straight into acc
+    (the caller multiplies acc by 2^FOLD_EXP at the end); a block past the split's end has zero words (masked
+    load), so it adds exact zeros."""
     PB: tl.constexpr = R * EPW
     # fields per quantization group run: all of a block when one group covers it
     FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
@@ -184,8 +225,30 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
     for i in tl.static_range(EPW):
         # field i of the tile: k = b*PB + i*R + r, decoded where the MMA operand lives (Triton moves the word
         # tile, not the decoded values, through shared memory)
-        if ASM and not IS_INT:  # e2m1: the exact value
-            w = _fp4_pairs(q, i, x_ptr.dtype.element_ty == tl.float16)
+        if FOLD and i % FPG == 0:  # this group's e8m0 codes -> the folded multiplier (see FOLD_EXP)
+            g = (b * PB + i * R) // GROUP_SIZE
+            e = tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.int32)
+            if ASM:
+                mb = tl.minimum(tl.maximum(e + (126 - FOLD_EXP), 1), 254) << 7  # bf16 bits of 2^(e-1-FOLD_EXP)
+                mulq = tl.broadcast_to((mb | (mb << 16))[None, :], q.shape)
+            else:
+                sf = (tl.minimum(tl.maximum(e - FOLD_EXP, 1), 254) << 23).to(tl.float32, bitcast=True)
+        if XS:  # e2m1 value * 2^-126 (x carries 2^XS_EXP)
+            if ASM:
+                w = _fp4_pairs_raw(q, i)
+            else:  # fp32 for the interpreter's fp32 dot (its bf16 cast flushes the subnormal 0.5 * 2^-126)
+                w = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS) * (2.0 ** -126)
+                if not DOT_F32:
+                    w = w.to(tl.bfloat16)
+        elif ASM and not IS_INT:  # e2m1: the exact value (FOLD: times scale * 2^-FOLD_EXP)
+            if FOLD:
+                w = _fp4_pairs(q, i, False, mulq)
+            else:
+                w = _fp4_pairs(q, i, x_ptr.dtype.element_ty == tl.float16,
+                               tl.full(q.shape, 0x74007400 if x_ptr.dtype.element_ty == tl.float16 else 0x7E807E80,
+                                       tl.int32))  # 2^14 / 2^126 in both halves
+        elif FOLD:  # the same folded value without PTX (interpreter)
+            w = (fp_plane(q, i, BITS, EXP_BITS, MAN_BITS) * sf[None, :]).to(x_ptr.dtype.element_ty)
         elif ASM:  # c - CODE_OFFSET (symmetric) or OFF + c (zero points: corrected through the x sum)
             w = _nibble_pairs(q, i, x_ptr.dtype.element_ty == tl.float16, SUB)
         else:
@@ -203,6 +266,8 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
         else:
             xmask = m_mask[:, None] & (kx < K)[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=xmask, other=0.0)
+        if XS:
+            x = _scale_x(x, ASM)
         if IS_INT and not (ASM and not HAS_ZERO):
             if i % FPG == 0:
                 xs = tl.sum(x.to(tl.float32), axis=1)
@@ -211,7 +276,20 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
         if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
             w = w.to(tl.float32)
             x = x.to(tl.float32)
-        if SWAP:
+        if FOLD:  # one fresh chain per block, added to acc once (chaining into acc itself cost ~160 register moves)
+            if SWAP:
+                if i == 0:
+                    d = tl.dot(tl.trans(w), tl.trans(x))
+                else:
+                    d = tl.dot(tl.trans(w), tl.trans(x), d)
+            else:
+                if i == 0:
+                    d = tl.dot(x, w)
+                else:
+                    d = tl.dot(x, w, d)
+            if i == EPW - 1:
+                acc += d
+        elif SWAP:
             if i % FPG == 0:
                 d = tl.dot(tl.trans(w), tl.trans(x))  # [BN, BM]
             else:
@@ -221,7 +299,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 d = tl.dot(x, w)  # [BM, BN]
             else:
                 d = tl.dot(x, w, d)
-        if (i + 1) % FPG == 0:  # end of a quantization group run: correction and scale on [BM, BN]
+        if (i + 1) % FPG == 0 and not FOLD:  # end of a quantization group run: correction and scale on [BM, BN]
             g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
             if IS_INT and not (ASM and not HAS_ZERO):
                 if HAS_ZERO:
@@ -261,7 +339,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
-               RED_STEP: tl.constexpr):
+               RED_STEP: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -318,7 +396,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                 s_n2 = q_n2
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
-                            GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R)
+                            GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
+                            XS)
     else:
         for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
             if PF > 0:  # keep PF blocks ahead of the cp.async pipeline in flight to the L2
@@ -331,11 +410,15 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                 acc = _mv_block(acc, q, q, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, nb_mask,
                                 K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO,
                                 SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, KB > 1,
-                                False, R)
+                                False, R, FOLD, XS)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
         acc = tl.trans(acc)
+    if FOLD:
+        acc = acc * (2.0 ** FOLD_EXP)
+    if XS:
+        acc = acc * (2.0 ** (126 - XS_EXP))
     if PER_CHANNEL:
         acc = acc * decode_scale(tl.load(s_ptr + offs_n, mask=n_mask, other=0), SCALE_KIND)[None, :]
     if HAS_GSCALE:
@@ -473,6 +556,20 @@ def _workspace(device: torch.device, floats: int) -> tuple[torch.Tensor, torch.T
     return ws, cnt
 
 
+def fold_e8m0(fmt: dict, dtype: torch.dtype) -> bool:
+    """mv / mvs fold the group scales into the decoded weights (FOLD_EXP): e2m1 weights, e8m0 group scales and
+    bf16 activations (fp16's range cannot hold the folded weights)."""
+    return (FOLD_E8M0 and dtype == torch.bfloat16 and not fmt["IS_INT"] and fmt["SCALE_KIND"] == 1
+            and not fmt["PER_CHANNEL"] and fmt["EXP_BITS"] == 2 and fmt["MAN_BITS"] == 1
+            and fmt["GROUP_SIZE"] % fmt["R"] == 0)
+
+
+def scale_x_e2m1(fmt: dict, dtype: torch.dtype) -> bool:
+    """mv / mvs decode e2m1 without the per-pair multiply and scale x instead (XS_EXP): bf16 activations."""
+    return (XS_E2M1 and dtype == torch.bfloat16 and not fmt["IS_INT"] and fmt["EXP_BITS"] == 2
+            and fmt["MAN_BITS"] == 1)
+
+
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     """x2 [M, K] contiguous (act-order already applied) -> y [M, N] in x2's dtype, kernel cfg.kernel in
     ("gemv", "mv", "mvs": mv with W as the MMA A operand). `fmt` is gemm_wna16's format constexpr dict."""
@@ -508,5 +605,6 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
-                         RED_STEP=RED_STEP, **common)
+                         RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype),
+                         XS=scale_x_e2m1(fmt, x2.dtype) and not fold_e8m0(fmt, x2.dtype), **common)
     return y

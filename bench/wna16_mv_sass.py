@@ -1,0 +1,95 @@
+"""Static check of the small-M mv kernel for Hopper without a GPU: compile gemm_wna16_small._mv_kernel for sm_90
+(Triton's bundled ptxas) and report registers, spills and the K loop's instruction mix per weight element, for
+int4 g128 and MXFP4 on the decode tiles in the tune cache. The mv kernel is issue-bound on MXFP4 (session 3), so
+the instruction count of its loop is the number to push down before spending GPU time.
+
+  python bench/wna16_mv_sass.py                     # int4 + mxfp4, the usual tiles
+  python bench/wna16_mv_sass.py --dump mxfp4 64 1   # also print the loop SASS of one (format, BLOCK_N, warps)
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from kestrel.kernels import gemm_wna16_small as small  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+SCALE_T = {0: "*bf16", 1: "*u8"}
+FMT = {"int4": dict(BITS=4, EPW=8, IS_INT=True, EXP_BITS=1, MAN_BITS=0, CODE_OFFSET=8, HAS_ZERO=False,
+                    SCALE_KIND=0, GROUP_SIZE=128, PER_CHANNEL=False, HAS_GSCALE=False, R=16),
+       "mxfp4": dict(BITS=4, EPW=8, IS_INT=False, EXP_BITS=2, MAN_BITS=1, CODE_OFFSET=0, HAS_ZERO=False,
+                     SCALE_KIND=1, GROUP_SIZE=32, PER_CHANNEL=False, HAS_GSCALE=False, R=16)}
+
+
+def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = True, **extra):
+    fn = small._mv_kernel
+    names = fn.arg_names
+    ptrs = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": SCALE_T[FMT[fmt]["SCALE_KIND"]], "z_ptr": "*bf16",
+            "gs_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
+            "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "split_k": "i32"}
+    const = dict(FMT[fmt], BLOCK_M=extra.pop("BLOCK_M", 16), BLOCK_N=block_n, SPLIT=split, NUM_STAGES=stages, SWAP=False, EVEN_K=True,
+                 DOT_F32=False, ASM=True, KB=1, PDL=0, PF=0, RED_STEP=2)
+    const.update(extra)
+    const = {k: v for k, v in const.items() if k in names}
+    sig = {n: ptrs.get(n, "constexpr") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs
+             if n in names and n not in ("M", "split_k")}  # strides = K, N: multiples of 16 as on the GPU
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def loop_of(kern):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kern.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loop = []
+    for addr, text in ins:  # the longest backward branch whose body holds MMAs = the K loop
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if any("MMA" in t for t in body) and len(body) > len(loop):
+                loop = body
+    return loop, int(re.search(r"REG:(\d+)", res).group(1)), int(re.search(r"STACK:(\d+)", res).group(1))
+
+
+def analyse(fmt, block_n, warps, stages, **extra):
+    kern = compile_mv(fmt, block_n, warps, stages, **extra)
+    loop, regs, stack = loop_of(kern)
+    op = lambda t: re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+    mix = collections.Counter(op(t) for t in loop)
+    extra.pop("BLOCK_M", None)
+    elems = block_n * 128  # one planar block (R = 16 words x 8 fields) per loop step
+    return dict(regs=regs, stack=stack, loop=len(loop), per_elem=len(loop) * warps * 32 / elems,
+                mix=dict(mix.most_common(12)), sass=loop)
+
+
+def main():
+    tiles = [("int4", 128, 2, 3, {}), ("int4", 64, 1, 3, {})] + [
+        ("mxfp4", bn, w, 3, fold) for bn, w in ((64, 1), (128, 2), (128, 4)) for fold in ({}, {"FOLD": True})]
+    print(f"triton {triton.__version__}, sm_90, mv loop per planar block (16 words x 8 fields x BLOCK_N)")
+    print("| fmt | tile | regs | spill B | loop instrs | thread-instrs / W elem | top ops |")
+    print("|---|---|---|---|---|---|---|")
+    for fmt, bn, w, s, extra in tiles:
+        a = analyse(fmt, bn, w, s, **extra)
+        print(f"| {fmt}{' fold' if extra.get('FOLD') else ''} | 16x{bn} w{w} s{s} | {a['regs']} | {a['stack']} | {a['loop']} | {a['per_elem']:.2f} | "
+              f"{a['mix']} |", flush=True)
+    if "--dump" in sys.argv:
+        i = sys.argv.index("--dump")
+        fmt, bn, w = sys.argv[i + 1], int(sys.argv[i + 2]), int(sys.argv[i + 3])
+        print("\n".join(analyse(fmt, bn, w, 3, FOLD="--fold" in sys.argv)["sass"]))
+
+
+if __name__ == "__main__":
+    main()

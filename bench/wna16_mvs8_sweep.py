@@ -1,0 +1,218 @@
+"""Decode (M <= 8) WNA16 A/B on one GPU, same process: the default config (tune cache) against
+  - "mvs8": the same tile as the swapped kernel with x as an 8-wide MMA N side (ComputeConfig("mvs", 8, ...)):
+    half the MMAs and half the per-group scale FMAs of the 16-row tile (sm_90 SASS: mxfp4 4.32 -> 3.85-3.94,
+    int4 2.50 -> 2.33-2.36 thread-instructions per weight element, bench/wna16_mv_sass.py), at a few splits;
+  - MXFP4 only: x scaled by 2^XS_EXP so the e2m1 decode drops its per-pair multiply (gemm_wna16_small.XS_E2M1;
+    sm_90 SASS: mv 4.41 -> 4.06, mvs8 3.87 -> 3.43 instructions per weight), on the default tile and on mvs8.
+Every config is checked against x @ dequant(W)^T (float32) before timing. Timing: CUDA graph of 20 calls rotating
+over >= 200 MB of weight copies (L2 cold), median of 10 replays. Kestrel's kernels compile first in worker processes.
+Writes $OUT/wna16_mvs8_sweep.json after every shape.
+
+  python bench/wna16_mvs8_sweep.py --ms 1,4 --formats int4,mxfp4
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gpu_timing import copy_bandwidth, shape_weights  # noqa: E402
+from kestrel.kernels.timing import graph_time_us  # noqa: E402
+
+
+def variants(layer, m, gpu, fmt):
+    """[(tag, config, xs)] for one point: xs = gemm_wna16_small.XS_E2M1 for that run (x scaled by 2^XS_EXP, e2m1
+    decoded without the per-pair multiply; MXFP4 only, else None = the module default)."""
+    from kestrel.kernels.configs import TuningConfig
+    dflt = TuningConfig(gpu).lookup(layer, m)
+    base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
+                                                                         num_stages=3)
+    fp4 = fmt == "mxfp4"
+    out = [("dflt", dflt, False if fp4 else None)]
+    if fp4:
+        out.append(("dflt-xs", dflt, True))
+        if dflt != base:
+            out.append(("mv-xs", base, True))
+    if m <= 8:
+        for sk in sorted({base.split_k, max(1, base.split_k // 2), base.split_k * 2}):
+            c = dataclasses.replace(base, kernel="mvs", block_m=8, split_k=sk)
+            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{sk}{'-xs' if fp4 else ''}", c, True if fp4 else None))
+        for bn, w in ((64, 1), (128, 2)):
+            if (bn, w) != (base.block_n, base.num_warps):
+                c = dataclasses.replace(base, kernel="mvs", block_m=8, block_n=bn, num_warps=w)
+                out.append((f"mvs8 bn{bn} w{w} sk{c.split_k}{'-xs' if fp4 else ''}", c, True if fp4 else None))
+        if fp4:
+            c = dataclasses.replace(base, kernel="mvs", block_m=8)
+            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{c.split_k}", c, False))
+    return [(t, c, f) for t, c, f in out if c.valid_for(layer)]
+
+
+def compile_key(fmt, cfg, fold):
+    """What Triton specialises on here (N, K, M are runtime values; every Llama N and K is a multiple of 128)."""
+    return (fmt, cfg.kernel, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.block_k, cfg.split_k > 1,
+            fold)
+
+
+def warm_jobs(shapes, fmts, ms, gpu, workers):
+    """One compile per compile key, spread over `workers` jobs [(fmt, n, k, [(m, config dict, fold)])]."""
+    from kestrel.kernels.configs import LayerConfig
+    from kestrel.kernels.tuning import FORMATS
+    seen, items = set(), []
+    for _, (n, k) in shapes:
+        for fmt in fmts:
+            for m in ms:
+                for _, cfg, fold in variants(LayerConfig(FORMATS[fmt], n, k), m, gpu, fmt):
+                    key = compile_key(fmt, cfg, fold)
+                    if key not in seen:
+                        seen.add(key)
+                        items.append((fmt, n, k, m, cfg.to_dict(), fold))
+    jobs = [[] for _ in range(max(1, workers))]
+    for i, it in enumerate(items):
+        jobs[i % len(jobs)].append(it)
+    return [j for j in jobs if j]
+
+
+def _warm(items):
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.kernels.configs import ComputeConfig
+    from kestrel.kernels.gemm_wna16 import gemm_wna16
+    from kestrel.kernels.tuning import FORMATS
+    from kestrel.quant import quantize
+    t0, errs, xs0, qws = time.time(), [], sm.XS_E2M1, {}
+    for fmt, n, k, m, cfg, fold in items:
+        # a small stand-in weight: N, K are runtime values (multiples of 16 / 128 like every Llama shape), so the
+        # kernels are the same; full-size weights in 12 workers ran the H200 out of memory (session 4 round 2)
+        n, k = 256, 1024
+        if (fmt, n, k) not in qws:
+            qws[(fmt, n, k)] = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, FORMATS[fmt])
+        sm.XS_E2M1 = xs0 if fold is None else fold
+        try:
+            gemm_wna16(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qws[(fmt, n, k)],
+                       ComputeConfig.from_dict(cfg))
+        except Exception as ex:
+            errs.append(f"{fmt} {cfg}: {ex!r}"[:200])
+    torch.cuda.synchronize()
+    return len(items), time.time() - t0, errs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ms", default="1,4")
+    ap.add_argument("--formats", default="int4,mxfp4")
+    ap.add_argument("--models", default="llama3-8b,llama3-70b")
+    ap.add_argument("--layers", default=None, help="keep only these layers, in this order (e.g. llama3-70b:o)")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--budget-s", type=float, default=60)
+    ap.add_argument("--humming", default="", help="also time Humming (same format) at these points, comma list of "
+                    "fmt:layer (its first call JIT-compiles for ~10 s)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = ap.parse_args()
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.kernels.configs import LayerConfig
+    from kestrel.kernels.gemm_wna16 import gemm_wna16
+    from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
+    gpu = torch.cuda.get_device_name()
+    xs0 = sm.XS_E2M1
+    fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
+    shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
+              for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
+    if args.layers:
+        by = dict(shapes)
+        shapes = [(s, by[s]) for s in args.layers.split(",") if s in by]
+    import multiprocessing as mp
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        try:
+            for cnt, t, errs in pool.map_async(_warm, warm_jobs(shapes, fmts, ms, gpu, args.workers)).get(
+                    timeout=args.budget_s / 2):
+                print(f"warm {cnt} kernels: {t:.1f}s {errs if errs else ''}", flush=True)
+        except mp.TimeoutError:
+            print("warm-up cut at half the budget", flush=True)
+    print(f"warm-up {time.time() - t_start:.1f}s", flush=True)
+    copy_bw = copy_bandwidth()["rw_TBps"]
+    print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
+    meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    rows, entries = [], {"xs0": {}, "xs1": {}}
+
+    def dump():
+        json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
+                  open(os.path.join(args.out, "wna16_mvs8_sweep.json"), "w"), indent=0)
+        # tune-cache entries (bench/merge_tune_cache.py) where a config beat the
+        # default by > 2 % at the measured M (its bucket only)
+        for tag, ent in entries.items():
+            json.dump(ent, open(os.path.join(args.out, f"wna16_mvs8_tune_entries_{tag}.json"), "w"), indent=1)
+    for name, (n, k) in shapes:
+        for fmt in fmts:
+            if rows and time.time() - t_start > args.budget_s:
+                print(f"budget reached: skip {fmt} {name}", flush=True)
+                continue
+            w0, qw0, qws, deq = shape_weights(FORMATS[fmt], n, k)
+            layer = LayerConfig(FORMATS[fmt], n, k)
+            hum = None
+            if f"{fmt}:{name}" in args.humming.split(","):
+                try:
+                    from gemm_wna16 import build_humming  # bench/gemm_wna16.py: same format spelling
+                    t0 = time.time()
+                    hum = [build_humming(fmt, w0 * (1 + 1e-3 * i))[0] for i in range(len(qws))]
+                    hum[0](torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
+                    print(f"humming {fmt} {name}: built + first call {time.time() - t0:.1f}s", flush=True)
+                except Exception as ex:
+                    print(f"humming {fmt} {name} failed: {ex!r}"[:300], flush=True)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = x.float() @ deq.t()
+                line, d_us = f"{fmt:5s} {name:18s} M={m:<2d}", None
+                if hum is not None:
+                    try:  # Humming quantizes w0 itself: its error vs the float weight is informative only
+                        h_us = graph_time_us([lambda L=L: L(x) for L in hum], calls=20, replays=10)
+                        yf = x.float() @ w0.float().t()
+                        rows.append(dict(fmt=fmt, layer=name, N=n, K=k, M=m, tag="humming", config=None, fold=None,
+                                         us=h_us, err_vs_float=((hum[0](x).float() - yf).norm() / yf.norm()).item(),
+                                         err=float("nan"), pct_copy=100 * qw0.nbytes / (h_us * 1e-6) / 1e12 / copy_bw))
+                        line += f" | humming {h_us:.2f}"
+                    except Exception as ex:
+                        print(f"humming call failed: {ex!r}"[:300], flush=True)
+                for tag, cfg, fold in variants(layer, m, gpu, fmt):
+                    sm.XS_E2M1 = xs0 if fold is None else fold
+                    try:
+                        y = gemm_wna16(x, qw0, cfg)
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        us = graph_time_us([lambda q=q: gemm_wna16(x, q, cfg) for q in qws], calls=20, replays=10)
+                    except Exception as ex:
+                        print(f"fail {tag} {fmt} {name} M={m}: {ex!r}"[:300], flush=True)
+                        continue
+                    if not err < 1e-2:
+                        print(f"WRONG RESULT {tag} {fmt} {name} M={m}: rel err {err:.3g}", flush=True)
+                    d_us = us if tag == "dflt" else d_us
+                    rows.append(dict(fmt=fmt, layer=name, N=n, K=k, M=m, tag=tag, config=cfg.to_dict(),
+                                     fold=fold, us=us, err=err, pct_copy=100 * qw0.nbytes / (us * 1e-6) / 1e12 / copy_bw))
+                    line += f" | {tag} {us:.2f}" + (f" ({d_us / us:.3f}x)" if tag != "dflt" and d_us else "")
+                sm.XS_E2M1 = xs0
+                pt = [r for r in rows if (r["fmt"], r["layer"], r["M"]) == (fmt, name, m) and r["err"] < 1e-2
+                      and r["tag"] != "humming"]
+                dr = [r for r in pt if r["tag"] == "dflt"]
+                from kestrel.kernels.configs import cache_key, m_bucket
+                for xs in (False, True):  # entries for XS_E2M1 off / on (int4 rows count for both)
+                    best = min((r for r in pt if r["fold"] in (None, xs)), key=lambda r: r["us"], default=None)
+                    if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:
+                        entries[f"xs{int(xs)}"][cache_key(gpu, layer, m_bucket(m))] = {
+                            "config": best["config"], "us": round(best["us"], 3), "previous_us": round(dr[0]["us"], 3),
+                            "measured": f"{meta['date']} bench/wna16_mvs8_sweep.py ({best['tag']})"}
+                print(line, flush=True)
+            del w0, qw0, qws, deq, hum
+            torch.cuda.empty_cache()
+            dump()
+    dump()
+    print(f"wall {time.time() - t_start:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
