@@ -100,7 +100,11 @@ def test_k_not_a_multiple_of_the_step(spec):
 
 @pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 1, 8, 4), 37),
                                    (ComputeConfig("tcg", 64, 128, 0, 2, 4, 3), 70),
-                                   (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3), 130)], ids=["one", "splitk", "bm128"])
+                                   (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3), 130),
+                                   (ComputeConfig("tcg", 64, 128, 0, 1, 8, 4, swap=True), 37),
+                                   (ComputeConfig("tcg", 64, 64, 0, 2, 4, 3, swap=True), 70),
+                                   (ComputeConfig("tcg", 128, 256, 0, 1, 8, 3, swap=True), 130)],
+                         ids=["one", "splitk", "bm128", "swap", "swap-splitk", "swap-bn256"])
 def test_gluon_tcg_kernel(cfg, m):
     # the Gluon kernel (GPU, Hopper) or, elsewhere, the tc kernel it falls back to: symmetric int4 g128, whole
     # tiles (N % 128, K % 128), ragged M (TMA zero-fills the missing rows; the store is masked)
@@ -108,6 +112,7 @@ def test_gluon_tcg_kernel(cfg, m):
     lay = LayerConfig(qw.spec, 256, 512)
     assert cfg.valid_for(lay) and not cfg.valid_for(LayerConfig(FORMATS["uint4-zp"], 256, 512))
     assert not ComputeConfig("tcg", 64, 128, 0, 4, 8, 4).valid_for(LayerConfig(qw.spec, 256, 384))  # empty split
+    assert not ComputeConfig("tcg", 64, 64, 0, 1, 8, 4, swap=True).valid_for(lay)  # 8 warps need 128 weight rows
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).bfloat16()
     ref = x.double() @ dequantize(qw).double().t()
     y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()

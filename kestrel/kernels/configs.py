@@ -73,7 +73,9 @@ class ComputeConfig:
             return (sp.is_int and sp.weight_bits == 4 and not sp.has_zero_point and sp.group_size == 128
                     and sp.scale_dtype == "bf16" and layer.k % 128 == 0 and self.block_n in (64, 128, 256)
                     and layer.n % self.block_n == 0 and self.block_m in (64, 128, 256) and self.num_warps in (4, 8, 16)
-                    and self.num_stages >= 2 and (self.split_k - 1) * per < steps)
+                    and self.num_stages >= 2 and (self.split_k - 1) * per < steps
+                    # swap (W as the wgmma A operand): warps along the tile's weight rows, 16 each
+                    and (not self.swap or self.block_n % (16 * self.num_warps) == 0))
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):

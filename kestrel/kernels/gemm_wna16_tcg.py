@@ -139,6 +139,111 @@ def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, split_k, BLOC
         gl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
 
 
+# swap-AB ("tcgs", cfg.swap): y^T[n, m] = W[n, k] x^T[k, m], the decoded W tile being the wgmma A operand straight
+# from registers (no decoded-tile smem store, fence or CTA barrier between decode and MMA; the smem traffic per K
+# step is the x tile read by the wgmma). Four elements per PTX block: the pair of words at word rows 2c, 2c + 1
+# (adjacent k of the A fragment) shares byte j (fields 2j, 2j + 1): one byte permute, two lop3 (Marlin's magic),
+# the subtraction of 128 + offset (exact) and the scale multiply (one rounding) in bf16x2
+_ASM_QUAD = gl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $2, $3, $6; lop3.b32 u, t, 0x000F000F, 0x43004300, 0xEA; "
+                         "shr.u32 t, t, 4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+                         "sub.rn.bf16x2 u, u, $10; sub.rn.bf16x2 t, t, $11; mul.rn.bf16x2 $0, u, $12; "
+                         "mul.rn.bf16x2 $1, t, $13; }")
+
+
+@gluon.constexpr_function
+def _decode_layout(a_ll):
+    """The [BN, 8, 16] (n, field, word row) layout whose reshape to [BN, 128] (k = 16 field + row) is the wgmma A
+    fragment a_ll (a DistributedLinearLayout of [BN, 128]), registers ordered (row bit 0, field bit 0, ...) so one
+    pack-4 asm call gets both words of a k pair and two fields of the same byte."""
+    conv = lambda b: [b[0], b[1] // 16, b[1] % 16]
+    regs = [conv(b) for b in a_ll.reg_bases]
+    first = [[0, 0, 1], [0, 1, 0]]
+    regs = first + [b for b in regs if b not in first]
+    return gl.DistributedLinearLayout(regs, [conv(b) for b in a_ll.lane_bases], [conv(b) for b in a_ll.warp_bases],
+                                      [], [a_ll.shape[0], 8, 16])
+
+
+@gluon.jit
+def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
+                 num_warps: gl.constexpr):
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
+    gl.assume(cnt > 0)
+
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    for i in gl.static_range(STAGES - 1):
+        mbarrier.expect(bars.index(i), nbytes, pred=i < cnt)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(i), x_smem.index(i), pred=i < cnt)
+        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(i), q_smem.index(i), pred=i < cnt)
+
+    # wgmma M = BLOCK_N (weight rows), N = BLOCK_M (x rows): warps along the weight rows
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    L3: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
+    qT_layout: gl.constexpr = gl.SliceLayout(1, L3)  # [BN, 16] words
+    n_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))  # [BN]
+    i_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L3))  # [8]
+    fi = gl.arange(0, 8, layout=i_layout) // 2
+    sel = gl.expand_dims(gl.expand_dims(fi | ((fi + 4) << 8), 0), 2)  # [1, 8, 1]: prmt selector of byte j
+    offs_sn = off_n + gl.arange(0, BLOCK_N, layout=n_layout)
+    shape: gl.constexpr = [BLOCK_N, 8, R]
+    zb = gl.full(shape, 128 + CODE_OFFSET, gl.bfloat16, L3)
+    sc_next = gl.load(s_ptr + s0 * N + offs_sn)  # one scale per (column, K step): g128; prefetched a step ahead
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(cnt):
+        slot = i % STAGES
+        sc = sc_next
+        sc_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * N + offs_sn)
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        q = gl.expand_dims(q_smem.index(slot).permute((1, 0)).load(qT_layout), 1)  # [BN, 1, 16]
+        scb = gl.expand_dims(gl.expand_dims(sc, 1), 2)
+        w = gl.inline_asm_elementwise(_ASM_QUAD, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                      [q.broadcast_to(shape), sel.broadcast_to(shape), zb, scb.broadcast_to(shape)],
+                                      dtype=gl.bfloat16, is_pure=True, pack=4)
+        a = gl.convert_layout(gl.reshape(w, (BLOCK_N, BK)), a_layout)
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its slots are free
+        gl.thread_barrier()  # ... in every warpgroup, before one thread refills them
+        nxt = i + STAGES - 1
+        ns = nxt % STAGES
+        mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
+                                        pred=nxt < cnt)
+        tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
+                                        pred=nxt < cnt)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    # y[m, n] = acc[n, m]: 4 consecutive n per thread, a warp along 128 n (coalesced), warps along m
+    out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    out = gl.convert_layout(acc, out_layout)
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    if not ATOMIC:
+        gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        gl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
+
+
 def supports(qw: QuantizedWeight, x2: torch.Tensor, cfg: ComputeConfig) -> bool:
     """On the GPU with bf16 x (act-order is already applied to x by gemm_wna16); ComputeConfig.valid_for checks
     the format and the tile."""
@@ -162,6 +267,11 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
     grid = (-(-m // bm) * (n // bn), split)
+    if cfg.swap:
+        _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
+                           ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
+                           num_warps=cfg.num_warps)
+        return y.to(x2.dtype) if split > 1 else y
     _tcg_kernel[grid](x_desc, q_desc, s_desc, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                       ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
                       num_warps=cfg.num_warps)
