@@ -53,6 +53,8 @@ class ComputeConfig:
     # "tc": register cap per thread (0 = the compiler's choice). 128 lets two 8-warp CTAs share an SM where the
     # compiler takes more (the split-K reduction's epilogue raises a 128x128 tile from 128 to 170 registers)
     maxnreg: int = 0
+    # "tcg" with swap: 1 = warp-specialised (a loader warp refills the TMA ring on mbarriers; no CTA barrier per step)
+    ws: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

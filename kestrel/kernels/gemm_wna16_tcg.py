@@ -164,9 +164,61 @@ def _decode_layout(a_ll):
 
 
 @gluon.jit
+def _swap_a(q_slot, sc, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The decoded W tile of one K step as the wgmma A operand [BN, 128] (registers), from its [16, BN] words in
+    shared memory and its [BN] scales."""
+    q = gl.expand_dims(q_slot.permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [BN, 1, 16]
+    shape: gl.constexpr = [BLOCK_N, 8, R]
+    scb = gl.expand_dims(gl.expand_dims(sc, 1), 2)
+    w = gl.inline_asm_elementwise(_ASM_QUAD, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                  [q.broadcast_to(shape), sel.broadcast_to(shape), zb, scb.broadcast_to(shape)],
+                                  dtype=gl.bfloat16, is_pure=True, pack=4)
+    return gl.convert_layout(gl.reshape(w, (BLOCK_N, BK)), a_layout)  # a register renaming (same linear layout)
+
+
+@gluon.jit
+def _swap_consume(x_smem, q_smem, ready, empty, s_ptr, N, off_n, s0, cnt, L3: gl.constexpr,
+                  mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  CODE_OFFSET: gl.constexpr):
+    """Warp-specialised consumer: wait for a filled slot, decode, issue the async wgmma, and once the wgmma of the
+    step before is done hand its slot back to the loader warp (empty barrier): no CTA barrier in the loop."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    fi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) // 2
+    sel = gl.expand_dims(gl.expand_dims(fi | ((fi + 4) << 8), 0), 2)
+    offs_sn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    zb = gl.full([BLOCK_N, 8, R], 128 + CODE_OFFSET, gl.bfloat16, L3)
+    sc_next = gl.load(s_ptr + s0 * N + offs_sn)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(cnt):
+        slot = i % STAGES
+        sc = sc_next
+        sc_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * N + offs_sn)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        a = _swap_a(q_smem.index(slot), sc, sel, zb, L3, a_layout, BLOCK_N)
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill of the slot
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)  # step i - 1's slot
+    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )  # warp_specialize flattens a tuple
+
+
+@gluon.jit
+def _swap_load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES: gl.constexpr):
+    """Warp-specialised loader (one warp): refill each slot once the consumers have released it."""
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    for i in range(cnt):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        mbarrier.expect(ready.index(slot), nbytes)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], ready.index(slot), x_smem.index(slot))
+        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], ready.index(slot), q_smem.index(slot))
+
+
+@gluon.jit
 def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 WS: gl.constexpr, num_warps: gl.constexpr):
+    """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -185,54 +237,56 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
-    for i in gl.static_range(STAGES - 1):
-        mbarrier.expect(bars.index(i), nbytes, pred=i < cnt)
-        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(i), x_smem.index(i), pred=i < cnt)
-        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(i), q_smem.index(i), pred=i < cnt)
-
     # wgmma M = BLOCK_N (weight rows), N = BLOCK_M (x rows): warps along the weight rows
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     L3: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
-    qT_layout: gl.constexpr = gl.SliceLayout(1, L3)  # [BN, 16] words
-    n_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))  # [BN]
-    i_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L3))  # [8]
-    fi = gl.arange(0, 8, layout=i_layout) // 2
-    sel = gl.expand_dims(gl.expand_dims(fi | ((fi + 4) << 8), 0), 2)  # [1, 8, 1]: prmt selector of byte j
-    offs_sn = off_n + gl.arange(0, BLOCK_N, layout=n_layout)
-    shape: gl.constexpr = [BLOCK_N, 8, R]
-    zb = gl.full(shape, 128 + CODE_OFFSET, gl.bfloat16, L3)
-    sc_next = gl.load(s_ptr + s0 * N + offs_sn)  # one scale per (column, K step): g128; prefetched a step ahead
-    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-    for i in range(cnt):
-        slot = i % STAGES
-        sc = sc_next
-        sc_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * N + offs_sn)
-        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        q = gl.expand_dims(q_smem.index(slot).permute((1, 0)).load(qT_layout), 1)  # [BN, 1, 16]
-        scb = gl.expand_dims(gl.expand_dims(sc, 1), 2)
-        w = gl.inline_asm_elementwise(_ASM_QUAD, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
-                                      [q.broadcast_to(shape), sel.broadcast_to(shape), zb, scb.broadcast_to(shape)],
-                                      dtype=gl.bfloat16, is_pure=True, pack=4)
-        a = gl.convert_layout(gl.reshape(w, (BLOCK_N, BK)), a_layout)
-        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its slots are free
-        gl.thread_barrier()  # ... in every warpgroup, before one thread refills them
-        nxt = i + STAGES - 1
-        ns = nxt % STAGES
-        mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
-        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
-                                        pred=nxt < cnt)
-        tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
-                                        pred=nxt < cnt)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+    if WS:
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(empty.index(i), count=1)
+        acc, = gl.warp_specialize([
+            (_swap_consume, (x_smem, q_smem, bars, empty, s_ptr, N, off_n, s0, cnt, L3, mma_layout, BLOCK_M,
+                             BLOCK_N, STAGES, CODE_OFFSET)),
+            (_swap_load, (x_desc, q_desc, x_smem, q_smem, bars, empty, off_m, off_n, s0, cnt, STAGES)),
+        ], [1], [40])
+    else:
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+        for i in gl.static_range(STAGES - 1):
+            mbarrier.expect(bars.index(i), nbytes, pred=i < cnt)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(i), x_smem.index(i),
+                                            pred=i < cnt)
+            tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(i), q_smem.index(i),
+                                            pred=i < cnt)
+        fi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) // 2
+        sel = gl.expand_dims(gl.expand_dims(fi | ((fi + 4) << 8), 0), 2)  # [1, 8, 1]: prmt selector of byte j
+        offs_sn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        zb = gl.full([BLOCK_N, 8, R], 128 + CODE_OFFSET, gl.bfloat16, L3)
+        sc_next = gl.load(s_ptr + s0 * N + offs_sn)  # one scale per (column, K step): g128; prefetched a step ahead
+        acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        for i in range(cnt):
+            slot = i % STAGES
+            sc = sc_next
+            sc_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * N + offs_sn)
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            a = _swap_a(q_smem.index(slot), sc, sel, zb, L3, a_layout, BLOCK_N)
+            acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its slots are free
+            fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
+            gl.thread_barrier()  # ... in every warpgroup, before one thread refills them
+            nxt = i + STAGES - 1
+            ns = nxt % STAGES
+            mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
+                                            pred=nxt < cnt)
+            tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
+                                            pred=nxt < cnt)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
-    # y[m, n] = acc[n, m]: 4 consecutive n per thread, a warp along 128 n (coalesced), warps along m
-    out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    # y[m, n] = acc[n, m]: consecutive n per thread, a warp along up to 128 n (coalesced), warps along m
+    SPT: gl.constexpr = 4 if BLOCK_N >= 128 else BLOCK_N // 32
+    out_layout: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [1, num_warps], [0, 1])
     out = gl.convert_layout(acc, out_layout)
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
@@ -268,9 +322,10 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
     grid = (-(-m // bm) * (n // bn), split)
     if cfg.swap:
+        ws = bool(cfg.ws)
         _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                            ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
-                           num_warps=cfg.num_warps)
+                           WS=ws, num_warps=cfg.num_warps)
         return y.to(x2.dtype) if split > 1 else y
     _tcg_kernel[grid](x_desc, q_desc, s_desc, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                       ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
