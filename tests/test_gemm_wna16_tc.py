@@ -119,6 +119,19 @@ def test_gluon_tcg_kernel(cfg, m):
     assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
 
 
+@pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=1), 37),
+                                   (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3, swap=True), 130)], ids=["ws-splitk", "bm128"])
+def test_gluon_tcg_swap_mxfp4(cfg, m):
+    # MXFP4 takes only the swap variant of the Gluon kernel (or, off Hopper, the tc kernel with the same tile)
+    qw = _weight(FORMATS["mxfp4"], n=256, k=512, seed=13)
+    lay = LayerConfig(qw.spec, 256, 512)
+    assert cfg.valid_for(lay) and not ComputeConfig("tcg", 64, 128, 0, 1, 8, 4).valid_for(lay)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).bfloat16()
+    ref = x.double() @ dequantize(qw).double().t()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+    assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
+
+
 def test_split_k_reduce_leaves_counters_zeroed():
     # the tile counters are allocated once and never cleared by the host: every call must leave them at zero, or
     # the next call's "last split" would be the wrong one (a partial sum: O(1) error) and y would stay unwritten

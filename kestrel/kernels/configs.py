@@ -68,12 +68,15 @@ class ComputeConfig:
         if (self.kernel not in ("gemv", "mv", "mvs", "stream", "dot", "dequant_mm", "tc", "tcg") or self.block_n < 16
                 or self.split_k < 1):
             return False
-        if self.kernel == "tcg":  # gemm_wna16_tcg.py: symmetric int4 g128 bf16 scales, whole tiles, no empty split
-            sp = layer.spec
+        if self.kernel == "tcg":  # gemm_wna16_tcg.py: symmetric int4 g128 bf16 scales (swap: or MXFP4), whole
+            sp = layer.spec  # tiles, no empty split
             steps = layer.k // 128
             per = -(-steps // self.split_k)
-            return (sp.is_int and sp.weight_bits == 4 and not sp.has_zero_point and sp.group_size == 128
-                    and sp.scale_dtype == "bf16" and layer.k % 128 == 0 and self.block_n in (64, 128, 256)
+            int4 = (sp.is_int and sp.weight_bits == 4 and not sp.has_zero_point and sp.group_size == 128
+                    and sp.scale_dtype == "bf16")
+            mxfp4 = (self.swap and sp.weight_dtype == "fp4_e2m1" and sp.group_size == 32 and sp.scale_dtype == "e8m0"
+                     and not sp.global_scale)
+            return ((int4 or mxfp4) and layer.k % 128 == 0 and self.block_n in (64, 128, 256)
                     and layer.n % self.block_n == 0 and self.block_m in (64, 128, 256) and self.num_warps in (4, 8, 16)
                     and self.num_stages >= 2 and (self.split_k - 1) * per < steps
                     # swap (W as the wgmma A operand): warps along the tile's weight rows, 16 each

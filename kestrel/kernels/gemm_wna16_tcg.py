@@ -148,6 +148,14 @@ _ASM_QUAD = gl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $2, $3, $6; lop3.b32 u, 
                          "shr.u32 t, t, 4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
                          "sub.rn.bf16x2 u, u, $10; sub.rn.bf16x2 t, t, $11; mul.rn.bf16x2 $0, u, $12; "
                          "mul.rn.bf16x2 $1, t, $13; }")
+# MXFP4 (e2m1): sign to bit 15 and (e1 e0 m) to bits 8..6 of a bf16 = value * 2^-126 (an e2m1 subnormal lands on a
+# bf16 subnormal, exact), times the e8m0 scale pre-multiplied by 2^(126 - 64) (2^64 goes back on the accumulator)
+_ASM_QUAD_FP4 = gl.constexpr("{ .reg .b32 t, a, b; prmt.b32 t, $2, $3, $6; "
+                             "shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; "
+                             "lop3.b32 a, a, b, 0x80008000, 0xF8; mul.rn.bf16x2 $0, a, $10; "
+                             "shl.b32 a, t, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 8; "
+                             "lop3.b32 a, a, b, 0x80008000, 0xF8; mul.rn.bf16x2 $1, a, $11; }")
+FP4_TILE_EXP = gl.constexpr(64)
 
 
 @gluon.constexpr_function
@@ -164,37 +172,58 @@ def _decode_layout(a_ll):
 
 
 @gluon.jit
-def _swap_a(q_slot, sc, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+def _swap_consts(L3: gl.constexpr, N, off_n, BLOCK_N: gl.constexpr, CODE_OFFSET: gl.constexpr, FP4: gl.constexpr):
+    """Loop constants of the decode: the prmt selector of byte j = field // 2 ([1, 8, 1]), the code offset (int4)
+    and the offsets of a K step's scales: int4 g128 one per column ([BN, 1, 1]); MXFP4 g32 one per (column,
+    byte) ([BN, 8, 1]: group 4 s + field // 2)."""
+    fi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) // 2
+    sel = gl.expand_dims(gl.expand_dims(fi | ((fi + 4) << 8), 0), 2)
+    offs_n = gl.expand_dims(gl.expand_dims(off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(
+        2, L3))), 1), 2)
+    zb = gl.full([BLOCK_N, 8, R], 128 + CODE_OFFSET, gl.bfloat16, L3)
+    if FP4:
+        s_offs = offs_n + gl.expand_dims(gl.expand_dims(fi, 0), 2) * N
+    else:
+        s_offs = offs_n
+    return sel, zb, s_offs
+
+
+@gluon.jit
+def _swap_a(q_slot, sraw, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+            FP4: gl.constexpr):
     """The decoded W tile of one K step as the wgmma A operand [BN, 128] (registers), from its [16, BN] words in
-    shared memory and its [BN] scales."""
+    shared memory and its raw scales (bf16, or e8m0 codes for MXFP4)."""
     q = gl.expand_dims(q_slot.permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [BN, 1, 16]
     shape: gl.constexpr = [BLOCK_N, 8, R]
-    scb = gl.expand_dims(gl.expand_dims(sc, 1), 2)
-    w = gl.inline_asm_elementwise(_ASM_QUAD, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
-                                  [q.broadcast_to(shape), sel.broadcast_to(shape), zb, scb.broadcast_to(shape)],
-                                  dtype=gl.bfloat16, is_pure=True, pack=4)
+    if FP4:  # bf16 bits of 2^(e - 127 + 126 - 64): exponent field e + 62 (e <= 192: block scales up to 2^65)
+        sc = ((sraw.to(gl.int32) + (62 + 64 - FP4_TILE_EXP)) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        w = gl.inline_asm_elementwise(_ASM_QUAD_FP4, "=r,=r,r,r,r,r,r,r,r,r,r,r",
+                                      [q.broadcast_to(shape), sel.broadcast_to(shape), sc.broadcast_to(shape)],
+                                      dtype=gl.bfloat16, is_pure=True, pack=4)
+    else:
+        w = gl.inline_asm_elementwise(_ASM_QUAD, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                      [q.broadcast_to(shape), sel.broadcast_to(shape), zb,
+                                       sraw.broadcast_to(shape)], dtype=gl.bfloat16, is_pure=True, pack=4)
     return gl.convert_layout(gl.reshape(w, (BLOCK_N, BK)), a_layout)  # a register renaming (same linear layout)
 
 
 @gluon.jit
 def _swap_consume(x_smem, q_smem, ready, empty, s_ptr, N, off_n, s0, cnt, L3: gl.constexpr,
                   mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CODE_OFFSET: gl.constexpr):
+                  CODE_OFFSET: gl.constexpr, FP4: gl.constexpr):
     """Warp-specialised consumer: wait for a filled slot, decode, issue the async wgmma, and once the wgmma of the
     step before is done hand its slot back to the loader warp (empty barrier): no CTA barrier in the loop."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    fi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) // 2
-    sel = gl.expand_dims(gl.expand_dims(fi | ((fi + 4) << 8), 0), 2)
-    offs_sn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    zb = gl.full([BLOCK_N, 8, R], 128 + CODE_OFFSET, gl.bfloat16, L3)
-    sc_next = gl.load(s_ptr + s0 * N + offs_sn)
+    SPS: gl.constexpr = 4 if FP4 else 1  # scale rows per K step
+    sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
+    s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)
     acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
     for i in range(cnt):
         slot = i % STAGES
-        sc = sc_next
-        sc_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * N + offs_sn)
+        sraw = s_next
+        s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        a = _swap_a(q_smem.index(slot), sc, sel, zb, L3, a_layout, BLOCK_N)
+        a = _swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, FP4)
         acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill of the slot
@@ -217,8 +246,9 @@ def _swap_load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, c
 @gluon.jit
 def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
-                 WS: gl.constexpr, num_warps: gl.constexpr):
-    """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier."""
+                 WS: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr):
+    """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier.
+    FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -248,7 +278,7 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
             mbarrier.init(empty.index(i), count=1)
         acc, = gl.warp_specialize([
             (_swap_consume, (x_smem, q_smem, bars, empty, s_ptr, N, off_n, s0, cnt, L3, mma_layout, BLOCK_M,
-                             BLOCK_N, STAGES, CODE_OFFSET)),
+                             BLOCK_N, STAGES, CODE_OFFSET, FP4)),
             (_swap_load, (x_desc, q_desc, x_smem, q_smem, bars, empty, off_m, off_n, s0, cnt, STAGES)),
         ], [1], [40])
     else:
@@ -259,18 +289,16 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
                                             pred=i < cnt)
             tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(i), q_smem.index(i),
                                             pred=i < cnt)
-        fi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) // 2
-        sel = gl.expand_dims(gl.expand_dims(fi | ((fi + 4) << 8), 0), 2)  # [1, 8, 1]: prmt selector of byte j
-        offs_sn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        zb = gl.full([BLOCK_N, 8, R], 128 + CODE_OFFSET, gl.bfloat16, L3)
-        sc_next = gl.load(s_ptr + s0 * N + offs_sn)  # one scale per (column, K step): g128; prefetched a step ahead
+        SPS: gl.constexpr = 4 if FP4 else 1  # scale rows per K step
+        sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
+        s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)  # a K step's scales, prefetched a step ahead
         acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
         for i in range(cnt):
             slot = i % STAGES
-            sc = sc_next
-            sc_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * N + offs_sn)
+            sraw = s_next
+            s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
             mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-            a = _swap_a(q_smem.index(slot), sc, sel, zb, L3, a_layout, BLOCK_N)
+            a = _swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, FP4)
             acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its slots are free
             fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
@@ -288,6 +316,8 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
     SPT: gl.constexpr = 4 if BLOCK_N >= 128 else BLOCK_N // 32
     out_layout: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [1, num_warps], [0, 1])
     out = gl.convert_layout(acc, out_layout)
+    if FP4:
+        out = out * (2.0 ** FP4_TILE_EXP)
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
     ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -302,8 +332,10 @@ def supports(qw: QuantizedWeight, x2: torch.Tensor, cfg: ComputeConfig) -> bool:
     """On the GPU with bf16 x (act-order is already applied to x by gemm_wna16); ComputeConfig.valid_for checks
     the format and the tile."""
     tma_ok = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (x2, qw.qweight, qw.scales))
+    fp4 = qw.spec.weight_dtype == "fp4_e2m1"
     return (x2.is_cuda and x2.dtype == torch.bfloat16 and qw.zeros is None and qw.global_scale is None
-            and qw.scales.dtype == torch.bfloat16 and qw.qweight.dtype == torch.int32 and tma_ok
+            and qw.scales.dtype == (torch.uint8 if fp4 else torch.bfloat16) and (cfg.swap or not fp4)
+            and qw.qweight.dtype == torch.int32 and tma_ok
             and torch.cuda.get_device_capability(x2.device)[0] == 9)
 
 
@@ -325,7 +357,7 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
         ws = bool(cfg.ws)
         _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                            ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
-                           WS=ws, num_warps=cfg.num_warps)
+                           WS=ws, FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps)
         return y.to(x2.dtype) if split > 1 else y
     _tcg_kernel[grid](x_desc, q_desc, s_desc, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                       ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
