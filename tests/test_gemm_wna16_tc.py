@@ -172,10 +172,11 @@ def test_packed_decode_pairs_share_a_field():
     assert pairs and all(d in (1, 3) for d in pairs.values()), pairs
 
 
-def _run_ptx(asm: str, ops: list[int]) -> int:
+def _run_ptx(asm: str, ops: list[int], first: int = 1, outs: int = 1):
     """Tiny emulator of the PTX the packed decode uses (b32 registers; bf16x2/f16x2 math rounded like the GPU: the
-    products of two 8/11-bit significands are exact in fp32, so one torch rounding is the PTX .rn rounding)."""
-    regs = {f"${i}": v & 0xFFFFFFFF for i, v in enumerate(ops, start=1)}
+    products of two 8/11-bit significands are exact in fp32, so one torch rounding is the PTX .rn rounding).
+    ops are $first, $first + 1, ...; returns $0 (outs = 1) or [$0 .. $outs-1]."""
+    regs = {f"${i}": v & 0xFFFFFFFF for i, v in enumerate(ops, start=first)}
     val = lambda t: regs[t] if t in regs else int(t, 0)
 
     def halves(v, dt):
@@ -210,7 +211,55 @@ def _run_ptx(asm: str, ops: list[int]) -> int:
             a_, b_ = halves(v[0], dt), halves(v[1], dt)
             r = pack(a_ - b_ if op.startswith("sub") else a_ * b_, dt)
         regs[d] = r
-    return regs["$0"]
+    return regs["$0"] if outs == 1 else [regs[f"${i}"] for i in range(outs)]
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp4"])
+def test_swap_quad_decode_ptx_semantics(kind):
+    # the pack-4 PTX of the Gluon swap kernel (gemm_wna16_tcg._ASM_QUAD / _ASM_QUAD_FP4): words w0, w1 (word rows
+    # 2c, 2c + 1: adjacent k of the wgmma A fragment), byte j -> $0 = field 2j of (w0, w1), $1 = field 2j + 1,
+    # each (code - 8) * s (int4) or e2m1 value * s * 2^62 * 2^-126 (fp4, s carrying the kernel's 2^(126 - 64))
+    from kestrel.kernels import gemm_wna16_tcg as tcg
+    from kestrel.quant.formats import decode_minifloat
+    g = torch.Generator().manual_seed(8)
+    bf = torch.bfloat16
+    half = lambda x: int(torch.tensor([x]).to(bf).view(torch.int16)) & 0xFFFF
+    for _ in range(40):
+        w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+        s = float(torch.rand(1, generator=g)) * 0.1 + 0.01
+        for j in range(4):
+            sel = j | ((j + 4) << 8)
+            if kind == "int4":
+                sc, zb = half(s) * 0x10001, half(136) * 0x10001
+                out = _run_ptx(tcg._ASM_QUAD.value, [w0, w1, w0, w1, sel, sel, sel, sel, zb, zb, sc, sc], first=2,
+                               outs=2)
+                ref = lambda c: torch.tensor([(c - 8) * float(torch.tensor(s).to(bf))]).to(bf)
+            else:
+                sc = half(s * 2.0 ** 62) * 0x10001
+                out = _run_ptx(tcg._ASM_QUAD_FP4.value, [w0, w1, w0, w1, sel, sel, sel, sel, sc, sc], first=2, outs=2)
+                ref = lambda c: (decode_minifloat(torch.tensor([c]), 2, 1) * float(torch.tensor(s * 2.0 ** 62).to(bf))
+                                 * 2.0 ** -126).to(bf)
+            for h, f in enumerate((2 * j, 2 * j + 1)):
+                got = torch.tensor([out[h] & 0xFFFF, out[h] >> 16], dtype=torch.int32).to(torch.int16).view(bf)
+                for half_i, w in enumerate((w0, w1)):
+                    assert got[half_i] == ref((w >> 4 * f) & 15)[0], (kind, j, f, half_i, got, w0, w1)
+
+
+def test_swap_decode_layout_is_the_wgmma_a_fragment():
+    # the [BN, field, word row] decode layout reshaped to [BN, 128] (k = 16 field + row) must hold the same
+    # (register, lane, warp) -> element map as the A fragment, up to the order of the register bases, with the
+    # pack-4 asm's (row bit 0, field bit 0) as the first two register bases
+    from types import SimpleNamespace
+    from kestrel.kernels import gemm_wna16_tcg as tcg
+    a = SimpleNamespace(reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32], [0, 64], [128, 0]],
+                        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [64, 0]],
+                        shape=[256, 128])  # the H200 compile's A layout of a 256-row, 8-warp tile (triton 3.6)
+    fn = getattr(tcg._decode_layout, "fn", None) or getattr(tcg._decode_layout, "__wrapped__", tcg._decode_layout)
+    lay = fn(a)
+    flat = lambda b: [b[0], 16 * b[1] + b[2]]
+    assert lay.reg_bases[:2] == [[0, 0, 1], [0, 1, 0]] and lay.shape == [256, 8, 16]
+    assert sorted(map(flat, lay.reg_bases)) == sorted(a.reg_bases)
+    assert list(map(flat, lay.lane_bases)) == a.lane_bases and list(map(flat, lay.warp_bases)) == a.warp_bases
 
 
 @pytest.mark.parametrize("kind", ["int4-bf16", "int4-fp16", "fp4-bf16"])
