@@ -92,12 +92,20 @@ def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeC
     else:
         tiles = [(128, 128, 3, 8), (128, 256, 2, 16), (256, 128, 2, 16), (128, 256, 2, 8), (256, 128, 2, 8),
                  (128, 128, 3, 16), (64, 128, 4, 8)]
+    # swap-AB tiles (W decoded into the wgmma A registers; MXFP4 too): (block_m, block_n, stages, warps, ws)
+    if m <= 64:
+        swaps = [(64, 128, 4, 8, 0), (64, 256, 4, 8, 0), (64, 128, 4, 8, 1), (64, 256, 4, 8, 1), (64, 128, 3, 8, 0),
+                 (64, 64, 4, 4, 0)]
+    else:
+        swaps = [(128, 128, 4, 8, 0), (256, 128, 3, 8, 0), (128, 128, 4, 8, 1), (256, 128, 3, 8, 1),
+                 (128, 256, 3, 8, 0), (64, 128, 4, 8, 0)]
     out = []
-    for bm, bn, st, w in tiles:
+    for bm, bn, st, w, *sw in tiles + swaps:
         n_tiles = -(-m // bm) * -(-layer.n // bn)
         splits = [sk for sk in (1, 2, 4, 8) if sk == 1 or num_sms // 2 <= n_tiles * sk <= 2 * num_sms]
+        extra = {"swap": True, "ws": sw[0]} if sw else {}
         # the split nearest one wave first (the first tcg config is the one --max-candidates surely measures)
-        out += [C("tcg", bm, bn, 0, sk, w, st) for sk in sorted(splits, key=lambda sk: abs(math.log2(
+        out += [C("tcg", bm, bn, 0, sk, w, st, **extra) for sk in sorted(splits, key=lambda sk: abs(math.log2(
             n_tiles * sk / num_sms)))]
     return out
 
