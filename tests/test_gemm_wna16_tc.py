@@ -113,6 +113,8 @@ def test_gluon_tcg_kernel(cfg, m):
     assert cfg.valid_for(lay) and not cfg.valid_for(LayerConfig(FORMATS["uint4-zp"], 256, 512))
     assert not ComputeConfig("tcg", 64, 128, 0, 4, 8, 4).valid_for(LayerConfig(qw.spec, 256, 384))  # empty split
     assert not ComputeConfig("tcg", 64, 64, 0, 1, 8, 4, swap=True).valid_for(lay)  # 8 warps need 128 weight rows
+    assert not ComputeConfig("tcg", 64, 128, 0, 1, 8, 4, ws=1).valid_for(lay)  # warp specialisation: swap only
+    assert not ComputeConfig("tcg", 64, 64, 0, 1, 4, 4, swap=True, ws=2).valid_for(lay)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).bfloat16()
     ref = x.double() @ dequantize(qw).double().t()
     y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
@@ -120,7 +122,9 @@ def test_gluon_tcg_kernel(cfg, m):
 
 
 @pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=1), 37),
-                                   (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3, swap=True), 130)], ids=["ws-splitk", "bm128"])
+                                   (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3, swap=True), 130),
+                                   (ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=2), 70)],
+                         ids=["ws-splitk", "bm128", "ws2-splitk"])
 def test_gluon_tcg_swap_mxfp4(cfg, m):
     # MXFP4 takes only the swap variant of the Gluon kernel (or, off Hopper, the tc kernel with the same tile)
     qw = _weight(FORMATS["mxfp4"], n=256, k=512, seed=13)

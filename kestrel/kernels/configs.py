@@ -53,7 +53,8 @@ class ComputeConfig:
     # "tc": register cap per thread (0 = the compiler's choice). 128 lets two 8-warp CTAs share an SM where the
     # compiler takes more (the split-K reduction's epilogue raises a 128x128 tile from 128 to 170 registers)
     maxnreg: int = 0
-    # "tcg" with swap: 1 = warp-specialised (a loader warp refills the TMA ring on mbarriers; no CTA barrier per step)
+    # "tcg" with swap: 1 = warp-specialised (a loader warp refills the TMA ring on mbarriers; no CTA barrier per
+    # step); 2 = also each of the two consumer warpgroups in its own partition (half the tile's weight rows each)
     ws: int = 0
 
     def to_dict(self) -> dict:
@@ -80,7 +81,9 @@ class ComputeConfig:
                     and layer.n % self.block_n == 0 and self.block_m in (64, 128, 256) and self.num_warps in (4, 8, 16)
                     and self.num_stages >= 2 and (self.split_k - 1) * per < steps
                     # swap (W as the wgmma A operand): warps along the tile's weight rows, 16 each
-                    and (not self.swap or self.block_n % (16 * self.num_warps) == 0))
+                    and (not self.swap or self.block_n % (16 * self.num_warps) == 0)
+                    # ws 1: loader warp; ws 2: also the two warpgroups in their own partitions (half a tile each)
+                    and (self.ws == 0 or self.swap) and (self.ws != 2 or (self.num_warps == 8 and self.block_n >= 128)))
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):

@@ -312,7 +312,13 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
                                             pred=nxt < cnt)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
-    # y[m, n] = acc[n, m]: consecutive n per thread, a warp along up to 128 n (coalesced), warps along m
+    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps)
+
+
+@gluon.jit
+def _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                ATOMIC: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr):
+    """y[m, n] = acc[n, m]: consecutive n per thread, a warp along up to 128 n (coalesced), warps along m."""
     SPT: gl.constexpr = 4 if BLOCK_N >= 128 else BLOCK_N // 32
     out_layout: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [1, num_warps], [0, 1])
     out = gl.convert_layout(acc, out_layout)
@@ -326,6 +332,85 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
         gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         gl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
+
+
+@gluon.jit
+def _swap_consume_half(x_smem, q_smem, ready, empty, s_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
+                       H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
+                       CODE_OFFSET: gl.constexpr, FP4: gl.constexpr, ATOMIC: gl.constexpr):
+    """ws=2: one of two consumer warpgroups (its own partition, so neither waits for the other): the weight rows
+    off_n + H * HN .. + HN of the tile, from its own half of each K step's words; it releases a slot by one of the
+    two arrivals its empty barrier counts, and stores its half of y."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    L3: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
+    SPS: gl.constexpr = 4 if FP4 else 1
+    n0 = off_n + H * HN
+    sel, zb, s_offs = _swap_consts(L3, N, n0, HN, CODE_OFFSET, FP4)
+    s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)
+    acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(cnt):
+        slot = i % STAGES
+        sraw = s_next
+        s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        a = _swap_a(q_smem.index(2 * slot + H), sraw, sel, zb, L3, a_layout, HN, FP4)
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        fence_async_shared()
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, n0, BLOCK_M, HN, ATOMIC, FP4, 4)
+
+
+@gluon.jit
+def _swap_load_halves(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES: gl.constexpr):
+    """ws=2 loader warp: each K step's x tile and the two halves of its words (q_desc blocks are half a tile)."""
+    HN: gl.constexpr = q_desc.block_type.shape[1]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * q_desc.block_type.nbytes
+    for i in range(cnt):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bar, x_smem.index(slot))
+        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bar, q_smem.index(2 * slot))
+        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n + HN], bar, q_smem.index(2 * slot + 1))
+
+
+@gluon.jit
+def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
+                  FP4: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """ws=2 (launched with num_warps=4): two consumer warpgroups in two partitions plus a loader warp."""
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
+    gl.assume(cnt > 0)
+    HN: gl.constexpr = BLOCK_N // 2
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [2 * STAGES, R, HN], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    gl.warp_specialize([
+        (_swap_consume_half, (x_smem, q_smem, ready, empty, s_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt, 0,
+                              BLOCK_M, HN, STAGES, CODE_OFFSET, FP4, ATOMIC)),
+        (_swap_consume_half, (x_smem, q_smem, ready, empty, s_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt, 1,
+                              BLOCK_M, HN, STAGES, CODE_OFFSET, FP4, ATOMIC)),
+        (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def supports(qw: QuantizedWeight, x2: torch.Tensor, cfg: ComputeConfig) -> bool:
@@ -353,6 +438,12 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
     grid = (-(-m // bm) * (n // bn), split)
+    if cfg.swap and cfg.ws == 2:  # two consumer warpgroups in their own partitions + a loader warp
+        q_desc = TensorDescriptor.from_tensor(qw.qweight, [r, bn // 2], lay([r, bn // 2], gl.int32))
+        _tcgs2_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
+                            ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
+                            FP4=qw.spec.weight_dtype == "fp4_e2m1", CONSUMER_REGS=232, num_warps=4)
+        return y.to(x2.dtype) if split > 1 else y
     if cfg.swap:
         ws = bool(cfg.ws)
         _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
