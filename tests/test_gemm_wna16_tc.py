@@ -320,22 +320,23 @@ def test_configs_valid_for_llama_shapes():
 
 def test_tuner_local_search_reaches_the_measured_winners():
     # `kestrel tune --max-candidates 8` measures the 8 candidates nearest the heuristic. At 8B down M = 256 the
-    # heuristic is the H200 winner of every-candidate tuning (tcg 128x128 split 2, 66.3 us) and the first config
+    # heuristic is the H200 probe winner (swap tcg 128x128 split 2 s4, 57.2 us, session 4 R1) and the first config
     # of each other path (tc, dequant + cuBLAS) must be among the 8; split-K neighbours (x2, /2) come first
     from kestrel.kernels.tuning import compile_key, config_distance
     lay = LayerConfig(FORMATS["int4"], 4096, 14336)
     first = candidates(lay, 256)[:8]
-    assert first[0] == ComputeConfig("tcg", 128, 128, 0, 2, 8, 3)
+    assert first[0] == ComputeConfig("tcg", 128, 128, 0, 2, 8, 4, swap=True)
     assert {c.kernel for c in first} == {"tcg", "tc", "dequant_mm"}
-    assert ComputeConfig("tcg", 128, 128, 0, 4, 8, 3) in first[:4]
-    # the heuristic's split lands each shape near one wave of one-CTA-per-SM tiles (the tuned winners' splits)
-    assert heuristic(lay, 64) == ComputeConfig("tcg", 64, 256, 0, 8, 8, 3)
-    assert heuristic(LayerConfig(FORMATS["int4"], 8192, 8192), 64).split_k == 4
-    assert heuristic(LayerConfig(FORMATS["mxfp4"], 4096, 14336), 64).kernel == "tc"  # no Gluon fp4 decode
+    assert ComputeConfig("tcg", 128, 128, 0, 4, 8, 4, swap=True) in first[:4]
+    # the heuristic's split lands each shape near one wave (M = 256) / 1.5 waves (M = 64) of one CTA per SM
+    assert heuristic(LayerConfig(FORMATS["int4"], 8192, 8192), 64) == ComputeConfig("tcg", 64, 128, 0, 4, 8, 4,
+                                                                                    swap=True)
+    assert heuristic(LayerConfig(FORMATS["int4"], 8192, 8192), 256).split_k == 1
+    assert heuristic(LayerConfig(FORMATS["mxfp4"], 4096, 14336), 64).swap  # MXFP4: the swap kernel's e2m1 decode
     h = heuristic(lay, 64)
     assert config_distance(ComputeConfig(**{**h.to_dict(), "split_k": h.split_k * 2}), h) == 1
-    assert config_distance(ComputeConfig("tcg", 64, 128, 0, h.split_k, 4, 3), h) == 2
-    assert config_distance(ComputeConfig("tc", 64, 256, 0, h.split_k, 8, 3), h) == 1.25  # another kernel
+    assert config_distance(ComputeConfig("tcg", 64, 64, 0, h.split_k, 4, 4, swap=True), h) == 2
+    assert config_distance(ComputeConfig("tc", 64, 128, 0, h.split_k, 8, 4), h) == 1.25  # another kernel
     # the parallel warm-up compiles each distinct specialisation once: 8B o and 70B o share every tc kernel
     c = ComputeConfig("tc", 64, 128, 0, 4, 8, 3)
     assert compile_key(LayerConfig(FORMATS["int4"], 4096, 4096), 64, c) == compile_key(
