@@ -55,7 +55,7 @@ def config_distance(c: ComputeConfig, h: ComputeConfig) -> float:
     dequant + cuBLAS next to tc at M = 256, stays among the first few), every other differing field 1. With the
     plain count of differing fields, --max-candidates 6 at 8B down M = 256 never reached tc 128x128 split 4 s2, the
     config the H200 probe found fastest (79.7 vs 89.5 us)."""
-    if c.kernel != h.kernel:
+    if c.kernel != h.kernel or c.swap != h.swap:  # the swap-AB Gluon kernel is another kernel too
         return 1.25
     d = abs(math.log2(c.split_k / h.split_k)) + 0.5 * abs(c.num_stages - h.num_stages)
     a, b = c.to_dict(), h.to_dict()
