@@ -43,9 +43,10 @@ def candidates(layer: LayerConfig, m: int, gluon: bool = True) -> list[ComputeCo
     # each other kernel come in their own order, half a step apart, so the first of each is among the first few
     rank, seen_k = {}, {}
     for c in uniq:
-        if c.kernel != h.kernel:
-            rank[c] = seen_k.get(c.kernel, 0)
-            seen_k[c.kernel] = rank[c] + 1
+        if (c.kernel, c.swap) != (h.kernel, h.swap):
+            kind = (c.kernel, c.swap)
+            rank[c] = seen_k.get(kind, 0)
+            seen_k[kind] = rank[c] + 1
     return sorted(uniq, key=lambda c: config_distance(c, h) + 0.5 * rank.get(c, 0))
 
 
