@@ -123,8 +123,9 @@ def test_gluon_tcg_kernel(cfg, m):
 
 @pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=1), 37),
                                    (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3, swap=True), 130),
-                                   (ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=2), 70)],
-                         ids=["ws-splitk", "bm128", "ws2-splitk"])
+                                   (ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=2), 70),
+                                   (ComputeConfig("tcg", 64, 128, 0, 4, 8, 4, swap=True, reduce=1), 70)],
+                         ids=["ws-splitk", "bm128", "ws2-splitk", "reduce"])
 def test_gluon_tcg_swap_mxfp4(cfg, m):
     # MXFP4 takes only the swap variant of the Gluon kernel (or, off Hopper, the tc kernel with the same tile)
     qw = _weight(FORMATS["mxfp4"], n=256, k=512, seed=13)

@@ -85,7 +85,9 @@ class ComputeConfig:
                     # ws 1: loader warp; ws 2: also the two warpgroups in their own partitions (half a tile each)
                     and (self.ws == 0 or self.swap) and (self.ws != 2 or (self.num_warps == 8 and self.block_n >= 128))
                     # swap with 256 x rows (wgmma N = 256) gave NaN on the H200 (session 4 round 1): not run
-                    and not (self.swap and self.block_m > 128))
+                    and not (self.swap and self.block_m > 128)
+                    # reduce: the in-kernel split-K sum of the swap kernel without the loader warp
+                    and (not self.reduce or (self.swap and self.ws == 0 and self.split_k > 1)))
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):

@@ -246,8 +246,10 @@ def _swap_load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, c
 @gluon.jit
 def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
-                 WS: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr):
+                 WS: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
+                 ws_ptr=None, cnt_ptr=None):
     """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier.
+    REDUCE: split-K summed in the kernel (_swap_store) instead of fp32 atomics into a zeroed y.
     FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128."""
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -312,23 +314,41 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
                                             pred=nxt < cnt)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
-    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps)
+    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps, REDUCE,
+                ws_ptr, cnt_ptr, pid, gl.num_programs(0), pid_k, split_k)
 
 
 @gluon.jit
 def _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                ATOMIC: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr):
-    """y[m, n] = acc[n, m]: consecutive n per thread, a warp along up to 128 n (coalesced), warps along m."""
+                ATOMIC: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
+                ws_ptr=None, cnt_ptr=None, tile=0, n_tiles=1, pid_k=0, split_k=1):
+    """y[m, n] = acc[n, m]: consecutive n per thread, a warp along up to 128 n (coalesced), warps along m.
+    REDUCE (split-K): each split stores its fp32 partial in its own workspace slab and takes a ticket on the
+    tile's counter; the last one sums the slabs, stores y in its dtype and resets the counter (one launch: no
+    zeroed fp32 y, no cast kernel)."""
     SPT: gl.constexpr = 4 if BLOCK_N >= 128 else BLOCK_N // 32
     out_layout: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [1, num_warps], [0, 1])
     out = gl.convert_layout(acc, out_layout)
     if FP4:
         out = out * (2.0 ** FP4_TILE_EXP)
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
-    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    rn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    offs_n = off_n + rn
+    offs_m = off_m + rm
     ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
-    if not ATOMIC:
+    if REDUCE:
+        idx = rm[None, :] * BLOCK_N + rn[:, None]
+        gl.store(ws_ptr + (pid_k * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, out)
+        gl.thread_barrier()  # every thread's partial is written before the ticket (acq_rel) is taken
+        ticket = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if ticket == split_k - 1:
+            tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
+            for j in range(split_k):  # .cg: the other splits' partials were written through other SMs' L1s
+                tot += gl.load(ws_ptr + (j * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, cache_modifier=".cg")
+            gl.store(ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # ready for the next call
+    elif not ATOMIC:
         gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         gl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
@@ -434,10 +454,18 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
     lay = gl.NVMMASharedLayout.get_default_for
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], lay([bm, bk], gl.bfloat16))
     q_desc = TensorDescriptor.from_tensor(qw.qweight, [r, bn], lay([r, bn], gl.int32))
-    s_desc = TensorDescriptor.from_tensor(qw.scales, [1, bn], lay([1, bn], gl.bfloat16))
+    grid = (-(-m // bm) * (n // bn), split)
+    if cfg.swap and cfg.ws == 0 and cfg.reduce and split > 1:  # in-kernel split-K sum: one launch
+        from kestrel.kernels.gemm_wna16_tc import _split_counters
+        y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+        wsp = torch.empty(split * grid[0] * bm * bn, device=x2.device, dtype=torch.float32)
+        _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
+                           ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
+                           FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True,
+                           ws_ptr=wsp, cnt_ptr=_split_counters(x2.device, grid[0]))
+        return y
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
-    grid = (-(-m // bm) * (n // bn), split)
     if cfg.swap and cfg.ws == 2:  # two consumer warpgroups in their own partitions + a loader warp
         q_desc = TensorDescriptor.from_tensor(qw.qweight, [r, bn // 2], lay([r, bn // 2], gl.int32))
         _tcgs2_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
@@ -450,6 +478,7 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
                            ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
                            WS=ws, FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps)
         return y.to(x2.dtype) if split > 1 else y
+    s_desc = TensorDescriptor.from_tensor(qw.scales, [1, bn], lay([1, bn], gl.bfloat16))
     _tcg_kernel[grid](x_desc, q_desc, s_desc, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                       ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
                       num_warps=cfg.num_warps)

@@ -105,9 +105,12 @@ def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeC
         n_tiles = -(-m // bm) * -(-layer.n // bn)
         splits = [sk for sk in (1, 2, 4, 8) if sk == 1 or num_sms // 2 <= n_tiles * sk <= 2 * num_sms]
         extra = {"swap": True, "ws": sw[0]} if sw else {}
-        # the split nearest one wave first (the first tcg config is the one --max-candidates surely measures)
-        out += [C("tcg", bm, bn, 0, sk, w, st, **extra) for sk in sorted(splits, key=lambda sk: abs(math.log2(
-            n_tiles * sk / num_sms)))]
+        # the split nearest one wave first (the first tcg config is the one --max-candidates surely measures);
+        # swap tiles split over K also with the in-kernel reduction (one launch), right after the atomic one
+        for sk in sorted(splits, key=lambda sk: abs(math.log2(n_tiles * sk / num_sms))):
+            out.append(C("tcg", bm, bn, 0, sk, w, st, **extra))
+            if sw and not sw[0] and sk > 1:
+                out.append(C("tcg", bm, bn, 0, sk, w, st, **extra, reduce=1))
     return out
 
 
