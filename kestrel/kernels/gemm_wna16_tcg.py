@@ -10,6 +10,10 @@ in flight while the next tile is decoded.
 Per K step (one planar block, packing.py: word row r of block b, field i holds k = 128 b + 16 i + r): the [16, BN]
 words are loaded once; field i is decoded (mantissa trick, one FFMA with the group scale) straight into rows
 16 i .. 16 i + 15 of the [128, BN] tile. Split-K: relaxed fp32 atomics into a zeroed y (cast after).
+
+cfg.swap ("swap-AB", _tcgs_kernel; the default from session 4): y^T = W x^T with the decoded W tile as the wgmma
+A operand in registers and x^T from the ring as B, int4 g128 or MXFP4; cfg.ws 1/2 warp-specialised variants
+(measured slower on the H200), cfg.reduce the in-kernel split-K sum. See the comment above _ASM_QUAD.
 """
 from __future__ import annotations
 
