@@ -100,7 +100,11 @@ def test_k_not_a_multiple_of_the_step(spec):
 
 @pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 1, 8, 4), 37),
                                    (ComputeConfig("tcg", 64, 128, 0, 2, 4, 3), 70),
-                                   (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3), 130)], ids=["one", "splitk", "bm128"])
+                                   (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3), 130),
+                                   (ComputeConfig("tcg", 64, 128, 0, 1, 8, 4, swap=True), 37),
+                                   (ComputeConfig("tcg", 64, 64, 0, 2, 4, 3, swap=True), 70),
+                                   (ComputeConfig("tcg", 128, 256, 0, 1, 8, 3, swap=True), 130)],
+                         ids=["one", "splitk", "bm128", "swap", "swap-splitk", "swap-bn256"])
 def test_gluon_tcg_kernel(cfg, m):
     # the Gluon kernel (GPU, Hopper) or, elsewhere, the tc kernel it falls back to: symmetric int4 g128, whole
     # tiles (N % 128, K % 128), ragged M (TMA zero-fills the missing rows; the store is masked)
@@ -108,6 +112,25 @@ def test_gluon_tcg_kernel(cfg, m):
     lay = LayerConfig(qw.spec, 256, 512)
     assert cfg.valid_for(lay) and not cfg.valid_for(LayerConfig(FORMATS["uint4-zp"], 256, 512))
     assert not ComputeConfig("tcg", 64, 128, 0, 4, 8, 4).valid_for(LayerConfig(qw.spec, 256, 384))  # empty split
+    assert not ComputeConfig("tcg", 64, 64, 0, 1, 8, 4, swap=True).valid_for(lay)  # 8 warps need 128 weight rows
+    assert not ComputeConfig("tcg", 64, 128, 0, 1, 8, 4, ws=1).valid_for(lay)  # warp specialisation: swap only
+    assert not ComputeConfig("tcg", 64, 64, 0, 1, 4, 4, swap=True, ws=2).valid_for(lay)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).bfloat16()
+    ref = x.double() @ dequantize(qw).double().t()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+    assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
+
+
+@pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=1), 37),
+                                   (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3, swap=True), 130),
+                                   (ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=2), 70),
+                                   (ComputeConfig("tcg", 64, 128, 0, 4, 8, 4, swap=True, reduce=1), 70)],
+                         ids=["ws-splitk", "bm128", "ws2-splitk", "reduce"])
+def test_gluon_tcg_swap_mxfp4(cfg, m):
+    # MXFP4 takes only the swap variant of the Gluon kernel (or, off Hopper, the tc kernel with the same tile)
+    qw = _weight(FORMATS["mxfp4"], n=256, k=512, seed=13)
+    lay = LayerConfig(qw.spec, 256, 512)
+    assert cfg.valid_for(lay) and not ComputeConfig("tcg", 64, 128, 0, 1, 8, 4).valid_for(lay)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).bfloat16()
     ref = x.double() @ dequantize(qw).double().t()
     y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
@@ -154,10 +177,11 @@ def test_packed_decode_pairs_share_a_field():
     assert pairs and all(d in (1, 3) for d in pairs.values()), pairs
 
 
-def _run_ptx(asm: str, ops: list[int]) -> int:
+def _run_ptx(asm: str, ops: list[int], first: int = 1, outs: int = 1):
     """Tiny emulator of the PTX the packed decode uses (b32 registers; bf16x2/f16x2 math rounded like the GPU: the
-    products of two 8/11-bit significands are exact in fp32, so one torch rounding is the PTX .rn rounding)."""
-    regs = {f"${i}": v & 0xFFFFFFFF for i, v in enumerate(ops, start=1)}
+    products of two 8/11-bit significands are exact in fp32, so one torch rounding is the PTX .rn rounding).
+    ops are $first, $first + 1, ...; returns $0 (outs = 1) or [$0 .. $outs-1]."""
+    regs = {f"${i}": v & 0xFFFFFFFF for i, v in enumerate(ops, start=first)}
     val = lambda t: regs[t] if t in regs else int(t, 0)
 
     def halves(v, dt):
@@ -192,7 +216,55 @@ def _run_ptx(asm: str, ops: list[int]) -> int:
             a_, b_ = halves(v[0], dt), halves(v[1], dt)
             r = pack(a_ - b_ if op.startswith("sub") else a_ * b_, dt)
         regs[d] = r
-    return regs["$0"]
+    return regs["$0"] if outs == 1 else [regs[f"${i}"] for i in range(outs)]
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp4"])
+def test_swap_quad_decode_ptx_semantics(kind):
+    # the pack-4 PTX of the Gluon swap kernel (gemm_wna16_tcg._ASM_QUAD / _ASM_QUAD_FP4): words w0, w1 (word rows
+    # 2c, 2c + 1: adjacent k of the wgmma A fragment), byte j -> $0 = field 2j of (w0, w1), $1 = field 2j + 1,
+    # each (code - 8) * s (int4) or e2m1 value * s * 2^62 * 2^-126 (fp4, s carrying the kernel's 2^(126 - 64))
+    from kestrel.kernels import gemm_wna16_tcg as tcg
+    from kestrel.quant.formats import decode_minifloat
+    g = torch.Generator().manual_seed(8)
+    bf = torch.bfloat16
+    half = lambda x: int(torch.tensor([x]).to(bf).view(torch.int16)) & 0xFFFF
+    for _ in range(40):
+        w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+        s = float(torch.rand(1, generator=g)) * 0.1 + 0.01
+        for j in range(4):
+            sel = j | ((j + 4) << 8)
+            if kind == "int4":
+                sc, zb = half(s) * 0x10001, half(136) * 0x10001
+                out = _run_ptx(tcg._ASM_QUAD.value, [w0, w1, w0, w1, sel, sel, sel, sel, zb, zb, sc, sc], first=2,
+                               outs=2)
+                ref = lambda c: torch.tensor([(c - 8) * float(torch.tensor(s).to(bf))]).to(bf)
+            else:
+                sc = half(s * 2.0 ** 62) * 0x10001
+                out = _run_ptx(tcg._ASM_QUAD_FP4.value, [w0, w1, w0, w1, sel, sel, sel, sel, sc, sc], first=2, outs=2)
+                ref = lambda c: (decode_minifloat(torch.tensor([c]), 2, 1) * float(torch.tensor(s * 2.0 ** 62).to(bf))
+                                 * 2.0 ** -126).to(bf)
+            for h, f in enumerate((2 * j, 2 * j + 1)):
+                got = torch.tensor([out[h] & 0xFFFF, out[h] >> 16], dtype=torch.int32).to(torch.int16).view(bf)
+                for half_i, w in enumerate((w0, w1)):
+                    assert got[half_i] == ref((w >> 4 * f) & 15)[0], (kind, j, f, half_i, got, w0, w1)
+
+
+def test_swap_decode_layout_is_the_wgmma_a_fragment():
+    # the [BN, field, word row] decode layout reshaped to [BN, 128] (k = 16 field + row) must hold the same
+    # (register, lane, warp) -> element map as the A fragment, up to the order of the register bases, with the
+    # pack-4 asm's (row bit 0, field bit 0) as the first two register bases
+    from types import SimpleNamespace
+    from kestrel.kernels import gemm_wna16_tcg as tcg
+    a = SimpleNamespace(reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32], [0, 64], [128, 0]],
+                        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [64, 0]],
+                        shape=[256, 128])  # the H200 compile's A layout of a 256-row, 8-warp tile (triton 3.6)
+    fn = getattr(tcg._decode_layout, "fn", None) or getattr(tcg._decode_layout, "__wrapped__", tcg._decode_layout)
+    lay = fn(a)
+    flat = lambda b: [b[0], 16 * b[1] + b[2]]
+    assert lay.reg_bases[:2] == [[0, 0, 1], [0, 1, 0]] and lay.shape == [256, 8, 16]
+    assert sorted(map(flat, lay.reg_bases)) == sorted(a.reg_bases)
+    assert list(map(flat, lay.lane_bases)) == a.lane_bases and list(map(flat, lay.warp_bases)) == a.warp_bases
 
 
 @pytest.mark.parametrize("kind", ["int4-bf16", "int4-fp16", "fp4-bf16"])
@@ -248,23 +320,25 @@ def test_configs_valid_for_llama_shapes():
 
 
 def test_tuner_local_search_reaches_the_measured_winners():
-    # `kestrel tune --max-candidates 8` measures the 8 candidates nearest the heuristic. At 8B down M = 256 the
-    # heuristic is the H200 winner of every-candidate tuning (tcg 128x128 split 2, 66.3 us) and the first config
+    # `kestrel tune --max-candidates 10` measures the 10 candidates nearest the heuristic. At 8B down M = 256 the
+    # heuristic is the H200 probe winner (swap tcg 128x128 split 2 s4, 57.2 us, session 4 R1) and the first config
     # of each other path (tc, dequant + cuBLAS) must be among the 8; split-K neighbours (x2, /2) come first
     from kestrel.kernels.tuning import compile_key, config_distance
     lay = LayerConfig(FORMATS["int4"], 4096, 14336)
-    first = candidates(lay, 256)[:8]
-    assert first[0] == ComputeConfig("tcg", 128, 128, 0, 2, 8, 3)
-    assert {c.kernel for c in first} == {"tcg", "tc", "dequant_mm"}
-    assert ComputeConfig("tcg", 128, 128, 0, 4, 8, 3) in first[:4]
-    # the heuristic's split lands each shape near one wave of one-CTA-per-SM tiles (the tuned winners' splits)
-    assert heuristic(lay, 64) == ComputeConfig("tcg", 64, 256, 0, 8, 8, 3)
-    assert heuristic(LayerConfig(FORMATS["int4"], 8192, 8192), 64).split_k == 4
-    assert heuristic(LayerConfig(FORMATS["mxfp4"], 4096, 14336), 64).kernel == "tc"  # no Gluon fp4 decode
+    first = candidates(lay, 256)[:10]
+    assert first[0] == ComputeConfig("tcg", 128, 128, 0, 2, 8, 4, swap=True)
+    assert {(c.kernel, c.swap) for c in first} == {("tcg", True), ("tcg", False), ("tc", False),
+                                                    ("dequant_mm", False)}
+    assert ComputeConfig("tcg", 128, 128, 0, 4, 8, 4, swap=True) in first[:4]
+    # the heuristic's split lands each shape near one wave (M = 256) / 1.5 waves (M = 64) of one CTA per SM
+    assert heuristic(LayerConfig(FORMATS["int4"], 8192, 8192), 64) == ComputeConfig("tcg", 64, 128, 0, 4, 8, 4,
+                                                                                    swap=True)
+    assert heuristic(LayerConfig(FORMATS["int4"], 8192, 8192), 256).split_k == 1
+    assert heuristic(LayerConfig(FORMATS["mxfp4"], 4096, 14336), 64).swap  # MXFP4: the swap kernel's e2m1 decode
     h = heuristic(lay, 64)
     assert config_distance(ComputeConfig(**{**h.to_dict(), "split_k": h.split_k * 2}), h) == 1
-    assert config_distance(ComputeConfig("tcg", 64, 128, 0, h.split_k, 4, 3), h) == 2
-    assert config_distance(ComputeConfig("tc", 64, 256, 0, h.split_k, 8, 3), h) == 1.25  # another kernel
+    assert config_distance(ComputeConfig("tcg", 64, 64, 0, h.split_k, 4, 4, swap=True), h) == 2
+    assert config_distance(ComputeConfig("tc", 64, 128, 0, h.split_k, 8, 4), h) == 1.25  # another kernel
     # the parallel warm-up compiles each distinct specialisation once: 8B o and 70B o share every tc kernel
     c = ComputeConfig("tc", 64, 128, 0, 4, 8, 3)
     assert compile_key(LayerConfig(FORMATS["int4"], 4096, 4096), 64, c) == compile_key(

@@ -53,6 +53,9 @@ class ComputeConfig:
     # "tc": register cap per thread (0 = the compiler's choice). 128 lets two 8-warp CTAs share an SM where the
     # compiler takes more (the split-K reduction's epilogue raises a 128x128 tile from 128 to 170 registers)
     maxnreg: int = 0
+    # "tcg" with swap: 1 = warp-specialised (a loader warp refills the TMA ring on mbarriers; no CTA barrier per
+    # step); 2 = also each of the two consumer warpgroups in its own partition (half the tile's weight rows each)
+    ws: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,14 +69,25 @@ class ComputeConfig:
         if (self.kernel not in ("gemv", "mv", "mvs", "stream", "dot", "dequant_mm", "tc", "tcg") or self.block_n < 16
                 or self.split_k < 1):
             return False
-        if self.kernel == "tcg":  # gemm_wna16_tcg.py: symmetric int4 g128 bf16 scales, whole tiles, no empty split
-            sp = layer.spec
+        if self.kernel == "tcg":  # gemm_wna16_tcg.py: symmetric int4 g128 bf16 scales (swap: or MXFP4), whole
+            sp = layer.spec  # tiles, no empty split
             steps = layer.k // 128
             per = -(-steps // self.split_k)
-            return (sp.is_int and sp.weight_bits == 4 and not sp.has_zero_point and sp.group_size == 128
-                    and sp.scale_dtype == "bf16" and layer.k % 128 == 0 and self.block_n in (64, 128, 256)
+            int4 = (sp.is_int and sp.weight_bits == 4 and not sp.has_zero_point and sp.group_size == 128
+                    and sp.scale_dtype == "bf16")
+            mxfp4 = (self.swap and sp.weight_dtype == "fp4_e2m1" and sp.group_size == 32 and sp.scale_dtype == "e8m0"
+                     and not sp.global_scale)
+            return ((int4 or mxfp4) and layer.k % 128 == 0 and self.block_n in (64, 128, 256)
                     and layer.n % self.block_n == 0 and self.block_m in (64, 128, 256) and self.num_warps in (4, 8, 16)
-                    and self.num_stages >= 2 and (self.split_k - 1) * per < steps)
+                    and self.num_stages >= 2 and (self.split_k - 1) * per < steps
+                    # swap (W as the wgmma A operand): warps along the tile's weight rows, 16 each
+                    and (not self.swap or self.block_n % (16 * self.num_warps) == 0)
+                    # ws 1: loader warp; ws 2: also the two warpgroups in their own partitions (half a tile each)
+                    and (self.ws == 0 or self.swap) and (self.ws != 2 or (self.num_warps == 8 and self.block_n >= 128))
+                    # swap with 256 x rows (wgmma N = 256) gave NaN on the H200 (session 4 round 1): not run
+                    and not (self.swap and self.block_m > 128)
+                    # reduce: the in-kernel split-K sum of the swap kernel without the loader warp
+                    and (not self.reduce or (self.swap and self.ws == 0 and self.split_k > 1)))
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):
@@ -162,18 +176,20 @@ def heuristic(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig:
 
 
 def heuristic_tcg(layer: LayerConfig, m: int, num_sms: int = 132) -> ComputeConfig | None:
-    """16 < M <= 256, symmetric int4 g128 (bf16 scales): the Gluon kernel (gemm_wna16_tcg.py; the tc kernel with the
-    same tile off Hopper). From the H200 tune of 2026-12-03 session 3 round 2 (every candidate timed, 8 Llama-3
-    shapes, bench/results/gemm_wna16_largem.md): M <= 64 64x256 w8 s3 (won 5 of 8; the 256-wide tile halves the x
-    re-reads from the L2), M <= 256 128x128 w8 s3 (won 6 of 8), both split over K to the split nearest one wave
-    (one CTA per SM): the winners' splits on all 8 shapes but 8B o M = 64 (split 4 of 64x128: 13.3 vs 14.0 µs)."""
-    bm, bn, st = (64, 256, 3) if m <= 64 else (128, 128, 3)
+    """16 < M <= 256, symmetric int4 g128 (bf16 scales) or MXFP4: the swap-AB Gluon kernel (gemm_wna16_tcg.py, W
+    decoded into the wgmma A registers; the tc kernel with the same tile off Hopper). H200 probe of 2026-12-03
+    session 4 round 1 (bench/results/gemm_wna16_largem.md): M <= 64 64x128 w8 s4 (int4 8B down 24.5 vs 26.5 us for
+    the session-3 winner, 70B o 24.6 vs 29.5; MXFP4 31.3 vs 34.9 and 28.3 vs 38.6), split over K to the split
+    nearest 1.5 waves (70B o: split 4, 24.6 us; split 2, 27.7); M <= 256 128x128 w8 s4 split nearest one wave
+    (8B down split 2 57.2 vs 66.3, 70B o split 1 57.4 vs 68.1; MXFP4 66.8 vs 91.0, 72.2 vs 94.2). The loader-warp
+    variants (ws 1 / 2) were 2-35 % slower on each of these points."""
+    bm, bn, st, waves = (64, 128, 4, 1.5) if m <= 64 else (128, 128, 4, 1.0)
     tiles = -(-m // bm) * -(-layer.n // bn)
     best = None
     for sk in (1, 2, 4, 8):
-        cfg = ComputeConfig("tcg", bm, bn, 0, sk, num_warps=8, num_stages=st)
-        if cfg.valid_for(layer) and (best is None or abs(math.log2(tiles * sk / num_sms)) <
-                                     abs(math.log2(tiles * best.split_k / num_sms))):
+        cfg = ComputeConfig("tcg", bm, bn, 0, sk, num_warps=8, num_stages=st, swap=True)
+        if cfg.valid_for(layer) and (best is None or abs(math.log2(tiles * sk / (waves * num_sms))) <
+                                     abs(math.log2(tiles * best.split_k / (waves * num_sms)))):
             best = cfg
     return best
 

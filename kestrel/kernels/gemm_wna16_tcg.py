@@ -10,6 +10,10 @@ in flight while the next tile is decoded.
 Per K step (one planar block, packing.py: word row r of block b, field i holds k = 128 b + 16 i + r): the [16, BN]
 words are loaded once; field i is decoded (mantissa trick, one FFMA with the group scale) straight into rows
 16 i .. 16 i + 15 of the [128, BN] tile. Split-K: relaxed fp32 atomics into a zeroed y (cast after).
+
+cfg.swap ("swap-AB", _tcgs_kernel; the default from session 4): y^T = W x^T with the decoded W tile as the wgmma
+A operand in registers and x^T from the ring as B, int4 g128 or MXFP4; cfg.ws 1/2 warp-specialised variants
+(measured slower on the H200), cfg.reduce the in-kernel split-K sum. See the comment above _ASM_QUAD.
 """
 from __future__ import annotations
 
@@ -139,12 +143,308 @@ def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, split_k, BLOC
         gl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
 
 
+# swap-AB ("tcgs", cfg.swap): y^T[n, m] = W[n, k] x^T[k, m], the decoded W tile being the wgmma A operand straight
+# from registers (no decoded-tile smem store, fence or CTA barrier between decode and MMA; the smem traffic per K
+# step is the x tile read by the wgmma). Four elements per PTX block: the pair of words at word rows 2c, 2c + 1
+# (adjacent k of the A fragment) shares byte j (fields 2j, 2j + 1): one byte permute, two lop3 (Marlin's magic),
+# the subtraction of 128 + offset (exact) and the scale multiply (one rounding) in bf16x2
+_ASM_QUAD = gl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $2, $3, $6; lop3.b32 u, t, 0x000F000F, 0x43004300, 0xEA; "
+                         "shr.u32 t, t, 4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+                         "sub.rn.bf16x2 u, u, $10; sub.rn.bf16x2 t, t, $11; mul.rn.bf16x2 $0, u, $12; "
+                         "mul.rn.bf16x2 $1, t, $13; }")
+# MXFP4 (e2m1): sign to bit 15 and (e1 e0 m) to bits 8..6 of a bf16 = value * 2^-126 (an e2m1 subnormal lands on a
+# bf16 subnormal, exact), times the e8m0 scale pre-multiplied by 2^(126 - 64) (2^64 goes back on the accumulator)
+_ASM_QUAD_FP4 = gl.constexpr("{ .reg .b32 t, a, b; prmt.b32 t, $2, $3, $6; "
+                             "shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 12; "
+                             "lop3.b32 a, a, b, 0x80008000, 0xF8; mul.rn.bf16x2 $0, a, $10; "
+                             "shl.b32 a, t, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 8; "
+                             "lop3.b32 a, a, b, 0x80008000, 0xF8; mul.rn.bf16x2 $1, a, $11; }")
+FP4_TILE_EXP = gl.constexpr(64)
+
+
+@gluon.constexpr_function
+def _decode_layout(a_ll):
+    """The [BN, 8, 16] (n, field, word row) layout whose reshape to [BN, 128] (k = 16 field + row) is the wgmma A
+    fragment a_ll (a DistributedLinearLayout of [BN, 128]), registers ordered (row bit 0, field bit 0, ...) so one
+    pack-4 asm call gets both words of a k pair and two fields of the same byte."""
+    conv = lambda b: [b[0], b[1] // 16, b[1] % 16]
+    regs = [conv(b) for b in a_ll.reg_bases]
+    first = [[0, 0, 1], [0, 1, 0]]
+    regs = first + [b for b in regs if b not in first]
+    return gl.DistributedLinearLayout(regs, [conv(b) for b in a_ll.lane_bases], [conv(b) for b in a_ll.warp_bases],
+                                      [], [a_ll.shape[0], 8, 16])
+
+
+@gluon.jit
+def _swap_consts(L3: gl.constexpr, N, off_n, BLOCK_N: gl.constexpr, CODE_OFFSET: gl.constexpr, FP4: gl.constexpr):
+    """Loop constants of the decode: the prmt selector of byte j = field // 2 ([1, 8, 1]), the code offset (int4)
+    and the offsets of a K step's scales: int4 g128 one per column ([BN, 1, 1]); MXFP4 g32 one per (column,
+    byte) ([BN, 8, 1]: group 4 s + field // 2)."""
+    fi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) // 2
+    sel = gl.expand_dims(gl.expand_dims(fi | ((fi + 4) << 8), 0), 2)
+    offs_n = gl.expand_dims(gl.expand_dims(off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(
+        2, L3))), 1), 2)
+    zb = gl.full([BLOCK_N, 8, R], 128 + CODE_OFFSET, gl.bfloat16, L3)
+    if FP4:
+        s_offs = offs_n + gl.expand_dims(gl.expand_dims(fi, 0), 2) * N
+    else:
+        s_offs = offs_n
+    return sel, zb, s_offs
+
+
+@gluon.jit
+def _swap_a(q_slot, sraw, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+            FP4: gl.constexpr):
+    """The decoded W tile of one K step as the wgmma A operand [BN, 128] (registers), from its [16, BN] words in
+    shared memory and its raw scales (bf16, or e8m0 codes for MXFP4)."""
+    q = gl.expand_dims(q_slot.permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [BN, 1, 16]
+    shape: gl.constexpr = [BLOCK_N, 8, R]
+    if FP4:  # bf16 bits of 2^(e - 127 + 126 - 64): exponent field e + 62 (e <= 192: block scales up to 2^65)
+        sc = ((sraw.to(gl.int32) + (62 + 64 - FP4_TILE_EXP)) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        w = gl.inline_asm_elementwise(_ASM_QUAD_FP4, "=r,=r,r,r,r,r,r,r,r,r,r,r",
+                                      [q.broadcast_to(shape), sel.broadcast_to(shape), sc.broadcast_to(shape)],
+                                      dtype=gl.bfloat16, is_pure=True, pack=4)
+    else:
+        w = gl.inline_asm_elementwise(_ASM_QUAD, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                      [q.broadcast_to(shape), sel.broadcast_to(shape), zb,
+                                       sraw.broadcast_to(shape)], dtype=gl.bfloat16, is_pure=True, pack=4)
+    return gl.convert_layout(gl.reshape(w, (BLOCK_N, BK)), a_layout)  # a register renaming (same linear layout)
+
+
+@gluon.jit
+def _swap_consume(x_smem, q_smem, ready, empty, s_ptr, N, off_n, s0, cnt, L3: gl.constexpr,
+                  mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  CODE_OFFSET: gl.constexpr, FP4: gl.constexpr):
+    """Warp-specialised consumer: wait for a filled slot, decode, issue the async wgmma, and once the wgmma of the
+    step before is done hand its slot back to the loader warp (empty barrier): no CTA barrier in the loop."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    SPS: gl.constexpr = 4 if FP4 else 1  # scale rows per K step
+    sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
+    s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(cnt):
+        slot = i % STAGES
+        sraw = s_next
+        s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        a = _swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, FP4)
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill of the slot
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)  # step i - 1's slot
+    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )  # warp_specialize flattens a tuple
+
+
+@gluon.jit
+def _swap_load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES: gl.constexpr):
+    """Warp-specialised loader (one warp): refill each slot once the consumers have released it."""
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    for i in range(cnt):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        mbarrier.expect(ready.index(slot), nbytes)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], ready.index(slot), x_smem.index(slot))
+        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], ready.index(slot), q_smem.index(slot))
+
+
+@gluon.jit
+def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
+                 WS: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
+                 ws_ptr=None, cnt_ptr=None):
+    """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier.
+    REDUCE: split-K summed in the kernel (_swap_store) instead of fp32 atomics into a zeroed y.
+    FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128."""
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
+    gl.assume(cnt > 0)
+
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    # wgmma M = BLOCK_N (weight rows), N = BLOCK_M (x rows): warps along the weight rows
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    L3: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
+    if WS:
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(empty.index(i), count=1)
+        acc, = gl.warp_specialize([
+            (_swap_consume, (x_smem, q_smem, bars, empty, s_ptr, N, off_n, s0, cnt, L3, mma_layout, BLOCK_M,
+                             BLOCK_N, STAGES, CODE_OFFSET, FP4)),
+            (_swap_load, (x_desc, q_desc, x_smem, q_smem, bars, empty, off_m, off_n, s0, cnt, STAGES)),
+        ], [1], [40])
+    else:
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+        for i in gl.static_range(STAGES - 1):
+            mbarrier.expect(bars.index(i), nbytes, pred=i < cnt)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(i), x_smem.index(i),
+                                            pred=i < cnt)
+            tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(i), q_smem.index(i),
+                                            pred=i < cnt)
+        SPS: gl.constexpr = 4 if FP4 else 1  # scale rows per K step
+        sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
+        s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)  # a K step's scales, prefetched a step ahead
+        acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        for i in range(cnt):
+            slot = i % STAGES
+            sraw = s_next
+            s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            a = _swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, FP4)
+            acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its slots are free
+            fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
+            gl.thread_barrier()  # ... in every warpgroup, before one thread refills them
+            nxt = i + STAGES - 1
+            ns = nxt % STAGES
+            mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
+                                            pred=nxt < cnt)
+            tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
+                                            pred=nxt < cnt)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps, REDUCE,
+                ws_ptr, cnt_ptr, pid, gl.num_programs(0), pid_k, split_k)
+
+
+@gluon.jit
+def _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                ATOMIC: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
+                ws_ptr=None, cnt_ptr=None, tile=0, n_tiles=1, pid_k=0, split_k=1):
+    """y[m, n] = acc[n, m]: consecutive n per thread, a warp along up to 128 n (coalesced), warps along m.
+    REDUCE (split-K): each split stores its fp32 partial in its own workspace slab and takes a ticket on the
+    tile's counter; the last one sums the slabs, stores y in its dtype and resets the counter (one launch: no
+    zeroed fp32 y, no cast kernel)."""
+    SPT: gl.constexpr = 4 if BLOCK_N >= 128 else BLOCK_N // 32
+    out_layout: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [1, num_warps], [0, 1])
+    out = gl.convert_layout(acc, out_layout)
+    if FP4:
+        out = out * (2.0 ** FP4_TILE_EXP)
+    rn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    offs_n = off_n + rn
+    offs_m = off_m + rm
+    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    if REDUCE:
+        idx = rm[None, :] * BLOCK_N + rn[:, None]
+        gl.store(ws_ptr + (pid_k * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, out)
+        gl.thread_barrier()  # every thread's partial is written before the ticket (acq_rel) is taken
+        ticket = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if ticket == split_k - 1:
+            tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
+            for j in range(split_k):  # .cg: the other splits' partials were written through other SMs' L1s
+                tot += gl.load(ws_ptr + (j * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, cache_modifier=".cg")
+            gl.store(ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # ready for the next call
+    elif not ATOMIC:
+        gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        gl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
+
+
+@gluon.jit
+def _swap_consume_half(x_smem, q_smem, ready, empty, s_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
+                       H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
+                       CODE_OFFSET: gl.constexpr, FP4: gl.constexpr, ATOMIC: gl.constexpr):
+    """ws=2: one of two consumer warpgroups (its own partition, so neither waits for the other): the weight rows
+    off_n + H * HN .. + HN of the tile, from its own half of each K step's words; it releases a slot by one of the
+    two arrivals its empty barrier counts, and stores its half of y."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    L3: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
+    SPS: gl.constexpr = 4 if FP4 else 1
+    n0 = off_n + H * HN
+    sel, zb, s_offs = _swap_consts(L3, N, n0, HN, CODE_OFFSET, FP4)
+    s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)
+    acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(cnt):
+        slot = i % STAGES
+        sraw = s_next
+        s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        a = _swap_a(q_smem.index(2 * slot + H), sraw, sel, zb, L3, a_layout, HN, FP4)
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        fence_async_shared()
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, n0, BLOCK_M, HN, ATOMIC, FP4, 4)
+
+
+@gluon.jit
+def _swap_load_halves(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES: gl.constexpr):
+    """ws=2 loader warp: each K step's x tile and the two halves of its words (q_desc blocks are half a tile)."""
+    HN: gl.constexpr = q_desc.block_type.shape[1]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * q_desc.block_type.nbytes
+    for i in range(cnt):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bar, x_smem.index(slot))
+        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bar, q_smem.index(2 * slot))
+        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n + HN], bar, q_smem.index(2 * slot + 1))
+
+
+@gluon.jit
+def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
+                  FP4: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """ws=2 (launched with num_warps=4): two consumer warpgroups in two partitions plus a loader warp."""
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
+    gl.assume(cnt > 0)
+    HN: gl.constexpr = BLOCK_N // 2
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [2 * STAGES, R, HN], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    gl.warp_specialize([
+        (_swap_consume_half, (x_smem, q_smem, ready, empty, s_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt, 0,
+                              BLOCK_M, HN, STAGES, CODE_OFFSET, FP4, ATOMIC)),
+        (_swap_consume_half, (x_smem, q_smem, ready, empty, s_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt, 1,
+                              BLOCK_M, HN, STAGES, CODE_OFFSET, FP4, ATOMIC)),
+        (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
 def supports(qw: QuantizedWeight, x2: torch.Tensor, cfg: ComputeConfig) -> bool:
     """On the GPU with bf16 x (act-order is already applied to x by gemm_wna16); ComputeConfig.valid_for checks
     the format and the tile."""
     tma_ok = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (x2, qw.qweight, qw.scales))
+    fp4 = qw.spec.weight_dtype == "fp4_e2m1"
     return (x2.is_cuda and x2.dtype == torch.bfloat16 and qw.zeros is None and qw.global_scale is None
-            and qw.scales.dtype == torch.bfloat16 and qw.qweight.dtype == torch.int32 and tma_ok
+            and qw.scales.dtype == (torch.uint8 if fp4 else torch.bfloat16) and (cfg.swap or not fp4)
+            and qw.qweight.dtype == torch.int32 and tma_ok
             and torch.cuda.get_device_capability(x2.device)[0] == 9)
 
 
@@ -158,10 +458,31 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
     lay = gl.NVMMASharedLayout.get_default_for
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], lay([bm, bk], gl.bfloat16))
     q_desc = TensorDescriptor.from_tensor(qw.qweight, [r, bn], lay([r, bn], gl.int32))
-    s_desc = TensorDescriptor.from_tensor(qw.scales, [1, bn], lay([1, bn], gl.bfloat16))
+    grid = (-(-m // bm) * (n // bn), split)
+    if cfg.swap and cfg.ws == 0 and cfg.reduce and split > 1:  # in-kernel split-K sum: one launch
+        from kestrel.kernels.gemm_wna16_tc import _split_counters
+        y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+        wsp = torch.empty(split * grid[0] * bm * bn, device=x2.device, dtype=torch.float32)
+        _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
+                           ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
+                           FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True,
+                           ws_ptr=wsp, cnt_ptr=_split_counters(x2.device, grid[0]))
+        return y
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
-    grid = (-(-m // bm) * (n // bn), split)
+    if cfg.swap and cfg.ws == 2:  # two consumer warpgroups in their own partitions + a loader warp
+        q_desc = TensorDescriptor.from_tensor(qw.qweight, [r, bn // 2], lay([r, bn // 2], gl.int32))
+        _tcgs2_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
+                            ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
+                            FP4=qw.spec.weight_dtype == "fp4_e2m1", CONSUMER_REGS=232, num_warps=4)
+        return y.to(x2.dtype) if split > 1 else y
+    if cfg.swap:
+        ws = bool(cfg.ws)
+        _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
+                           ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
+                           WS=ws, FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps)
+        return y.to(x2.dtype) if split > 1 else y
+    s_desc = TensorDescriptor.from_tensor(qw.scales, [1, bn], lay([1, bn], gl.bfloat16))
     _tcg_kernel[grid](x_desc, q_desc, s_desc, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                       ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
                       num_warps=cfg.num_warps)

@@ -43,9 +43,10 @@ def candidates(layer: LayerConfig, m: int, gluon: bool = True) -> list[ComputeCo
     # each other kernel come in their own order, half a step apart, so the first of each is among the first few
     rank, seen_k = {}, {}
     for c in uniq:
-        if c.kernel != h.kernel:
-            rank[c] = seen_k.get(c.kernel, 0)
-            seen_k[c.kernel] = rank[c] + 1
+        if (c.kernel, c.swap) != (h.kernel, h.swap):
+            kind = (c.kernel, c.swap)
+            rank[c] = seen_k.get(kind, 0)
+            seen_k[kind] = rank[c] + 1
     return sorted(uniq, key=lambda c: config_distance(c, h) + 0.5 * rank.get(c, 0))
 
 
@@ -55,7 +56,7 @@ def config_distance(c: ComputeConfig, h: ComputeConfig) -> float:
     dequant + cuBLAS next to tc at M = 256, stays among the first few), every other differing field 1. With the
     plain count of differing fields, --max-candidates 6 at 8B down M = 256 never reached tc 128x128 split 4 s2, the
     config the H200 probe found fastest (79.7 vs 89.5 us)."""
-    if c.kernel != h.kernel:
+    if c.kernel != h.kernel or c.swap != h.swap:  # the swap-AB Gluon kernel is another kernel too
         return 1.25
     d = abs(math.log2(c.split_k / h.split_k)) + 0.5 * abs(c.num_stages - h.num_stages)
     a, b = c.to_dict(), h.to_dict()
@@ -92,13 +93,24 @@ def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeC
     else:
         tiles = [(128, 128, 3, 8), (128, 256, 2, 16), (256, 128, 2, 16), (128, 256, 2, 8), (256, 128, 2, 8),
                  (128, 128, 3, 16), (64, 128, 4, 8)]
+    # swap-AB tiles (W decoded into the wgmma A registers; MXFP4 too): (block_m, block_n, stages, warps, ws). The
+    # loader-warp variants (ws 1 / 2) lost on every point of the H200 probe (session 4 round 1): one, for reference
+    if m <= 64:
+        swaps = [(64, 128, 4, 8, 0), (64, 128, 3, 8, 0), (64, 256, 4, 8, 0), (64, 64, 4, 4, 0), (64, 128, 4, 8, 2)]
+    else:
+        swaps = [(128, 128, 4, 8, 0), (128, 128, 3, 8, 0), (64, 128, 4, 8, 0), (128, 256, 3, 8, 0),
+                 (128, 128, 4, 8, 2)]
     out = []
-    for bm, bn, st, w in tiles:
+    for bm, bn, st, w, *sw in tiles + swaps:
         n_tiles = -(-m // bm) * -(-layer.n // bn)
         splits = [sk for sk in (1, 2, 4, 8) if sk == 1 or num_sms // 2 <= n_tiles * sk <= 2 * num_sms]
-        # the split nearest one wave first (the first tcg config is the one --max-candidates surely measures)
-        out += [C("tcg", bm, bn, 0, sk, w, st) for sk in sorted(splits, key=lambda sk: abs(math.log2(
-            n_tiles * sk / num_sms)))]
+        extra = {"swap": True, "ws": sw[0]} if sw else {}
+        # the split nearest one wave first (the first tcg config is the one --max-candidates surely measures);
+        # swap tiles split over K also with the in-kernel reduction (one launch), right after the atomic one
+        for sk in sorted(splits, key=lambda sk: abs(math.log2(n_tiles * sk / num_sms))):
+            out.append(C("tcg", bm, bn, 0, sk, w, st, **extra))
+            if sw and not sw[0] and sk > 1:
+                out.append(C("tcg", bm, bn, 0, sk, w, st, **extra, reduce=1))
     return out
 
 
