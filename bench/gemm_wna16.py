@@ -43,6 +43,8 @@ def rel_err(y, ref) -> float:
 
 def build_humming(fmt, w):
     from humming.layer import HummingLayer
+    from humming_cache import pin_cache_key  # a carried HUMMING_CACHE_DIR hits on a fresh install
+    pin_cache_key()
     last = None
     for cfg in HUMMING_CFG[fmt]:
         try:
