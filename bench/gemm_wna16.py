@@ -41,9 +41,12 @@ def rel_err(y, ref) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-def build_humming(fmt, w):
+def build_humming(fmt, w, max_m=None):
+    """(Humming layer for w in format fmt, its weight config). With max_m the layer is called with Humming's own
+    heuristic tuning list cut to the intervals that hold some M <= max_m: the same kernels for those M, but its
+    first call JIT-compiles only them instead of every M-interval kernel up to M = 8192."""
     from humming.layer import HummingLayer
-    from humming_cache import pin_cache_key  # a carried HUMMING_CACHE_DIR hits on a fresh install
+    from humming_cache import pin_cache_key, small_m_caller  # a carried HUMMING_CACHE_DIR hits on a fresh install
     pin_cache_key()
     last = None
     for cfg in HUMMING_CFG[fmt]:
@@ -52,7 +55,7 @@ def build_humming(fmt, w):
                                  torch_dtype=torch.bfloat16).cuda()
             layer.load_from_unquantized(w)
             layer.transform()
-            return layer, cfg
+            return (layer if max_m is None else small_m_caller(layer, max_m)), cfg
         except Exception as ex:  # try the next spelling of the format
             last = ex
     raise last
@@ -66,7 +69,7 @@ def _warm(job):
     try:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         qw = quantize(w, FORMATS[fmt])
-        layer = build_humming(fmt, w)[0] if humming else None
+        layer = build_humming(fmt, w, max(ms))[0] if humming else None
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             gemm_wna16(x, qw)
@@ -232,9 +235,10 @@ def main():
             if "humming" in peers and fmt in args.peer_formats.split(","):
                 try:
                     t0 = time.time()
-                    built = [build_humming(fmt, w) for w in ws]
+                    built = [build_humming(fmt, w, max(ms)) for w in ws]
                     hum, hum_cfg = [b[0] for b in built], built[0][1]
-                    print(f"humming {fmt} {n}x{k} built in {time.time() - t0:.1f}s ({hum_cfg})", flush=True)
+                    print(f"humming {fmt} {n}x{k} built in {time.time() - t0:.1f}s ({hum_cfg}; "
+                          f"{getattr(hum[0], 'n_kernels', 'all')} M-interval kernels)", flush=True)
                 except Exception as ex:
                     print(f"humming {fmt} failed: {ex!r}"[:400], flush=True)
             if "gemlite" in peers:

@@ -6,7 +6,8 @@ every install of the wheel, so a cache carried to a fresh machine would never hi
 headers' contents instead (same Humming build -> same key). With HUMMING_CACHE_DIR pointing at a carried copy the
 timing loop then only loads cubins.
 
-  python bench/humming_cache.py pack CACHE_DIR OUT.tgz [--max-mb 9]   # cubins + signatures only
+  python bench/humming_cache.py warm --max-m 16 --procs 4              # fill HUMMING_CACHE_DIR (Llama shapes)
+  python bench/humming_cache.py pack CACHE_DIR OUT.tgz [--max-mb 8]   # OUT_i.tgz, for the next round
 """
 from __future__ import annotations
 
@@ -37,20 +38,97 @@ def pin_cache_key() -> None:
     Compiler._kestrel_pinned = True
 
 
+def small_m_tuning(layer, max_m: int) -> list:
+    """Humming's heuristic tuning list for this layer (what its forward resolves when given none: [lo, hi, config]
+    entries, M in (lo, hi]) cut to the entries holding some M <= max_m, the last one open-ended."""
+    from humming.kernel.humming import HummingKernel
+    _, _, tuning = HummingKernel._resolve_configs(layer.humming_config.to_str(), None, None,
+                                                  torch_device_index())
+    keep = [list(e) for e in tuning if e[0] < max_m]
+    keep[-1][1] = 1 << 30
+    return keep
+
+
+def torch_device_index() -> int:
+    import torch
+    return torch.cuda.current_device()
+
+
+def small_m_caller(layer, max_m: int):
+    """layer(x) with the cut tuning list (falls back to the plain layer, with a note, if Humming refuses it)."""
+    import functools as ft
+    try:
+        tuning = small_m_tuning(layer, max_m)
+    except Exception as ex:
+        print(f"humming: tuning list not cut ({ex!r}"[:200] + ")", flush=True)
+        return layer
+    call = ft.partial(layer, tuning_config=tuning)
+    call.n_kernels = len(tuning)
+    return call
+
+
 def pack(cache_dir: str, out: str, max_mb: float) -> None:
-    """tar.gz of the cache's kernel.cubin files (what a hit needs: the directory name is the key), newest last,
-    stopping before max_mb of input."""
-    cubins = sorted(glob.glob(os.path.join(cache_dir, "*", "kernel.cubin")), key=os.path.getmtime)
-    total, kept = 0, 0
-    with tarfile.open(out, "w:gz") as tar:
-        for f in cubins:
-            size = os.path.getsize(f)
-            if total + size > max_mb * 2 ** 20:
-                break
-            tar.add(f, arcname=os.path.relpath(f, cache_dir))
-            total, kept = total + size, kept + 1
-    print(f"humming cache: {kept} of {len(cubins)} cubins, {total / 2 ** 20:.1f} MB in -> "
-          f"{os.path.getsize(out) / 2 ** 20:.1f} MB {out}", flush=True)
+    """The cache's kernel.cubin files (all a hit needs: the directory name is the key) as OUT_0.tgz, OUT_1.tgz, ...
+    of at most max_mb of cubins each (each comes back from a round as one small file)."""
+    cubins = sorted(glob.glob(os.path.join(cache_dir, "*", "kernel.cubin")))
+    parts, cur, size = [], [], 0
+    for f in cubins:
+        if cur and size + os.path.getsize(f) > max_mb * 2 ** 20:
+            parts.append(cur)
+            cur, size = [], 0
+        cur.append(f)
+        size += os.path.getsize(f)
+    if cur:
+        parts.append(cur)
+    base = out[:-4] if out.endswith(".tgz") else out
+    for i, files in enumerate(parts):
+        with tarfile.open(f"{base}_{i}.tgz", "w:gz") as tar:
+            for f in files:
+                tar.add(f, arcname=os.path.relpath(f, cache_dir))
+        print(f"humming cache part {i}: {len(files)} cubins, {sum(map(os.path.getsize, files)) / 2 ** 20:.1f} MB "
+              f"-> {os.path.getsize(f'{base}_{i}.tgz') / 2 ** 20:.1f} MB", flush=True)
+
+
+def _warm(pairs_max_m):
+    """Worker: build Humming for each (fmt, N, K) first (the GPU part, while a bench beside it is still compiling),
+    then call each once (its first call compiles the kernels: CPU, plus one tiny launch)."""
+    import time
+    import torch
+    from gemm_wna16 import build_humming
+    pairs, max_m = pairs_max_m
+    calls = []
+    for fmt, n, k in pairs:
+        try:
+            calls.append(build_humming(fmt, torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, max_m)[0])
+        except Exception as ex:
+            calls.append(None)
+            print(f"humming warm {fmt} {n}x{k}: build failed {ex!r}"[:200], flush=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    for (fmt, n, k), call in zip(pairs, calls):
+        if call is None:
+            continue
+        t0 = time.time()
+        try:
+            call(torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
+            torch.cuda.synchronize()
+            msg = f"{time.time() - t0:.1f}s ({getattr(call, 'n_kernels', 'all')} kernels)"
+        except Exception as ex:
+            msg = f"failed {ex!r}"[:200]
+        print(f"humming warm {fmt} {n}x{k}: {msg}", flush=True)
+
+
+def warm(formats, models, max_m, procs):
+    """Fill HUMMING_CACHE_DIR for these formats x Llama shapes (largest first), `procs` processes."""
+    import multiprocessing as mp
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from kestrel.kernels.tuning import MODEL_SHAPES
+    pairs = sorted({(f, n, k) for f in formats for mo in models for n, k in MODEL_SHAPES[mo]},
+                   key=lambda p: -p[1] * p[2])
+    jobs = [(pairs[i::procs], max_m) for i in range(procs) if pairs[i::procs]]
+    with mp.get_context("spawn").Pool(len(jobs)) as pool:
+        pool.map(_warm, jobs)
 
 
 def main():
@@ -59,9 +137,17 @@ def main():
     p = sub.add_parser("pack")
     p.add_argument("cache_dir")
     p.add_argument("out")
-    p.add_argument("--max-mb", type=float, default=9.0)
+    p.add_argument("--max-mb", type=float, default=8.0)
+    w = sub.add_parser("warm", help="JIT-compile Humming's M <= max-m kernels of the Llama shapes into the cache")
+    w.add_argument("--formats", default="int4,mxfp4")
+    w.add_argument("--models", default="llama3-8b,llama3-70b")
+    w.add_argument("--max-m", type=int, default=16)
+    w.add_argument("--procs", type=int, default=4)
     args = ap.parse_args()
-    pack(args.cache_dir, args.out, args.max_mb)
+    if args.cmd == "pack":
+        pack(args.cache_dir, args.out, args.max_mb)
+    else:
+        warm(args.formats.split(","), args.models.split(","), args.max_m, args.procs)
 
 
 if __name__ == "__main__":

@@ -161,9 +161,10 @@ def main():
                 try:
                     from gemm_wna16 import build_humming  # bench/gemm_wna16.py: same format spelling
                     t0 = time.time()
-                    hum = [build_humming(fmt, w0 * (1 + 1e-3 * i))[0] for i in range(len(qws))]
+                    hum = [build_humming(fmt, w0 * (1 + 1e-3 * i), max(ms))[0] for i in range(len(qws))]
                     hum[0](torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
-                    print(f"humming {fmt} {name}: built + first call {time.time() - t0:.1f}s", flush=True)
+                    print(f"humming {fmt} {name}: built + first call {time.time() - t0:.1f}s "
+                          f"({getattr(hum[0], 'n_kernels', 'all')} M-interval kernels)", flush=True)
                 except Exception as ex:
                     print(f"humming {fmt} {name} failed: {ex!r}"[:300], flush=True)
             for m in ms:
