@@ -11,9 +11,7 @@ from __future__ import annotations
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -21,13 +19,9 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kestrel.kernels import gemm_wna16_small as small  # noqa: E402
+from wna16_tc_sass import FMT, sass_loop  # noqa: E402  (same formats; cuobjdump + K-loop extraction)
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SCALE_T = {0: "*bf16", 1: "*u8"}
-FMT = {"int4": dict(BITS=4, EPW=8, IS_INT=True, EXP_BITS=1, MAN_BITS=0, CODE_OFFSET=8, HAS_ZERO=False,
-                    SCALE_KIND=0, GROUP_SIZE=128, PER_CHANNEL=False, HAS_GSCALE=False, R=16),
-       "mxfp4": dict(BITS=4, EPW=8, IS_INT=False, EXP_BITS=2, MAN_BITS=1, CODE_OFFSET=0, HAS_ZERO=False,
-                     SCALE_KIND=1, GROUP_SIZE=32, PER_CHANNEL=False, HAS_GSCALE=False, R=16)}
 
 
 def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = True, **extra):
@@ -47,26 +41,9 @@ def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = Tr
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def loop_of(kern):
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kern.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
-        res = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loop = []
-    for addr, text in ins:  # the longest backward branch whose body holds MMAs = the K loop
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if any("MMA" in t for t in body) and len(body) > len(loop):
-                loop = body
-    return loop, int(re.search(r"REG:(\d+)", res).group(1)), int(re.search(r"STACK:(\d+)", res).group(1))
-
-
 def analyse(fmt, block_n, warps, stages, **extra):
     kern = compile_mv(fmt, block_n, warps, stages, **extra)
-    loop, regs, stack = loop_of(kern)
+    loop, regs, stack = sass_loop(kern)
     op = lambda t: re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
     mix = collections.Counter(op(t) for t in loop)
     extra.pop("BLOCK_M", None)

@@ -57,7 +57,9 @@ def pair_dim(ttgir: str):
         (d for d in order if shape[d] > spt[d] * tpw[d] * wpc[d]), None)
 
 
-def analyse(kern, warps: int) -> dict:
+def sass_loop(kern) -> tuple[list, int, int]:
+    """(SASS of the K loop: the longest backward branch whose body holds MMAs, registers, stack bytes) of a
+    compiled kernel, through Triton's bundled cuobjdump (also used by bench/wna16_mv_sass.py)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kern.asm["cubin"])
         f.flush()
@@ -65,19 +67,23 @@ def analyse(kern, warps: int) -> dict:
         res = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loop = []
-    for i, (addr, text) in enumerate(ins):  # the backward branch whose body holds the MMAs = the K loop
+    for addr, text in ins:
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
             if any("GMMA" in t or "HMMA" in t for t in body) and len(body) > len(loop):
                 loop = body
+    return loop, int(re.search(r"REG:(\d+)", res).group(1)), int(re.search(r"STACK:(\d+)", res).group(1))
+
+
+def analyse(kern, warps: int) -> dict:
+    loop, regs, stack = sass_loop(kern)
     op = lambda t: re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
     mix = collections.Counter(op(t).split(".")[0] for t in loop)
-    regs = int(re.search(r"REG:(\d+)", res).group(1))
     smem = kern.metadata.shared
     ctas = min(65536 // (-(-regs // 8) * 8 * 32 * warps), 232448 // (smem + 1024))
     return {"pair_dim": pair_dim(kern.asm["ttgir"]), "regs": regs,
-            "spill_bytes": int(re.search(r"STACK:(\d+)", res).group(1)), "smem_KB": smem // 1024,
+            "spill_bytes": stack, "smem_KB": smem // 1024,
             "ctas_per_sm": ctas, "loop_instrs": len(loop), "HGMMA": mix["HGMMA"], "MMA_waits": sum(
                 "WARPGROUP.DEPBAR" in t for t in loop),
             "STS": dict(collections.Counter(op(t) for t in loop if op(t).startswith("STS"))),
