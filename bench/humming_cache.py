@@ -103,8 +103,9 @@ def _warm(pairs_max_m):
         except Exception as ex:
             calls.append(None)
             print(f"humming warm {fmt} {n}x{k}: build failed {ex!r}"[:200], flush=True)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if any(c is not None for c in calls):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     for (fmt, n, k), call in zip(pairs, calls):
         if call is None:
             continue
