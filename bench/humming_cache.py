@@ -15,6 +15,7 @@ import argparse
 import functools
 import glob
 import hashlib
+import json
 import os
 import tarfile
 
@@ -59,6 +60,7 @@ def small_m_caller(layer, max_m: int):
     import functools as ft
     try:
         tuning = small_m_tuning(layer, max_m)
+        json.dumps(tuning)  # Humming's forward passes it on as JSON
     except Exception as ex:
         print(f"humming: tuning list not cut ({ex!r}"[:200] + ")", flush=True)
         return layer
