@@ -3,7 +3,9 @@
     half the MMAs and half the per-group scale FMAs of the 16-row tile (sm_90 SASS: mxfp4 4.32 -> 3.85-3.94,
     int4 2.50 -> 2.33-2.36 thread-instructions per weight element, bench/wna16_mv_sass.py), at a few splits;
   - MXFP4 only: x scaled by 2^XS_EXP so the e2m1 decode drops its per-pair multiply (gemm_wna16_small.XS_E2M1;
-    sm_90 SASS: mv 4.41 -> 4.06, mvs8 3.87 -> 3.43 instructions per weight), on the default tile and on mvs8.
+    sm_90 SASS: mv 4.41 -> 4.06, mvs8 3.87 -> 3.43 instructions per weight), on the default tile and on mvs8;
+    with --fold also FOLD_E8M0 (the e8m0 group scale as the decode multiplier, no per-group accumulator FMAs);
+  - with --splits: the default tile at other split-K counts (not only powers of 2: fewer idle SMs in the last wave).
 Every config is checked against x @ dequant(W)^T (float32) before timing. Timing: CUDA graph of 20 calls rotating
 over >= 200 MB of weight copies (L2 cold), median of 10 replays. Kestrel's kernels compile first in worker processes.
 Writes $OUT/wna16_mvs8_sweep.json after every shape.
@@ -26,20 +28,39 @@ from gpu_timing import copy_bandwidth, shape_weights  # noqa: E402
 from kestrel.kernels.timing import graph_time_us  # noqa: E402
 
 
-def variants(layer, m, gpu, fmt):
-    """[(tag, config, xs)] for one point: xs = gemm_wna16_small.XS_E2M1 for that run (x scaled by 2^XS_EXP, e2m1
-    decoded without the per-pair multiply; MXFP4 only, else None = the module default)."""
+def variants(layer, m, gpu, fmt, opts=None):
+    """[(tag, config, mode)] for one point. mode: None = the module defaults (int4); False / True = MXFP4 with
+    gemm_wna16_small.XS_E2M1 off / on (x scaled by 2^XS_EXP, e2m1 decoded without the per-pair multiply); "fold" =
+    MXFP4 with FOLD_E8M0 (the e8m0 group scale is the decode multiplier: no per-group FMAs on the accumulator, as
+    Humming applies its group scales to the dequantized weights). opts: dict(splits=[extra split_k values for the
+    default tile], xs=XS mode of those, fold=bool, mvs8=bool)."""
     from kestrel.kernels.configs import TuningConfig
+    opts = {"splits": [], "xs": False, "fold": False, "mvs8": True, "maxnreg": 0, **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
     fp4 = fmt == "mxfp4"
-    out = [("dflt", dflt, False if fp4 else None)]
+    from kestrel.kernels import gemm_wna16_small as sm
+    xs_d = bool(sm.XS_E2M1)  # "dflt" = what gemm_wna16 runs by default (tune cache + module switches)
+    out = [("dflt", dflt, xs_d if fp4 else None)]
     if fp4:
-        out.append(("dflt-xs", dflt, True))
+        out.append(("dflt-noxs" if xs_d else "dflt-xs", dflt, not xs_d))
         if dflt != base:
             out.append(("mv-xs", base, True))
-    if m <= 8:
+        if opts["fold"]:
+            out.append(("dflt-fold" if dflt == base else "mv-fold", base, "fold"))
+    for sk in opts["splits"]:  # split counts need not be powers of 2: fewer idle SMs in the last wave
+        if sk != base.split_k:
+            c = dataclasses.replace(base, split_k=sk)
+            xs = opts["xs"] if fp4 else None
+            out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{sk}{'-xs' if xs is True else ''}", c,
+                        xs))
+    if opts["maxnreg"]:  # a register cap: more CTAs per SM for some spill
+        c = dataclasses.replace(base, maxnreg=opts["maxnreg"])
+        xs = opts["xs"] if fp4 else None
+        out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k} r{c.maxnreg}"
+                    f"{'-xs' if xs is True else ''}", c, xs))
+    if m <= 8 and opts["mvs8"]:
         for sk in sorted({base.split_k, max(1, base.split_k // 2), base.split_k * 2}):
             c = dataclasses.replace(base, kernel="mvs", block_m=8, split_k=sk)
             out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{sk}{'-xs' if fp4 else ''}", c, True if fp4 else None))
@@ -50,16 +71,28 @@ def variants(layer, m, gpu, fmt):
         if fp4:
             c = dataclasses.replace(base, kernel="mvs", block_m=8)
             out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{c.split_k}", c, False))
+            if opts["fold"]:
+                out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{c.split_k}-fold", c, "fold"))
     return [(t, c, f) for t, c, f in out if c.valid_for(layer)]
+
+
+def set_mode(sm, mode, xs0, fold0):
+    """Module switches of gemm_wna16_small for one variant's mode (see variants)."""
+    if mode is None:
+        sm.XS_E2M1, sm.FOLD_E8M0 = xs0, fold0
+    elif mode == "fold":
+        sm.XS_E2M1, sm.FOLD_E8M0 = False, True
+    else:
+        sm.XS_E2M1, sm.FOLD_E8M0 = bool(mode), False
 
 
 def compile_key(fmt, cfg, fold):
     """What Triton specialises on here (N, K, M are runtime values; every Llama N and K is a multiple of 128)."""
     return (fmt, cfg.kernel, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.block_k, cfg.split_k > 1,
-            fold)
+            cfg.maxnreg, fold)
 
 
-def warm_jobs(shapes, fmts, ms, gpu, workers):
+def warm_jobs(shapes, fmts, ms, gpu, workers, opts=None):
     """One compile per compile key, spread over `workers` jobs [(fmt, n, k, [(m, config dict, fold)])]."""
     from kestrel.kernels.configs import LayerConfig
     from kestrel.kernels.tuning import FORMATS
@@ -67,7 +100,7 @@ def warm_jobs(shapes, fmts, ms, gpu, workers):
     for _, (n, k) in shapes:
         for fmt in fmts:
             for m in ms:
-                for _, cfg, fold in variants(LayerConfig(FORMATS[fmt], n, k), m, gpu, fmt):
+                for _, cfg, fold in variants(LayerConfig(FORMATS[fmt], n, k), m, gpu, fmt, opts):
                     key = compile_key(fmt, cfg, fold)
                     if key not in seen:
                         seen.add(key)
@@ -84,14 +117,14 @@ def _warm(items):
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS
     from kestrel.quant import quantize
-    t0, errs, xs0, qws = time.time(), [], sm.XS_E2M1, {}
+    t0, errs, xs0, fold0, qws = time.time(), [], sm.XS_E2M1, sm.FOLD_E8M0, {}
     for fmt, n, k, m, cfg, fold in items:
         # a small stand-in weight: N, K are runtime values (multiples of 16 / 128 like every Llama shape), so the
         # kernels are the same; full-size weights in 12 workers ran the H200 out of memory (session 4 round 2)
         n, k = 256, 1024
         if (fmt, n, k) not in qws:
             qws[(fmt, n, k)] = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, FORMATS[fmt])
-        sm.XS_E2M1 = xs0 if fold is None else fold
+        set_mode(sm, fold, xs0, fold0)
         try:
             gemm_wna16(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qws[(fmt, n, k)],
                        ComputeConfig.from_dict(cfg))
@@ -111,6 +144,11 @@ def main():
     ap.add_argument("--budget-s", type=float, default=60)
     ap.add_argument("--humming", default="", help="also time Humming (same format) at these points, comma list of "
                     "fmt:layer (its first call JIT-compiles for ~10 s)")
+    ap.add_argument("--splits", default="", help="extra split_k values for the default tile, e.g. 3,5,6,12")
+    ap.add_argument("--xs", type=int, default=0, help="XS_E2M1 of the --splits variants (MXFP4)")
+    ap.add_argument("--fold", action="store_true", help="also MXFP4 with FOLD_E8M0 (default tile, mvs8)")
+    ap.add_argument("--no-mvs8", action="store_true", help="no mvs block_m 8 variants")
+    ap.add_argument("--maxnreg", type=int, default=0, help="also the default tile with this register cap")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     t_start = time.time()
@@ -120,7 +158,9 @@ def main():
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
     gpu = torch.cuda.get_device_name()
-    xs0 = sm.XS_E2M1
+    xs0, fold0 = sm.XS_E2M1, sm.FOLD_E8M0
+    opts = {"splits": [int(v) for v in args.splits.split(",") if v], "xs": bool(args.xs), "fold": args.fold,
+            "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
               for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
@@ -130,7 +170,7 @@ def main():
     import multiprocessing as mp
     with mp.get_context("spawn").Pool(args.workers) as pool:
         try:
-            for cnt, t, errs in pool.map_async(_warm, warm_jobs(shapes, fmts, ms, gpu, args.workers)).get(
+            for cnt, t, errs in pool.map_async(_warm, warm_jobs(shapes, fmts, ms, gpu, args.workers, opts)).get(
                     timeout=args.budget_s / 2):
                 print(f"warm {cnt} kernels: {t:.1f}s {errs if errs else ''}", flush=True)
         except mp.TimeoutError:
@@ -140,7 +180,7 @@ def main():
     print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
     meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    rows, entries = [], {"xs0": {}, "xs1": {}}
+    rows, entries = [], {"xs0": {}, "xs1": {}, "fold1": {}}
 
     def dump():
         json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
@@ -181,8 +221,8 @@ def main():
                         line += f" | humming {h_us:.2f}"
                     except Exception as ex:
                         print(f"humming call failed: {ex!r}"[:300], flush=True)
-                for tag, cfg, fold in variants(layer, m, gpu, fmt):
-                    sm.XS_E2M1 = xs0 if fold is None else fold
+                for tag, cfg, fold in variants(layer, m, gpu, fmt, opts):
+                    set_mode(sm, fold, xs0, fold0)
                     try:
                         y = gemm_wna16(x, qw0, cfg)
                         err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -196,15 +236,16 @@ def main():
                     rows.append(dict(fmt=fmt, layer=name, N=n, K=k, M=m, tag=tag, config=cfg.to_dict(),
                                      fold=fold, us=us, err=err, pct_copy=100 * qw0.nbytes / (us * 1e-6) / 1e12 / copy_bw))
                     line += f" | {tag} {us:.2f}" + (f" ({d_us / us:.3f}x)" if tag != "dflt" and d_us else "")
-                sm.XS_E2M1 = xs0
+                set_mode(sm, None, xs0, fold0)
                 pt = [r for r in rows if (r["fmt"], r["layer"], r["M"]) == (fmt, name, m) and r["err"] < 1e-2
                       and r["tag"] != "humming"]
                 dr = [r for r in pt if r["tag"] == "dflt"]
                 from kestrel.kernels.configs import cache_key, m_bucket
-                for xs in (False, True):  # entries for XS_E2M1 off / on (int4 rows count for both)
-                    best = min((r for r in pt if r["fold"] in (None, xs)), key=lambda r: r["us"], default=None)
+                for tag_e, modes in (("xs0", (None, False)), ("xs1", (None, True)), ("fold1", (None, "fold"))):
+                    # entries for XS_E2M1 off / on, FOLD_E8M0 on (int4 rows count for all)
+                    best = min((r for r in pt if r["fold"] in modes), key=lambda r: r["us"], default=None)
                     if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:
-                        entries[f"xs{int(xs)}"][cache_key(gpu, layer, m_bucket(m))] = {
+                        entries[tag_e][cache_key(gpu, layer, m_bucket(m))] = {
                             "config": best["config"], "us": round(best["us"], 3), "previous_us": round(dr[0]["us"], 3),
                             "measured": f"{meta['date']} bench/wna16_mvs8_sweep.py ({best['tag']})"}
                 print(line, flush=True)

@@ -606,5 +606,6 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
                          RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype),
-                         XS=scale_x_e2m1(fmt, x2.dtype) and not fold_e8m0(fmt, x2.dtype), **common)
+                         XS=scale_x_e2m1(fmt, x2.dtype) and not fold_e8m0(fmt, x2.dtype),
+                         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
     return y
