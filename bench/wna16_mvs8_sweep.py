@@ -35,7 +35,8 @@ def variants(layer, m, gpu, fmt, opts=None):
     Humming applies its group scales to the dequantized weights). opts: dict(splits=[extra split_k values for the
     default tile], xs=XS mode of those, fold=bool, mvs8=bool)."""
     from kestrel.kernels.configs import TuningConfig
-    opts = {"splits": [], "xs": False, "fold": False, "mvs8": True, "maxnreg": 0, **(opts or {})}
+    opts = {"splits": [], "xs": False, "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [], "xs_ab": True,
+            **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
@@ -43,7 +44,13 @@ def variants(layer, m, gpu, fmt, opts=None):
     from kestrel.kernels import gemm_wna16_small as sm
     xs_d = bool(sm.XS_E2M1)  # "dflt" = what gemm_wna16 runs by default (tune cache + module switches)
     out = [("dflt", dflt, xs_d if fp4 else None)]
-    if fp4:
+    for am in opts["alt_m"]:  # the tune cache's config of another M (its kernel pads M anyway: the M = 1 winner
+        # may beat the M = 16 one that buckets 2-8 inherited)
+        c = TuningConfig(gpu).lookup(layer, am)
+        if am != m and c != dflt and (c.kernel != "stream" or m <= 4):
+            out.append((f"m{am}cfg {c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k}", c,
+                        xs_d if fp4 else None))
+    if fp4 and opts["xs_ab"]:
         out.append(("dflt-noxs" if xs_d else "dflt-xs", dflt, not xs_d))
         if dflt != base:
             out.append(("mv-xs", base, True))
@@ -149,6 +156,8 @@ def main():
     ap.add_argument("--fold", action="store_true", help="also MXFP4 with FOLD_E8M0 (default tile, mvs8)")
     ap.add_argument("--no-mvs8", action="store_true", help="no mvs block_m 8 variants")
     ap.add_argument("--maxnreg", type=int, default=0, help="also the default tile with this register cap")
+    ap.add_argument("--alt-m", default="", help="also the tune cache's config for these M (e.g. 1)")
+    ap.add_argument("--no-xs", action="store_true", help="no XS_E2M1 A/B variants of the default tile")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     t_start = time.time()
@@ -160,7 +169,8 @@ def main():
     gpu = torch.cuda.get_device_name()
     xs0, fold0 = sm.XS_E2M1, sm.FOLD_E8M0
     opts = {"splits": [int(v) for v in args.splits.split(",") if v], "xs": bool(args.xs), "fold": args.fold,
-            "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg}
+            "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg,
+            "alt_m": [int(v) for v in args.alt_m.split(",") if v], "xs_ab": not args.no_xs}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
               for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
