@@ -88,7 +88,7 @@ def test_tuner_small_m_candidates():
             assert all(c.block_m >= m or c.block_m == 1 for c in stream)
             assert not any(c.prefetch for c in cands)  # measured slower everywhere: not tried
             assert heuristic(layer, m) in cands  # the tuner measures the fallback it would replace
-            assert any(c.kernel == "mvs" and c.block_m == 8 for c in cands) == (m <= 8)
+            assert not any(c.kernel == "mvs" for c in cands)  # measured slower (session 5 R1): not tried
 
 
 def test_prefetch_field_round_trip():

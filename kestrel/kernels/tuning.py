@@ -159,11 +159,9 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     for (kern, bn, w, bk, st), sk in itertools.product(narrow + wide, (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
     out += [ComputeConfig(kern, 16, bn, bk, 32, w, st) for kern, bn, w, bk, st in narrow]
-    if m <= 8:  # x as an 8-wide MMA N side (mvs): half the MMAs and scale FMAs of 16 rows (sm_90 SASS: -6 % int4,
-        # -10 % MXFP4 instructions per weight; bench/wna16_mv_sass.py); 1-2 warps (4 warps take wgmma: slower)
-        out += [ComputeConfig("mvs", 8, bn, 0, sk, w, st) for bn, w, st in ((128, 2, 3), (64, 1, 3), (64, 2, 3),
-                                                                             (128, 1, 3), (128, 2, 4))
-                for sk in (1, 2, 4, 8, 16)]
+    # mvs with block_m 8 (x as the MMA's 8-wide N side) was a candidate at M <= 8 in session 4: on the H200
+    # (session 5 round 1, bench/results/gemm_wna16_smallm.md) it was 0.37-0.86x of the tuned default on all 8 Llama
+    # shapes, int4 and MXFP4, so it is no longer timed (gemm_wna16_small still runs it when a config asks)
     return out
 
 
