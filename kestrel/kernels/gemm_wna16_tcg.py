@@ -61,28 +61,21 @@ def _issue(x_desc, q_desc, s_desc, bar, x_buf, q_buf, s_buf, off_m, off_n, step,
 
 
 @gluon.jit
-def _tile_and_split(M, K, split_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The prologue every tcg kernel shares: program (pid, pid_k) -> its tile origin (off_m, off_n), the M tiles of
-    one N tile side by side (each word tile is then read from HBM once), and its K steps [s0, s0 + cnt) of split
-    pid_k. The host never launches an empty split: the caller states cnt > 0 (gl.assume)."""
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    off_m = (pid % num_pid_m) * BLOCK_M
-    off_n = (pid // num_pid_m) * BLOCK_N
-    n_steps = K // BK
-    per = gl.cdiv(n_steps, split_k)
-    s0 = pid_k * per
-    cnt = gl.minimum(s0 + per, n_steps) - s0
-    return pid, pid_k, off_m, off_n, s0, cnt
-
-
-@gluon.jit
 def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                 num_warps: gl.constexpr):
     """split_k is a runtime value (one compile for every split > 1); ATOMIC = split_k > 1."""
-    pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m  # M tiles of one N tile run side by side: each word tile is read from HBM once
+    pid_n = pid // num_pid_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
     # the host never launches an empty split; without the hint the loop's zero-trip path sets acc = 0 beside the
     # in-flight wgmma and ptxas serialises every wgmma (C7515)
     gl.assume(cnt > 0)
@@ -262,7 +255,17 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
     """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier.
     REDUCE: split-K summed in the kernel (_swap_store) instead of fp32 atomics into a zeroed y.
     FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128."""
-    pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
     gl.assume(cnt > 0)
 
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
@@ -405,7 +408,17 @@ def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLO
                   BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                   FP4: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """ws=2 (launched with num_warps=4): two consumer warpgroups in two partitions plus a loader warp."""
-    pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
