@@ -103,7 +103,10 @@ def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeC
     out = []
     for bm, bn, st, w, *sw in tiles + swaps:
         n_tiles = -(-m // bm) * -(-layer.n // bn)
-        splits = [sk for sk in (1, 2, 4, 8) if sk == 1 or num_sms // 2 <= n_tiles * sk <= 2 * num_sms]
+        # split 3 at M <= 64: the 80-tile (70B qkv) and 48-tile (8B qkv) grids fill 1.8 / 1.1 waves at 3, 1.2 / 1.45
+        # at 2 / 4 (their M = 64 winners, 0.75x / 0.93x Humming in session 4)
+        splits = [sk for sk in ((1, 2, 3, 4, 8) if m <= 64 else (1, 2, 4, 8))
+                  if sk == 1 or num_sms // 2 <= n_tiles * sk <= 2 * num_sms]
         extra = {"swap": True, "ws": sw[0]} if sw else {}
         # the split nearest one wave first (the first tcg config is the one --max-candidates surely measures);
         # swap tiles split over K also with the in-kernel reduction (one launch), right after the atomic one
