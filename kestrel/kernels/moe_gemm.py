@@ -183,8 +183,11 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
             # H200, M = 1024 (bench/results/moe_h200_run6.md, session 4 R1): swapped BN 256 204.7 / 132.5 / 1310 us
             # (Qwen3 up / down, Mixtral up) vs tc 225.7 / 147.8 / 1549; the unswapped tcg was slower than tc
             swap = USE_TCG in ("2", "3")
-            return TcgConfig(BM=bm, BN=256 if swap else 128, num_warps=8, num_stages=3, GROUP_M=8,
-                             SWAP=2 if USE_TCG == "3" else int(swap))
+            # session 5 R1: the tcgp loop (SWAP 2, 4-deep ring) 198.3 / 125.6 us on Qwen3 up / down (SWAP 1: 207.4
+            # / 133.4, Humming 132.5 / 77.1)
+            tcgp = USE_TCG == "3"
+            return TcgConfig(BM=bm, BN=256 if swap else 128, num_warps=8, num_stages=4 if tcgp else 3, GROUP_M=8,
+                             SWAP=2 if tcgp else int(swap))
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
@@ -192,10 +195,10 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
 
 # planar int4 expert blocks of at least this many rows run the tc kernel (moe_tc.py) by default, smaller ones mv
 TC_MIN_BM = 64
-# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=2 (default: W
-# decoded into the wgmma's register operand), 3 (the same in the dense swap kernel's loop: one wgmma in flight),
-# 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
-USE_TCG = os.environ.get("KESTREL_MOE_TCG", "2")
+# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=3 (default: W
+# decoded into the wgmma's register operand, the dense swap kernel's loop: one wgmma in flight), 2 (session 4's
+# swapped loop), 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
+USE_TCG = os.environ.get("KESTREL_MOE_TCG", "3")
 USE_TCG = "" if USE_TCG == "0" else USE_TCG
 
 

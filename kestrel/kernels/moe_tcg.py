@@ -462,6 +462,9 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             and cfg.num_warps in (4, 8)
             and (not cfg.SWAP or (cfg.BN >= 16 * cfg.num_warps and cfg.num_stages >= 2))
             and not cfg.REFILL  # R2 (H200): REFILL=1 gave wrong results (err 0.25) and was slower: disabled
+            # session 5 R1 (H200): the tcgp loop measured wrong with a 3-deep ring (err 0.07 on three shapes; cause
+            # not found: the ring indexing reads right), right (same err as SWAP 1, 2.8e-3) and faster with 4
+            and (cfg.SWAP != 2 or cfg.num_stages >= 4)
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
