@@ -195,10 +195,11 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
 
 # planar int4 expert blocks of at least this many rows run the tc kernel (moe_tc.py) by default, smaller ones mv
 TC_MIN_BM = 64
-# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=3 (default: W
-# decoded into the wgmma's register operand, the dense swap kernel's loop: one wgmma in flight), 2 (session 4's
-# swapped loop), 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
-USE_TCG = os.environ.get("KESTREL_MOE_TCG", "3")
+# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=2 (default:
+# W decoded into the wgmma's register operand, session 4's loop), 3 (the same on the dense swap kernel's loop, one
+# wgmma in flight: 1.05x per GEMM in session 5 R1, but its routed / fp32-atomic epilogue and the layer never ran on
+# the GPU, so not the default yet), 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
+USE_TCG = os.environ.get("KESTREL_MOE_TCG", "2")
 USE_TCG = "" if USE_TCG == "0" else USE_TCG
 
 
