@@ -48,6 +48,16 @@ def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
+class LogRow(dict):
+    """a result row that logs each timing / error as it is measured, so a job killed by its timeout still shows
+    the measurements made before."""
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        if k.endswith(("_us", "err_vs_dequant", "err_vs_bf16", "_error", "err_vs_plain")):
+            log(f"  {self.get('section')} M={self.get('M')} {k} = {v if not isinstance(v, float) else f'{v:.4g}'}")
+
+
+LEAN = [False]  # --lean: the headline columns only (no tile variants, no plain-pair / fast-accum / a16 extras)
 WARM_ONLY = [False]  # --warm-only: run every call once (fills the Triton / Humming JIT caches), time nothing
 
 
@@ -101,6 +111,8 @@ def add_run_args(p: argparse.ArgumentParser, budget_s: float) -> None:
     p.add_argument("--deadline-s", type=float, default=float("inf"), help="start no new case after this many seconds")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder")
     p.add_argument("--warm-only", action="store_true", help="run each call once to fill the JIT caches; no timing")
+    p.add_argument("--lean", action="store_true", help="headline columns only: kestrel gemm / e2e (default path), "
+                   "_scaled_mm / _int_mm, Humming (saves the JIT of the tile variants)")
 
 
 def start_run(args, script: str) -> dict:
@@ -109,6 +121,7 @@ def start_run(args, script: str) -> dict:
         sys.exit(f"{script} needs a CUDA GPU")
     DEADLINE[0] = args.deadline_s
     WARM_ONLY[0] = args.warm_only
+    LEAN[0] = getattr(args, "lean", False)
     import triton
     meta = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv)}
@@ -134,8 +147,9 @@ def pdl_case(r, x, q, nc):
         return
     try:
         r["pdl_err_vs_plain"] = rel(w8a8_linear(x, *q[0], pdl=True), w8a8_linear(x, *q[0], pdl=False))
-        r["kestrel_e2e_pdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=True) for i in range(nc)])
-        r["kestrel_e2e_nopdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=False) for i in range(nc)])
+        if not LEAN[0]:  # (lean: kestrel_e2e_us is the default path, the PDL pair; only its check here)
+            r["kestrel_e2e_pdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=True) for i in range(nc)])
+            r["kestrel_e2e_nopdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=False) for i in range(nc)])
     except Exception as ex:
         traceback.print_exc()
         r["pdl_error"] = repr(ex)[:200]
@@ -153,13 +167,13 @@ def run_fp8(N, K, ms, rows, budget):
             break
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         a, s = aq.quant_fp8(x)
-        r = {"section": "fp8", "M": M, "N": N, "K": K}
+        r = LogRow(section="fp8", M=M, N=N, K=K)
         y = gemm_w8a8(a, s, *q[0])
         r["err_vs_dequant"] = rel(y, ref_gemm_w8a8(a, s, *q[0]))
         r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
         r["kestrel_e2e_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i]) for i in range(nc)])
         pdl_case(r, x, q, nc)
-        if 16 < M <= 256:  # deeper TMA pipelines than the swept ones (the swept best was 0.91-0.99x cuBLASLt here)
+        if 16 < M <= 256 and not LEAN[0]:  # deeper TMA pipelines than the swept ones (the swept best was 0.91-0.99x cuBLASLt here)
             # (run 5: 6 stages = the default, BK 256 slower.) BN 64 / 32: 2-4x the CTAs of the 64x128 tiles
             # (8192 wide at M = 64: 64 CTAs for 132 SMs), and the swapped pointer kernel with a K split
             for tag, cfg in (("bn64", GemmConfig(BM=64, BN=64, BK=128, num_warps=4, num_stages=6, TMA=1)),
@@ -168,7 +182,7 @@ def run_fp8(N, K, ms, rows, budget):
                                                    SWAP_AB=1))):
                 r[f"kestrel_gemm_{tag}_us"] = safe_us([lambda i=i, cfg=cfg: gemm_w8a8(a, s, *q[i], config=cfg)
                                                        for i in range(nc)])
-        if M <= 16:  # decode alternative: bf16 activations straight into the fp8-weight kernel (no act-quant launch)
+        if M <= 16 and not LEAN[0]:  # decode alternative: bf16 activations straight into the fp8-weight kernel (no act-quant launch)
             h = heuristic_config(M, N, K, A_BF16, W_FP8)
             for tag, cfg in (("a16", h), ("a16_bk128", dataclasses.replace(h, BK=128))):
                 try:
@@ -183,7 +197,8 @@ def run_fp8(N, K, ms, rows, budget):
             r["scaled_mm_err_vs_dequant"] = rel(yc, ref_gemm_w8a8(a, s, *q[0]))
             r["scaled_mm_us"] = safe_us([lambda i=i: scaled_mm(a, s, q[i][0], ws_row[i]) for i in range(nc)])
             # same numerics as kestrel's TMA path (M > 16): fp8 products summed in the wgmma accumulator over all K
-            r["scaled_mm_fast_us"] = safe_us([lambda i=i: scaled_mm(a, s, q[i][0], ws_row[i], True) for i in range(nc)])
+            if not LEAN[0]:
+                r["scaled_mm_fast_us"] = safe_us([lambda i=i: scaled_mm(a, s, q[i][0], ws_row[i], True) for i in range(nc)])
             r["scaled_mm_e2e_us"] = safe_us([lambda i=i: scaled_mm(*aq.quant_fp8(x), q[i][0], ws_row[i])
                                              for i in range(nc)])
         except Exception as ex:
@@ -215,7 +230,7 @@ def run_int8(N, K, ms, rows, budget):
             break
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
         a, s = aq.quant_int8(x)
-        r = {"section": "int8", "M": M, "N": N, "K": K}
+        r = LogRow(section="int8", M=M, N=N, K=K)
         r["err_vs_dequant"] = rel(gemm_w8a8(a, s, *q[0]), ref_gemm_w8a8(a, s, *q[0]))
         r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
         r["kestrel_e2e_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i]) for i in range(nc)])
@@ -262,7 +277,7 @@ def run_w4(N, K, ms, rows, budget, sections):
         if past_deadline():
             break
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        r = {"section": "w4", "M": M, "N": N, "K": K}
+        r = LogRow(section="w4", M=M, N=N, K=K)
         r["cublas_bf16_us"] = safe_us([lambda W=W: x @ W.t() for W in Wb])
         if w4:
             a, s = aq.quant_fp8(x)
@@ -412,7 +427,8 @@ def main():
     secs = args.sections.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
-    meta["act_quant_gpu_vs_cpu_ref"] = check_act_quant()
+    if not args.lean:
+        meta["act_quant_gpu_vs_cpu_ref"] = check_act_quant()
     log(meta)
     rows = []
     for N, K in shapes:

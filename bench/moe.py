@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from gemm_w8a8 import add_run_args, humming_build, log, past_deadline, rel, safe_us, start_run, write_report  # noqa: E402
+from gemm_w8a8 import LogRow, add_run_args, humming_build, log, past_deadline, rel, safe_us, start_run, write_report  # noqa: E402
 
 from kestrel.kernels.moe_align import route_topk  # noqa: E402
 from kestrel.kernels.moe_gemm import quantize_experts  # noqa: E402
@@ -112,6 +112,8 @@ def humming_forward(layers, x, topk_w, topk_ids, E, top_k):
         y = layers[1](a, sorted_ids=s2, expert_ids=e2, num_tokens_padded=n2, top_k=1, compute_config=cc,
                       tuning_config=c2)
         return (y.view(M, top_k, H).float() * topk_w[..., None]).sum(1)
+    run.cfgs = [{k: v if isinstance(v, (int, float, str, bool, list, tuple, type(None))) else str(v)
+                 for k, v in c.items()} for c, *_ in meta]
     return run
 
 
@@ -140,7 +142,7 @@ def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256):
         xs = [torch.randn(M, H, device="cuda", dtype=torch.bfloat16) for _ in range(routings)]
         rts = [route_topk(xi @ router.t(), k) for xi in xs]
         x, (tw, ti) = xs[0], rts[0]
-        r = {"section": name, "M": M, "N": 2 * I, "K": H, "E": E, "top_k": k, "routings": routings}
+        r = LogRow(section=name, M=M, N=2 * I, K=H, E=E, top_k=k, routings=routings)
         r["cublas_loop_us"] = safe_us([cublas_loop(xi, a, b, w13, w2) for xi, (a, b) in zip(xs, rts)])
         for f in fmts:
             moe = ours[f]
@@ -168,6 +170,7 @@ def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256):
                     runs = [humming_forward(hum[h], xi, a, b, E, k) for xi, (a, b) in zip(xs, rts)]
                     if M <= check_max_m and check:
                         r[f"humming_{h}_err_vs_bf16"] = rel(runs[0](), ref_moe(x, tw, ti, w13.float(), w2.float()))
+                    r[f"humming_{h}_cfgs"] = runs[0].cfgs  # its heuristic's tiles (up, down)
                     r[f"humming_{h}_us"] = safe_us(runs)
                 except Exception as ex:
                     traceback.print_exc()

@@ -146,8 +146,12 @@ def humming_call(L, x, ids, E, k):
     M = x.shape[0]
     cfg = get_heuristics_config(L.humming_config, shape_m=M * k, gemm_type="indexed")
     _, _, sid, eid, npad = generate_moe_tensors(ids, E, "indexed", cfg["block_shape"][0])
-    return lambda: L(x, sorted_ids=sid, expert_ids=eid, num_tokens_padded=npad, top_k=k,
-                     compute_config={"gemm_type": "indexed"}, tuning_config=cfg)
+    def run():
+        return L(x, sorted_ids=sid, expert_ids=eid, num_tokens_padded=npad, top_k=k,
+                 compute_config={"gemm_type": "indexed"}, tuning_config=cfg)
+    run.cfg = {k_: v if isinstance(v, (int, float, str, bool, list, tuple, type(None))) else str(v)
+               for k_, v in cfg.items()}  # its heuristic's tile / schedule, to compare with ours
+    return run
 
 
 SAVE = [None]
@@ -234,7 +238,9 @@ def sweep_shape(name, ms, rows, args):
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "peer": "humming_int4"}
             try:
                 t = time.time()
-                r["us"] = safe_us([humming_call(hum, x, i, E, k) for i in idss])
+                runs = [humming_call(hum, x, i, E, k) for i in idss]
+                r["cfg"] = runs[0].cfg
+                r["us"] = safe_us(runs)
                 if r["us"]:
                     r["GBps"] = round(nbytes / r["us"] / 1e3, 1)
                 log(f"  humming M={M} ({time.time() - t:.1f}s)")

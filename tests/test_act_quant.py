@@ -39,6 +39,16 @@ def test_int8_matches_reference():
     assert ((aq.dequant_8bit(q, s) - x.float()).abs() <= s * 0.5 + 1e-6).all()
 
 
+@pytest.mark.parametrize("k", [20000, 40000])
+def test_per_token_8bit_wide_rows(k):
+    """per-token rows wider than 8192: one trip of a block up to 32768 wide (20000), the two-pass loop beyond
+    (40000); both bit-exact with the torch reference."""
+    x = _x(2, k, 3)
+    for fn, ref in ((aq.quant_fp8, aq.ref_quant_fp8), (aq.quant_int8, aq.ref_quant_int8)):
+        (q, s), (rq, rs) = fn(x), ref(x)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
 def test_fp4_codec_against_value_table():
     vals = torch.tensor(FP4_VALUES)
     x = torch.cat([vals, -vals, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.3, 5.9])])

@@ -92,10 +92,14 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = Fal
         return q, s
     # one trip through each pass up to 8192 wide (H200: the 4-trip loops of a 2048 block took 4.8 us per token row
     # of 8192 at M = 1, 1.6 us for the same row as 64 one-trip groups; bench/results/gemm_w8a8_h200_run5.md)
-    BLOCK = min(triton.next_power_of_2(G), 8192)
+    # ... and up to 32768 (16 warps, 64 values per thread) since session 5: with the 2 x 2-4 trips of an 8192 block
+    # the per-token quant of M = 64 rows of K = 14336 / 28672 took 8.7 / 15.4 us of the FP8 e2e (H200 R1: the
+    # GEMM alone 26.4 / 62.9 us, e2e 35.1 / 78.2, Humming 26.0 / 68.3; bench/results/gemm_w8a8_h200_s5.md)
+    BLOCK = min(triton.next_power_of_2(G), 32768)
     _quant_8bit_kernel[(M, n_groups)](x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8,
                                       BLOCK=BLOCK, ONE_TRIP=G <= BLOCK, PDL=pdl,
-                                      num_warps=8 if BLOCK >= 4096 else 4 if BLOCK >= 1024 else 2)
+                                      num_warps=16 if BLOCK >= 16384 else 8 if BLOCK >= 4096 else
+                                      4 if BLOCK >= 1024 else 2)
     return q, s
 
 

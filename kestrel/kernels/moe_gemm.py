@@ -182,8 +182,12 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
         if USE_TCG and moe_tcg is not None and w.planar.group == 128:  # Gluon: decode overlapped with the wgmma
             # H200, M = 1024 (bench/results/moe_h200_run6.md, session 4 R1): swapped BN 256 204.7 / 132.5 / 1310 us
             # (Qwen3 up / down, Mixtral up) vs tc 225.7 / 147.8 / 1549; the unswapped tcg was slower than tc
-            swap = USE_TCG == "2"
-            return TcgConfig(BM=bm, BN=256 if swap else 128, num_warps=8, num_stages=3, GROUP_M=8, SWAP=int(swap))
+            swap = USE_TCG in ("2", "3")
+            # session 5 R1: the tcgp loop (SWAP 2, 4-deep ring) 198.3 / 125.6 us on Qwen3 up / down (SWAP 1: 207.4
+            # / 133.4, Humming 132.5 / 77.1)
+            tcgp = USE_TCG == "3"
+            return TcgConfig(BM=bm, BN=256 if swap else 128, num_warps=8, num_stages=4 if tcgp else 3, GROUP_M=8,
+                             SWAP=2 if tcgp else int(swap))
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
@@ -191,14 +195,16 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
 
 # planar int4 expert blocks of at least this many rows run the tc kernel (moe_tc.py) by default, smaller ones mv
 TC_MIN_BM = 64
-# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=2 (default: W
-# decoded into the wgmma's register operand), 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
+# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=2 (default:
+# W decoded into the wgmma's register operand, session 4's loop), 3 (the same on the dense swap kernel's loop, one
+# wgmma in flight: 1.05x per GEMM in session 5 R1, but its routed / fp32-atomic epilogue and the layer never ran on
+# the GPU, so not the default yet), 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
 USE_TCG = os.environ.get("KESTREL_MOE_TCG", "2")
 USE_TCG = "" if USE_TCG == "0" else USE_TCG
 
 
 def _tcg32() -> bool:
-    return os.environ.get("KESTREL_MOE_TCG_BM") == "32" and USE_TCG == "2" and moe_tcg is not None
+    return os.environ.get("KESTREL_MOE_TCG_BM") == "32" and USE_TCG in ("2", "3") and moe_tcg is not None
 
 
 def _tc_fallback(cfg: "TcgConfig") -> TcConfig:

@@ -124,8 +124,37 @@ def _moe_mv_kernel(x_ptr, qw_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, topk_w_ptr, sor
                 pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
 
 
+class DictConfig:
+    """as_dict / from_dict for the grouped kernels' frozen config dataclasses (the tune cache stores the dict;
+    keys a config does not have are ignored)."""
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+def check_launch(x: torch.Tensor, w: "PlanarW4", align, num_slots: int, out: torch.Tensor, bm: int,
+                 reduce_k: int) -> tuple:
+    """the argument checks the planar grouped kernels share (moe_mv, moe_tc, moe_tcg); zeroes `out` for
+    reduce_k > 0 (each slot is added into its token's row). -> (E, N, K, expert blocks)."""
+    sorted_ids, expert_ids, _ = align
+    E, N, K = w.shape
+    if x.shape[-1] != K or K % BLOCK_K or x.stride(-1) != 1:
+        raise ValueError(f"x must be [tokens, {K}] (row-major) with K a multiple of {BLOCK_K}, got {tuple(x.shape)}")
+    blocks = expert_ids.numel()
+    if sorted_ids.numel() != blocks * bm:
+        raise ValueError(f"the sort/align was made for another block size than BM={bm}")
+    if reduce_k:
+        if out.dtype != torch.float32 or out.shape[0] * reduce_k != num_slots:
+            raise ValueError(f"reduce_k={reduce_k}: out must be fp32 [{num_slots // reduce_k}, N]")
+        out.zero_()
+    return E, N, K, blocks
+
+
 @dataclass(frozen=True)
-class MvConfig:
+class MvConfig(DictConfig):
     """compute config of the planar grouped kernel (BM = rows per expert block, shared with moe_align)."""
     BM: int = 16
     BN: int = 128
@@ -135,13 +164,6 @@ class MvConfig:
     SWAP: int = 0  # 1: W is the MMA A operand ("mvs")
     KB: int = 1  # planar blocks per pipeline step
 
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "MvConfig":
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
-
 
 def grouped_gemm_planar(x: torch.Tensor, w: PlanarW4, align, num_slots: int, a_div: int, out: torch.Tensor,
                         cfg: MvConfig, topk_weights: torch.Tensor | None = None, reduce_k: int = 0) -> torch.Tensor:
@@ -150,19 +172,11 @@ def grouped_gemm_planar(x: torch.Tensor, w: PlanarW4, align, num_slots: int, a_d
     [num_slots // reduce_k, N] and receives the sum over each token's reduce_k slots (out[t] = sum_j slot t*k+j;
     zeroed here, filled by atomics: the order of the k additions is not fixed)."""
     sorted_ids, expert_ids, num_post = align
-    E, N, K = w.shape
-    if x.shape[-1] != K or K % BLOCK_K:
-        raise ValueError(f"x must be [tokens, {K}] with K a multiple of {BLOCK_K}, got {tuple(x.shape)}")
+    E, N, K, blocks = check_launch(x, w, align, num_slots, out, cfg.BM, reduce_k)
     n_tiles = triton.cdiv(N, cfg.BN)
-    blocks = expert_ids.numel()
-    if sorted_ids.numel() != blocks * cfg.BM:
-        raise ValueError(f"the sort/align was made for another block size than BM={cfg.BM}")
     split = max(1, min(cfg.SPLIT_K, K // BLOCK_K))
     on_gpu = x.is_cuda
     if reduce_k:
-        if out.dtype != torch.float32 or out.shape[0] * reduce_k != num_slots:
-            raise ValueError(f"reduce_k={reduce_k}: out must be fp32 [{num_slots // reduce_k}, N]")
-        out.zero_()
         ws, cnt = out, out
     elif split > 1:
         if blocks * n_tiles > _CNT_SLOTS:

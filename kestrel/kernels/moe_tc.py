@@ -15,7 +15,7 @@ packed PTX) multiply by the bf16-rounded scale.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -23,12 +23,12 @@ import triton.language as tl
 
 from kestrel.kernels.gemm_wna16_tc import _w_tile
 from kestrel.kernels.lowbit import round_bf16
-from kestrel.kernels.moe_mv import BLOCK_K, PlanarW4
+from kestrel.kernels.moe_mv import DictConfig, PlanarW4, check_launch
 from kestrel.quant.packing import PLANE_ROWS
 
 
 @dataclass(frozen=True)
-class TcConfig:
+class TcConfig(DictConfig):
     """compute config of the grouped tc kernel (BM = rows per expert block, shared with moe_align)."""
     BM: int = 64
     BN: int = 128
@@ -38,13 +38,6 @@ class TcConfig:
     DEC: int = 1  # weight decode on the GPU: 0 fp32 (one rounding), 1 packed PTX, 2 packed PTX sharing a permute
     GROUP_M: int = 8  # expert blocks that walk the N tiles together (their weight tiles shared through the L2)
     SPLIT_K = 1  # no K split (a class constant, not a field: callers that read any config's SPLIT_K see 1)
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TcConfig":
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 @triton.jit
@@ -112,16 +105,7 @@ def grouped_gemm_planar_tc(x: torch.Tensor, w: PlanarW4, align, num_slots: int, 
     """same contract as moe_mv.grouped_gemm_planar: out[slot] = x[slot // a_div] @ W[expert(slot)]^T (x routing
     weight); reduce_k > 0: out fp32 [num_slots // reduce_k, N] gets each token's sum over its slots."""
     sorted_ids, expert_ids, num_post = align
-    E, N, K = w.shape
-    if x.shape[-1] != K or K % BLOCK_K or x.stride(-1) != 1:
-        raise ValueError(f"x must be [tokens, {K}] (row-major) with K a multiple of {BLOCK_K}, got {tuple(x.shape)}")
-    blocks = expert_ids.numel()
-    if sorted_ids.numel() != blocks * cfg.BM:
-        raise ValueError(f"the sort/align was made for another block size than BM={cfg.BM}")
-    if reduce_k:
-        if out.dtype != torch.float32 or out.shape[0] * reduce_k != num_slots:
-            raise ValueError(f"reduce_k={reduce_k}: out must be fp32 [{num_slots // reduce_k}, N]")
-        out.zero_()
+    E, N, K, blocks = check_launch(x, w, align, num_slots, out, cfg.BM, reduce_k)
     on_gpu = x.is_cuda
     # the packed-PTX decode runs on the GPU only; DEC 2 needs the layout the dense tc kernel checked (its rule)
     dec = cfg.DEC if on_gpu else 0

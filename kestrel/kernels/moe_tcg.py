@@ -27,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kestrel.kernels import gemm_wna16_tcg as dense
 from kestrel.kernels.moe_mv import BLOCK_K, PlanarW4
 
 R = gl.constexpr(16)  # word rows per planar block (packing.PLANE_ROWS)
@@ -45,7 +46,8 @@ class TcgConfig:
     num_warps: int = 8
     num_stages: int = 3  # depth of the load ring (x by cp.async, words + scales by TMA)
     GROUP_M: int = 8  # expert blocks that walk the N tiles together (0: all blocks of one N tile first)
-    SWAP: int = 0  # 1: W decoded straight into the wgmma's register A operand, x^T the shared B (_moe_tcgs_kernel)
+    SWAP: int = 0  # 1: W decoded straight into the wgmma's register A operand, x^T the shared B (_moe_tcgs_kernel);
+    # 2: the same as the dense swap kernel's loop (_moe_tcgp_kernel: one wgmma kept in flight, scales prefetched)
     REFILL: int = 0  # swapped kernel: 1 refills the previous step's ring slot after the pre-MMA barrier (one CTA
     # barrier per step instead of two). BROKEN on the H200 (err 0.25, session 4 R2): `supports` refuses it
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
@@ -325,6 +327,131 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
         gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@gluon.jit
+def _block_of(pid, num_m_blocks, N, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(expert block, N tile) of program pid: GROUP_M expert blocks walk the N tiles together (their weight tiles
+    shared in the L2, tl.swizzle2d), or (GROUP_M 0) all blocks of one N tile first."""
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    if GROUP_M > 0:
+        width = GROUP_M * num_pid_n
+        first_m = (pid // width) * GROUP_M
+        size_m = gl.minimum(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+    else:
+        pid_m = pid % num_m_blocks
+        pid_n = pid // num_m_blocks
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """pointers to the first K step of the block's gathered x rows (padding slots read row 0): a warp covers 2 rows
+    x 128 k in 16-byte pieces (one cp.async of 16 B per thread and row piece)."""
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+    tok = gl.load(sorted_ptr + rows)
+    a_rows = gl.where(tok < num_valid, tok // a_div, 0).to(gl.int64)
+    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    return x_ptr + gl.expand_dims(a_rows * stride_xm, 1) + gl.expand_dims(kx, 0)
+
+
+@gluon.jit
+def _issue_xq(q_desc, bar, q_buf, x_buf, x_ptrs, qrow0, off_n, step, pred):
+    """step's loads into one ring slot: the words by TMA (on bar), the gathered x rows by cp.async (one commit
+    group, committed even when pred is false so the group count stays one per step). The swapped kernels read
+    the scales from global memory, so none come through the ring."""
+    mbarrier.expect(bar, q_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [qrow0 + step * R, off_n], bar, q_buf, pred=pred)
+    async_copy.async_copy_global_to_shared(x_buf, x_ptrs + step * BK, mask=gl.full(x_ptrs.shape, 1, gl.int1,
+                                                                                  x_ptrs.type.layout) & pred)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
+             num_warps: gl.constexpr):
+    """acc^T [BN, BM] -> the slot rows of y (bf16 store), or with REDUCE each slot into its token's row (zeroed by
+    the host; relaxed fp32 atomics); threads along n (contiguous in y); MUL_ROUTED scales by the routing weight."""
+    out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    out = gl.convert_layout(acc, out_layout)
+    otok = gl.load(sorted_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)))
+    row_ok = otok < num_valid
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    if MUL_ROUTED:
+        out = out * gl.expand_dims(gl.load(topk_w_ptr + otok, mask=row_ok, other=0.0), 0)
+    mask = gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_n < N, 1)
+    if REDUCE:
+        y_rows = (otok // out_div).to(gl.int64)
+        gl.atomic_add(y_ptr + gl.expand_dims(y_rows * stride_ym, 0) + gl.expand_dims(offs_n, 1), out, mask=mask,
+                      sem="relaxed")
+    else:
+        ptrs = y_ptr + gl.expand_dims(otok.to(gl.int64) * stride_ym, 0) + gl.expand_dims(offs_n, 1)
+        gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
+                     out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr,
+                     REDUCE: gl.constexpr, num_warps: gl.constexpr):
+    """acc^T [BN, BM] = W tile (decoded into registers by gemm_wna16_tcg's swap decode) @ x^T (shared), the loop of
+    the dense swap kernel: step i's wgmma is issued behind step i - 1's (one in flight: no tensor-core gap while a
+    slot is refilled), its scales loaded a step ahead (no L2 latency before the decode)."""
+    pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= gl.load(npost_ptr):  # padding blocks past the last expert's run
+        return
+    expert = gl.load(expert_ptr + pid_m)
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    gl.assume(n_steps > 0)  # (dense tcg: without it the zero-trip path serialises every wgmma)
+    qrow0 = expert * (K // 8)
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES - 1):
+        _issue_xq(q_desc, bars.index(i), q_smem.index(i), x_smem.index(i), x_ptrs, qrow0, off_n, i, i < n_steps)
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
+    sel, zb, s_offs = dense._swap_consts(L3, N, off_n, BLOCK_N, 8, False)  # s_offs: the tile's columns [BN, 1, 1]
+    s_ok = s_offs < N
+    s_base = s_ptr + (expert * n_steps).to(gl.int64) * N + s_offs  # fp32 scales [E * K / 128, N]
+    s_next = gl.load(s_base, mask=s_ok, other=0.0)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(n_steps):
+        slot = i % STAGES
+        sraw = s_next.to(gl.bfloat16)
+        s_next = gl.load(s_base + gl.minimum(i + 1, n_steps - 1) * N, mask=s_ok, other=0.0)
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
+        async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step i landed (one group per step)
+        fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
+        gl.thread_barrier()  # ... from every thread
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its ring slot is free
+        gl.thread_barrier()  # ... in every warpgroup, before one thread refills it
+        nxt = i + STAGES - 1
+        ns = nxt % STAGES
+        _issue_xq(q_desc, bars.index(ns), q_smem.index(ns), x_smem.index(ns), x_ptrs, qrow0, off_n, nxt,
+                  nxt < n_steps)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    async_copy.wait_group(0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym, BLOCK_M, BLOCK_N,
+             MUL_ROUTED, REDUCE, num_warps)
+
+
 def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
     """Hopper, bf16 row-major x with 16-byte aligned rows, int4 g128 planar weights, a tile the kernel handles."""
     E, N, K = w.shape
@@ -335,6 +462,9 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             and cfg.num_warps in (4, 8)
             and (not cfg.SWAP or (cfg.BN >= 16 * cfg.num_warps and cfg.num_stages >= 2))
             and not cfg.REFILL  # R2 (H200): REFILL=1 gave wrong results (err 0.25) and was slower: disabled
+            # session 5 R1 (H200): the tcgp loop measured wrong with a 3-deep ring (err 0.07 on three shapes; cause
+            # not found: the ring indexing reads right), right (same err as SWAP 1, 2.8e-3) and faster with 4
+            and (cfg.SWAP != 2 or cfg.num_stages >= 4)
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
@@ -357,6 +487,12 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
     s_desc = TensorDescriptor.from_tensor(w.scales.view(E * (K // BLOCK_K), N), [1, bn], lay([1, bn], gl.float32))
     tw = topk_weights if topk_weights is not None else out
     grid = (blocks * -(-N // bn),)
+    if cfg.SWAP == 2:
+        _moe_tcgp_kernel[grid](x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div,
+                               max(reduce_k, 1), N, K, x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM,
+                               BLOCK_N=bn, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
+                               MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps)
+        return out
     kern, extra = (_moe_tcgs_kernel, (w.scales,)) if cfg.SWAP else (_moe_tcg_kernel, ())
     kw = {"EARLY_REFILL": bool(cfg.REFILL)} if cfg.SWAP else {}
     kern[grid](x, q_desc, s_desc, *extra, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,

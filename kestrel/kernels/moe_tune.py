@@ -115,8 +115,8 @@ def candidates(kernel: str, M: int, E: int, top_k: int, N: int, K: int, heuristi
                     out.append(TcConfig(BM=bm, BN=bn, num_warps=warps, num_stages=stages, DEC=dec))
             from kestrel.kernels.moe_gemm import TcgConfig, moe_tcg
             if moe_tcg is not None and bm in (64, 128):  # the Gluon kernels (Hopper; moe_gemm falls back to tc)
-                for swap, bn, stages in ((1, 256, 3), (1, 256, 2), (1, 256, 4), (1, 128, 3), (1, 128, 4),
-                                         (0, 128, 3)):
+                for swap, bn, stages in ((2, 256, 4), (2, 256, 5), (1, 256, 3), (1, 256, 4), (2, 128, 4),
+                                         (1, 128, 3), (0, 128, 3)):
                     out.append(TcgConfig(BM=bm, BN=bn, num_warps=8, num_stages=stages, GROUP_M=8, SWAP=swap))
     else:
         swaps = (0, 1) if act != "bf16" or kernel == "moe-int4" else (0,)
