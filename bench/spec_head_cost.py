@@ -1,6 +1,7 @@
 """Device time of one draft-head proposal (what the head adds to a speculative loop step), by batch and k, replayed
 from CUDA graphs as HeadGraphs / spec_loop run it: readout over the full vocabulary vs the head's draft vocabulary
-(DraftHead.subset_readout; a head without one is timed with the first --subset token ids, for cost only), and the
+(DraftHead.subset_readout; a head without one is timed with the first --subset token ids, for cost only), the
+same over the fused kernels of kestrel/spec/head_fused.py (checked against the PyTorch draft first), and the
 eager kernel count per proposal (each kernel in a graph also costs a launch gap). Session 3 R2 measured the head
 loop step 0.23 ms above the n-gram one at K=4, batch 1; session 4 R1: Triton vs PyTorch norm 0.228 / 0.234 ms.
 
@@ -71,12 +72,27 @@ def main(argv=None):
     if head.vocab is None:
         head.vocab = torch.arange(args.subset)
     ro = head.subset_readout(embed, lm_head)
+    from kestrel.spec.head_fused import FusedGreedyDraft
+    fused = FusedGreedyDraft(head, embed, lm_head, ro)
     print(f"draft vocabulary {len(head.vocab)} of {embed.shape[0]}")
-    print("| batch | k | full-vocab readout ms | draft-vocab readout ms | kernels (full / draft vocab) |\n|---|---|---|---|---|")
+    # the fused kernels against the PyTorch draft over the same vocabulary (bf16: near-ties may flip a token)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for bs in args.batch:
+        h = torch.randn(bs, embed.shape[1], device="cuda", generator=g).to(embed.dtype)
+        x = torch.randint(0, embed.shape[0], (bs,), device="cuda", generator=g)
+        a, ca = head.draft_greedy(h, x, embed, lm_head, head.k, readout=ro)
+        b, cb = head.draft_greedy(h, x, embed, lm_head, head.k, readout=fused)
+        print(f"fused vs PyTorch draft, batch {bs}: tokens equal {(a == b).float().mean().item():.4f}, "
+              f"first slot {(a[:, 0] == b[:, 0]).float().mean().item():.4f}, max |conf diff| "
+              f"{(ca - cb).abs().max().item():.4f}", flush=True)
+    print("| batch | k | full-vocab readout ms | draft-vocab readout ms | fused draft-vocab ms | kernels (full / draft "
+          "vocab / fused) |\n|---|---|---|---|---|---|")
     for bs in args.batch:
         for k in ks:
-            row = [(replay_ms(head, embed, lm_head, bs, k, r), kernels(head, embed, lm_head, k, r)) for r in (None, ro)]
-            print(f"| {bs} | {k} | {row[0][0]:.3f} | {row[1][0]:.3f} | {row[0][1]} / {row[1][1]} |", flush=True)
+            row = [(replay_ms(head, embed, lm_head, bs, k, r), kernels(head, embed, lm_head, k, r))
+                   for r in (None, ro, fused)]
+            print(f"| {bs} | {k} | {row[0][0]:.3f} | {row[1][0]:.3f} | {row[2][0]:.3f} | {row[0][1]} / {row[1][1]} / "
+                  f"{row[2][1]} |", flush=True)
 
 
 if __name__ == "__main__":

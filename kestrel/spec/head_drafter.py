@@ -24,6 +24,11 @@ class HeadDrafter(Drafter):
         import os
         self.readout = head.subset_readout(embed, lm_head) if os.environ.get("KESTREL_HEAD_VOCAB", "1") != "0" \
             else None
+        # on CUDA: refine + readout of each slot in 3 Triton kernels instead of ~9 launches (head_fused.py);
+        # KESTREL_HEAD_FUSED=0 keeps the PyTorch ops (A/B)
+        if self.readout is not None and embed.is_cuda and os.environ.get("KESTREL_HEAD_FUSED", "1") != "0":
+            from kestrel.spec.head_fused import FusedGreedyDraft
+            self.readout = FusedGreedyDraft(self.head, embed, lm_head, self.readout)
 
     def enable_cuda_graphs(self, batch_sizes: list[int]) -> None:
         from kestrel.spec.head_graphs import HeadGraphs
