@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kestrel.spec.head_gemm import fused_slots
+
 
 @triton.jit
 def _readout_kernel(s_ptr, s_stride, lm_ptr, pmax_ptr, pidx_ptr, N, V, H, NB,
@@ -100,12 +102,12 @@ def _refine_out_kernel(u_ptr, R, wo_ptr, bo_ptr, z_ptr, z_stride, s_ptr, s_strid
 
 class FusedGreedyDraft:
     """DraftHead.draft_greedy over a draft vocabulary, with the refine + readout of each slot in the 3 kernels
-    above (the parallel backbone stays PyTorch: a handful of GEMMs run once per proposal). Pass it as
+    above and the parallel backbone in head_gemm.py's 5 (fuse_backbone=False: PyTorch's 15). Pass it as
     draft_greedy's `readout`. Weights are snapshotted here: build it after the head is trained / loaded."""
 
     BV, BH, BR = 128, 64, 16
 
-    def __init__(self, head, embed: torch.Tensor, lm_head: torch.Tensor, readout):
+    def __init__(self, head, embed: torch.Tensor, lm_head: torch.Tensor, readout, fuse_backbone: bool = True):
         sub, emb_s, lm_s = readout
         H = embed.shape[1]
         W = head.refine_in.weight.detach()
@@ -122,10 +124,11 @@ class FusedGreedyDraft:
         self.cw = head.conf.weight.detach()[0].contiguous()
         self.cb = head.conf.bias.detach()
         self.V, self.H = lm_s.shape
+        self.fuse_backbone = fuse_backbone  # the backbone through head_gemm.py's fused GEMMs (5 launches, not 15)
 
     def __call__(self, head, h, x_next, embed, k, want_conf: bool = True):
         k = min(k, head.k)
-        z = head.slots(h, embed[x_next])  # [N, k_head, H]
+        z = fused_slots(head, h, x_next, embed) if self.fuse_backbone else head.slots(h, embed[x_next])  # [N, k_h, H]
         N, H, R, V, dev = z.shape[0], self.H, self.R, self.V, z.device
         NB = triton.cdiv(V, self.BV)
         BN = 16 if N <= 16 else (32 if N <= 32 else 64)
@@ -135,14 +138,14 @@ class FusedGreedyDraft:
         pidx = torch.empty(N, NB, dtype=torch.int32, device=dev)
         u = torch.empty(N, R, dtype=torch.float32, device=dev)
         states = torch.empty(N, k, H, dtype=z.dtype, device=dev)
-        zw = F.linear(z[:, 1:k], self.w1, self.b1) if k > 1 else u  # [N, k-1, R]
+        zw = F.linear(z, self.w1, self.b1) if k > 1 else u  # [N, k_head, R]: all slots (z[:, 1:k] would copy)
         grid_ro = (triton.cdiv(N, BN), NB)
         prev = z[:, 0]
         _readout_kernel[grid_ro](prev, prev.stride(0), self.lm_s, pmax, pidx, N, V, H, NB,
                                  BN=BN, BV=self.BV, BH=self.BH, num_warps=4)
         for i in range(1, k + 1):
             refine = i < k
-            zwi = zw[:, i - 1] if refine else u
+            zwi = zw[:, i] if refine else u
             _pick_refine_in_kernel[(N, triton.cdiv(R, self.BR) if refine else 1)](
                 pmax, pidx, NB, self.sub, toks, toks.stride(0), i - 1, prev, prev.stride(0), self.cw, self.cb,
                 conf, conf.stride(0), zwi, zwi.stride(0), self.P, self.w3, u, R, H,
