@@ -194,3 +194,16 @@ def test_train_head_checkpoints_during_training():
                       checkpoint=ckpt, checkpoint_every=1e-9)
     assert len(seen) >= 2 and seen[0][0] < seen[-1][0]
     assert not torch.equal(seen[0][1], seen[-1][1]) and not head.training
+
+
+def test_walk_tokens_per_verify_steps_over_accepted_prefixes():
+    """The loop-like walk: from position 0 step over prefix + 1; at k = j the prefix is capped at j. Hand-counted:
+    sequence [3, 0, 0, 0, 0, 1, 0] at k=4 visits 0 (4 tokens), 4 (1), 5 (2), end: 7 tokens / 3 steps; at k=1 it
+    visits 0 (2), 2 (1), 3 (1), 4 (1), 5 (2): 7 / 5. The per-position mean differs (the walk skips positions)."""
+    from kestrel.spec.acceptance import slot_stats, walk_tokens_per_verify
+    pref = torch.tensor([3, 0, 0, 0, 0, 1, 0, 2, 2])
+    w = walk_tokens_per_verify(pref, [7, 2], 4)
+    # second sequence [2, 2]: k>=2 visits 0 (3 tokens), end; k=1 visits 0 (2), end
+    assert w[0] == (7 + 2) / (5 + 1) and w[3] == (7 + 3) / (3 + 1) and w[1] == (3 + 1 + 1 + 2 + 3) / 5  # k=2: 0 (3), 3 (1), 4 (1), 5 (2); then 3
+    st = slot_stats(pref, 4, [7, 2])
+    assert st["walk"] == w and abs(st["tokens_per_verify"][3] - (1 + pref.float().mean().item())) < 1e-6

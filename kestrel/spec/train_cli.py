@@ -251,20 +251,22 @@ def _acceptance_report(head, engine, split: dict, k: int) -> tuple[list[str], di
     dtype as the engine runs it."""
     import copy
 
-    from kestrel.spec.acceptance import format_stats, head_prefixes, slot_stats, table_header
+    from kestrel.spec.acceptance import draft_positions, format_stats, head_prefixes, slot_stats, table_header
     emb, lm = engine.model.embed_tokens.weight, engine.model.lm_head.weight
     h = copy.deepcopy(head).to(emb.device, emb.dtype).eval()
-    lines, out = table_header(k), {}
+    lines, out = table_header(k, walk=True), {}
     ro = h.subset_readout(emb, lm)  # as HeadDrafter drafts; the full-vocabulary row shows what the subset costs
     for name, (seqs, plens, hid, offs) in split.items():
         if not seqs:
             continue
-        st = slot_stats(head_prefixes(h, seqs, plens, hid, emb, lm, k, hidden_offsets=offs, readout=ro), k)
+        cnt = [len(draft_positions(len(q), max(p, o + 1))) for q, p, o in zip(seqs, plens, offs)]
+        st = slot_stats(head_prefixes(h, seqs, plens, hid, emb, lm, k, hidden_offsets=offs, readout=ro), k, cnt)
         lines.append(format_stats(f"{name} ({len(seqs)} seqs)", st))
         if ro is not None and name == "held-out":
-            full = slot_stats(head_prefixes(h, seqs, plens, hid, emb, lm, k, hidden_offsets=offs), k)
+            full = slot_stats(head_prefixes(h, seqs, plens, hid, emb, lm, k, hidden_offsets=offs), k, cnt)
             lines.append(format_stats(f"{name}, full-vocabulary readout", full))
-        out[name] = {"cond": [round(x, 3) for x in st["cond"]], "tokens_per_verify": round(st["tokens_per_verify"][-1], 3)}
+        out[name] = {"cond": [round(x, 3) for x in st["cond"]], "tokens_per_verify": round(st["tokens_per_verify"][-1], 3),
+                     "walk": round(st["walk"][-1], 3)}
     return lines, out
 
 
