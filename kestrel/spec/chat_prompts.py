@@ -1,5 +1,5 @@
 """Human-style chat requests for self-distillation: code, short creative forms, how-to, explain, compare, emails,
-recipes, ideas (templates x fillers, ~1.3k distinct).
+recipes, travel, books, history, health (templates x fillers, ~1.9k distinct).
 
 Why: session 4 R1 measured the same head at 2.78 tokens/verify (k=4) on held-out self-written / topic-template
 prompts but 1.96 on bench/spec_decode.py's human-written chat questions: the target's answers to those (code,
@@ -98,6 +98,29 @@ THINGS = ["a microwave", "a solar panel", "a touchscreen", "GPS", "a credit scor
           "inflation", "a mortgage", "the immune system", "a wind turbine", "a smartphone camera", "email",
           "a spreadsheet", "a helicopter", "an X-ray machine", "a washing machine"]
 
+PLACES = ["Paris", "Tokyo", "New York", "Rome", "Barcelona", "Istanbul", "Cairo", "Sydney", "Rio de Janeiro",
+          "Kyoto", "Lisbon", "Prague", "Vienna", "Mexico City", "Bangkok", "Cape Town", "Edinburgh", "Amsterdam",
+          "Iceland", "the Scottish Highlands", "Yellowstone", "Patagonia", "Bali", "Morocco", "Vancouver"]
+WORKS = ["Hamlet", "Pride and Prejudice", "The Odyssey", "Moby-Dick", "1984", "The Great Gatsby", "Frankenstein",
+         "Don Quixote", "The Little Prince", "Jane Eyre", "The Hobbit", "Macbeth", "Les Miserables", "Dracula",
+         "Alice in Wonderland", "The Iliad", "War and Peace", "Treasure Island", "Oliver Twist", "A Christmas Carol"]
+EVENTS = ["the fall of the Roman Empire", "World War II", "the Great Depression", "the American Revolution",
+          "the Black Death", "the Industrial Revolution", "the collapse of the Soviet Union", "the Renaissance",
+          "the space race", "the 2008 financial crisis", "the invention of the printing press", "the Reformation",
+          "the Irish potato famine", "the end of the Cold War", "the building of the pyramids"]
+FOODS = ["oatmeal", "green tea", "blueberries", "spinach", "salmon", "almonds", "dark chocolate", "yogurt",
+         "broccoli", "lentils", "avocados", "olive oil", "eggs", "sweet potatoes", "garlic", "bananas", "quinoa",
+         "honey", "oranges", "beans"]
+ITEMS = ["a laptop", "a used car", "running shoes", "a mattress", "a bicycle", "a camera", "a smartphone",
+         "a house", "a tent", "a coffee machine", "a winter coat", "a television", "headphones", "a desk chair",
+         "a guitar", "a vacuum cleaner", "a backpack", "a printer", "a dog", "houseplants"]
+GOALS = ["losing weight", "building muscle", "running a 5k", "improving flexibility", "a busy office worker",
+         "a beginner at the gym", "staying fit at home", "better posture", "a senior citizen", "a marathon"]
+PHRASES = ["Good morning, how are you?", "Where is the train station?", "Thank you for your help.",
+           "I would like a cup of coffee.", "What time is it?", "Nice to meet you.", "How much does this cost?",
+           "I am learning your language.", "Can you help me, please?", "Have a nice day."]
+LANGUAGES = ["French", "Spanish", "German", "Italian", "Japanese", "Portuguese", "Dutch", "Swedish"]
+
 TEMPLATES = [
     ("Write a {} function that {}.", [LANGS, CODE_TASKS]),
     ("Write a SQL query that {}.", [SQL_TASKS]),
@@ -111,6 +134,13 @@ TEMPLATES = [
     ("{}", [WHYS]),
     ("How does {} work?", [THINGS]), ("Explain how {} works in simple terms.", [THINGS]),
     ("What is {} and why is it useful?", [THINGS]),
+    ("How do I write code that {} in {}?", [CODE_TASKS, LANGS]), ("Can you explain {} with a simple example?", [CONCEPTS]),
+    ("Plan a three-day trip to {}.", [PLACES]), ("What are the best things to do in {}?", [PLACES]),
+    ("Tell me about the history of {}.", [PLACES]), ("Summarize the plot of {}.", [WORKS]),
+    ("What are the main themes of {}?", [WORKS]), ("What were the main causes of {}?", [EVENTS]),
+    ("Explain {} in a few paragraphs.", [EVENTS]), ("What are the health benefits of {}?", [FOODS]),
+    ("What should I consider when buying {}?", [ITEMS]), ("Give me a weekly workout plan for {}.", [GOALS]),
+    ("Translate '{}' into {}.", [PHRASES, LANGUAGES]), ("Write {} for a friend's birthday.", [FORMS]),
 ]
 
 

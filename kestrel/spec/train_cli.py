@@ -37,7 +37,7 @@ def add_parser(subparsers):
     p.add_argument("--layers", type=int, default=2, help="MLP blocks in the parallel backbone (default: %(default)s)")
     p.add_argument("--prompts", default=None, help="text file, one prompt per line, 'varied' = the generated "
                    "topic x task set of kestrel/spec/prompt_set.py (~7k prompts), 'chat' = the human-style requests of "
-                   "kestrel/spec/chat_prompts.py (code, poems, how-tos, emails; ~1.3k), 'self' = prompts the target writes "
+                   "kestrel/spec/chat_prompts.py (code, poems, how-tos, emails; ~1.9k), 'self' = prompts the target writes "
                    "itself (as many as --num-prompts needs), or several joined by '+' (e.g. varied+self: 'self' "
                    "fills what the others leave; default: 32 built-in prompts)")
     p.add_argument("--self-prompt-tokens", type=int, default=40, help="longest self-written prompt (default: %(default)s)")
