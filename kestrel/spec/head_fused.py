@@ -102,12 +102,12 @@ def _refine_out_kernel(u_ptr, R, wo_ptr, bo_ptr, z_ptr, z_stride, s_ptr, s_strid
 
 class FusedGreedyDraft:
     """DraftHead.draft_greedy over a draft vocabulary, with the refine + readout of each slot in the 3 kernels
-    above and the parallel backbone in head_gemm.py's 5 (fuse_backbone=False: PyTorch's 15). Pass it as
+    above and the parallel backbone in head_gemm.py's 5 (fuse_backbone=False: PyTorch's 15; None: fused up to 16 rows). Pass it as
     draft_greedy's `readout`. Weights are snapshotted here: build it after the head is trained / loaded."""
 
     BV, BH, BR = 128, 64, 16
 
-    def __init__(self, head, embed: torch.Tensor, lm_head: torch.Tensor, readout, fuse_backbone: bool = True):
+    def __init__(self, head, embed: torch.Tensor, lm_head: torch.Tensor, readout, fuse_backbone: bool | None = None):
         sub, emb_s, lm_s = readout
         H = embed.shape[1]
         W = head.refine_in.weight.detach()
@@ -124,11 +124,14 @@ class FusedGreedyDraft:
         self.cw = head.conf.weight.detach()[0].contiguous()
         self.cb = head.conf.bias.detach()
         self.V, self.H = lm_s.shape
-        self.fuse_backbone = fuse_backbone  # the backbone through head_gemm.py's fused GEMMs (5 launches, not 15)
+        # the backbone through head_gemm.py's fused GEMMs (5 launches, not 15); None = only up to 16 rows (R1 of
+        # session 5, k=4: batch 1 0.083 -> 0.077 ms, batch 64 0.094 -> 0.124 ms: its 16-64 x 32 tiles lose to cuBLAS)
+        self.fuse_backbone = fuse_backbone
 
     def __call__(self, head, h, x_next, embed, k, want_conf: bool = True):
         k = min(k, head.k)
-        z = fused_slots(head, h, x_next, embed) if self.fuse_backbone else head.slots(h, embed[x_next])  # [N, k_h, H]
+        fb = self.fuse_backbone if self.fuse_backbone is not None else h.shape[0] <= 16
+        z = fused_slots(head, h, x_next, embed) if fb else head.slots(h, embed[x_next])  # [N, k_h, H]
         N, H, R, V, dev = z.shape[0], self.H, self.R, self.V, z.device
         NB = triton.cdiv(V, self.BV)
         BN = 16 if N <= 16 else (32 if N <= 32 else 64)
