@@ -62,8 +62,8 @@ def prefixes(seqs, plens, k, model=None, hidden=None, head=None, hybrid_min_n: i
     return torch.cat(out)
 
 
-def table(name, pref: torch.Tensor, k: int) -> list[str]:
-    return [format_stats(name, slot_stats(pref, k))]
+def table(name, pref: torch.Tensor, k: int, counts=None) -> list[str]:
+    return [format_stats(name, slot_stats(pref, k, counts))]
 
 
 def main(argv=None):
@@ -88,28 +88,30 @@ def main(argv=None):
                                     kv_cache_gb=1.0, enable_prefix_caching=False, progress=False))
     k = args.k
     lines = [f"device {args.device} {args.dtype}, greedy, {args.max_tokens} tokens per prompt, engine "
-             f"{engine.model_name}", "", *table_header(k)]
+             f"{engine.model_name}; walk = tokens/verify walking each text as the speculative loop does "
+             f"(acceptance.walk_tokens_per_verify)", "", *table_header(k, walk=True)]
     for wl in args.workloads:
         texts = WORKLOADS[wl][:args.num_prompts] if args.num_prompts else WORKLOADS[wl]
         prompts = chat_prompts(engine.tokenizer, len(texts), texts=texts)
         outs = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
         seqs = [p + o.output_token_ids for p, o in zip(prompts, outs)]
         plens = [len(p) for p in prompts]
+        cnt = [len(draft_positions(len(q), p)) for q, p in zip(seqs, plens)]
         hidden = collect_hidden(engine.model, seqs, args.device, progress=False, max_tokens=4096,
                                 dtype=engine.model.embed_tokens.weight.dtype)
-        lines += table(f"{wl}: ngram", prefixes(seqs, plens, k), k)
+        lines += table(f"{wl}: ngram", prefixes(seqs, plens, k), k, cnt)
         for h in args.head:
             head = DraftHead.load(h).to(engine.model.embed_tokens.weight.device, engine.model.embed_tokens.weight.dtype)
             name = os.path.basename(h)
             # the engine drafts over the head's draft vocabulary where it has one (subset_readout)
             ro = head.subset_readout(engine.model.embed_tokens.weight, engine.model.lm_head.weight)
-            lines += table(f"{wl}: head {name}", prefixes(seqs, plens, k, engine.model, hidden, head, readout=ro), k)
+            lines += table(f"{wl}: head {name}", prefixes(seqs, plens, k, engine.model, hidden, head, readout=ro), k, cnt)
             if ro is not None:
                 lines += table(f"{wl}: head {name}, full-vocabulary readout",
-                               prefixes(seqs, plens, k, engine.model, hidden, head), k)
+                               prefixes(seqs, plens, k, engine.model, hidden, head), k, cnt)
             for mn in (1, 2, 3):
                 lines += table(f"{wl}: hybrid (n-gram if n>={mn}, else head) {name}",
-                               prefixes(seqs, plens, k, engine.model, hidden, head, mn, readout=ro), k)
+                               prefixes(seqs, plens, k, engine.model, hidden, head, mn, readout=ro), k, cnt)
         print("\n".join(lines[-1 - 5 * len(args.head):]), flush=True)
     text = "\n".join(lines) + f"\n\n({time.perf_counter() - t0:.0f} s)\n"
     print(text)

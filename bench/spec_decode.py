@@ -114,6 +114,34 @@ def run_each(engine, prompts, params) -> dict:
             "outputs": [o for r in rs for o in r["outputs"]]}
 
 
+@torch.inference_mode()
+def tie_report(engine, prompts, outs, ref) -> str:
+    """Where a greedy speculative output first differs from the no-spec one: the target's logits there, recomputed
+    by a third path (one packed causal forward of prompt + the common prefix, train_draft.collect_hidden): the
+    top-1 - top-2 gap and the gap between the two runs' tokens. Both tokens in the top 2 with a gap below the
+    dtype's rounding = a near-tie that the verify (K+1 rows) and decode (1 row) forwards round differently; a wide
+    gap would be a bug."""
+    from kestrel.spec.train_draft import collect_hidden
+    gaps, pair, top2 = [], [], 0
+    for p, a, b in zip(prompts, outs, ref):
+        t = _prefix(a, b)
+        if t >= min(len(a), len(b)):
+            continue
+        h = collect_hidden(engine.model, [list(p) + list(b[:t])], engine.config.device, progress=False,
+                           max_tokens=1 << 16, dtype=engine.model.embed_tokens.weight.dtype)[0][-1:]
+        lg = (h.float() @ engine.model.lm_head.weight.float().t())[0]  # fp32 logits of the (model-dtype) state
+        top = lg.max()
+        gaps.append(max(top - lg[a[t]], top - lg[b[t]]).item())  # how far the worse of the two is from the best
+        pair.append(abs(lg[a[t]] - lg[b[t]]).item())
+        top2 += int(sorted(lg.topk(2).indices.tolist()) == sorted({a[t], b[t]}))
+    if not gaps:
+        return "no divergence"
+    srt, g = sorted(pair), sorted(gaps)
+    return (f"{len(gaps)} divergences; fp32 logits of a recomputed state there: |logit(spec token) - logit(no-spec "
+            f"token)| median {srt[len(srt) // 2]:.4f} max {srt[-1]:.4f}; worse token below the top logit median "
+            f"{g[len(g) // 2]:.4f} max {g[-1]:.4f}; the two tokens are the recomputed top 2 in {top2}/{len(gaps)}")
+
+
 def _prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -160,6 +188,8 @@ def main(argv=None):
                     "e.g. 'hybrid_ngram=2' (the head drafter's loop copies where an n-gram of >= 2 tokens matches)")
     ap.add_argument("--buckets", type=int, nargs="+", default=None,
                     help="CUDA-graph batch buckets (default: the engine's; fewer = shorter start-up)")
+    ap.add_argument("--tie-check", action="store_true",
+                    help="greedy: at each first divergence from no-spec, recompute the target's logits (tie_report)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="append a markdown section with the results to this file")
     args = ap.parse_args(argv)
@@ -260,6 +290,9 @@ def report(engine, args, decoders, temp, workload, argv):
             # greedy: requests whose tokens equal the no-spec run's (low-precision numerics may flip near-ties)
             # and the mean length of the common prefix (where a flip happens, not just whether)
             pairs = [(a, b) for x in runs[mode] for a, b in zip(x["outputs"], ref)] if ref and temp == 0 else []
+            if args.tie_check and ref and temp == 0 and mode != "nospec":
+                print(f"[{workload}] c={c:3d} {mode:12s} tie check: "
+                      f"{tie_report(engine, prompts, runs[mode][0]['outputs'], ref)}", flush=True)
             r["same"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)} ({sum(_prefix(a, b) for a, b in pairs) / len(pairs):.0f})" \
                 if pairs else None
             rows.append(r)

@@ -1,6 +1,7 @@
 """Device time of one draft-head proposal (what the head adds to a speculative loop step), by batch and k, replayed
 from CUDA graphs as HeadGraphs / spec_loop run it: readout over the full vocabulary vs the head's draft vocabulary
-(DraftHead.subset_readout; a head without one is timed with the first --subset token ids, for cost only), and the
+(DraftHead.subset_readout; a head without one is timed with the first --subset token ids, for cost only), the
+same over the fused kernels of kestrel/spec/head_fused.py (checked against the PyTorch draft first), and the
 eager kernel count per proposal (each kernel in a graph also costs a launch gap). Session 3 R2 measured the head
 loop step 0.23 ms above the n-gram one at K=4, batch 1; session 4 R1: Triton vs PyTorch norm 0.228 / 0.234 ms.
 
@@ -67,16 +68,44 @@ def main(argv=None):
     m = load_model(args.model, dtype=getattr(torch, args.dtype), device="cuda", progress=False).model
     embed, lm_head = m.embed_tokens.weight, m.lm_head.weight
     head = DraftHead.load(args.head, device="cuda").to(embed.dtype)
-    ks = sorted({1, 2, 4, head.k})
+    ks = sorted({1, 4, head.k})
     if head.vocab is None:
         head.vocab = torch.arange(args.subset)
     ro = head.subset_readout(embed, lm_head)
+    from kestrel.spec.head_fused import FusedGreedyDraft
+    fused = FusedGreedyDraft(head, embed, lm_head, ro, fuse_backbone=True)
+    fused_slots_only = FusedGreedyDraft(head, embed, lm_head, ro, fuse_backbone=False)  # PyTorch backbone
     print(f"draft vocabulary {len(head.vocab)} of {embed.shape[0]}")
-    print("| batch | k | full-vocab readout ms | draft-vocab readout ms | kernels (full / draft vocab) |\n|---|---|---|---|---|")
+    # numerics: the PyTorch bf16 draft and the fused bf16 draft, each against the same head in float32 (PyTorch ops,
+    # same draft vocabulary) on the same inputs: drafts are greedy chains, so one flipped near-tie changes every
+    # later slot of its row; the fused readout keeps fp32 logits where PyTorch rounds them to bf16 first
+    g = torch.Generator(device="cuda").manual_seed(0)
+    import copy
+    h32 = copy.deepcopy(head).float()
+    e32, l32 = embed.float(), lm_head.float()
+    ro32 = h32.subset_readout(e32, l32)
+    for bs in sorted(set(args.batch) | {256}):
+        h = torch.randn(bs, embed.shape[1], device="cuda", generator=g).to(embed.dtype)
+        x = torch.randint(0, embed.shape[0], (bs,), device="cuda", generator=g)
+        ref, cref = h32.draft_greedy(h.float(), x, e32, l32, head.k, readout=ro32)
+        a, ca = head.draft_greedy(h, x, embed, lm_head, head.k, readout=ro)
+        for name, r in (("fused backbone+slots", fused), ("fused slots", fused_slots_only)):
+            b, cb = head.draft_greedy(h, x, embed, lm_head, head.k, readout=r)
+            print(f"batch {bs} {name}: vs PyTorch bf16 tokens equal {(a == b).float().mean().item():.4f} (slot 1 "
+                  f"{(a[:, 0] == b[:, 0]).float().mean().item():.4f}); vs float32 reference: fused "
+                  f"{(b == ref).float().mean().item():.4f} (slot 1 {(b[:, 0] == ref[:, 0]).float().mean().item():.4f}), "
+                  f"PyTorch bf16 {(a == ref).float().mean().item():.4f} (slot 1 "
+                  f"{(a[:, 0] == ref[:, 0]).float().mean().item():.4f}); rows whose whole chain equals the reference: "
+                  f"fused {(b == ref).all(1).float().mean().item():.3f}, PyTorch bf16 "
+                  f"{(a == ref).all(1).float().mean().item():.3f}", flush=True)
+    print("| batch | k | full-vocab readout ms | draft-vocab readout ms | fused slots, PyTorch backbone ms | fused all ms "
+          "| kernels (same order) |\n|---|---|---|---|---|---|---|")
     for bs in args.batch:
         for k in ks:
-            row = [(replay_ms(head, embed, lm_head, bs, k, r), kernels(head, embed, lm_head, k, r)) for r in (None, ro)]
-            print(f"| {bs} | {k} | {row[0][0]:.3f} | {row[1][0]:.3f} | {row[0][1]} / {row[1][1]} |", flush=True)
+            row = [(replay_ms(head, embed, lm_head, bs, k, r), kernels(head, embed, lm_head, k, r))
+                   for r in (None, ro, fused_slots_only, fused)]
+            print(f"| {bs} | {k} | " + " | ".join(f"{t:.3f}" for t, _ in row) + " | "
+                  + " / ".join(str(n) for _, n in row) + " |", flush=True)
 
 
 if __name__ == "__main__":

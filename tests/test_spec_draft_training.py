@@ -156,3 +156,54 @@ def test_draft_vocab_readout_matches_a_full_readout_restricted_to_it(tmp_path):
     assert torch.equal(DraftHead.load(str(p)).vocab, sub)
     top, cover = frequent_tokens([[7, 7, 5, 5, 5, 9, 1], [9, 5, 2]], [2, 0], 2, 10)  # prompts' tokens not counted
     assert top.tolist() == [5, 9] and abs(cover - 6 / 8) < 1e-6
+
+
+def test_chat_prompt_set_is_distinct_and_holds_none_of_the_bench_prompts():
+    """train-draft's 'chat' source (human-style requests) never reproduces a prompt bench/spec_decode.py measures on
+    (its held-out chat / edit workloads), so bench numbers stay held-out."""
+    import importlib.util
+    import os
+
+    from kestrel.spec.chat_prompts import chat_prompts
+    p = chat_prompts()
+    assert len(p) > 1000 and len(set(p)) == len(p) and chat_prompts(7, seed=0) == p[:7]
+    assert chat_prompts(seed=1) != p and sorted(chat_prompts(seed=1)) == sorted(p)
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "spec_decode.py")
+    spec = importlib.util.spec_from_file_location("_spec_decode_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    held = {t.strip().lower() for texts in bench.WORKLOADS.values() for t in texts}
+    assert held and not held & {t.lower() for t in p}
+
+
+def test_train_head_checkpoints_during_training():
+    """checkpoint_every: the callback gets the head in eval mode with its stats so far, more than once in a run
+    long enough, and training goes on afterwards (the head is back in train mode and keeps changing)."""
+    from kestrel.spec.train_draft import train_head
+    torch.manual_seed(0)
+    V, H = 40, 16
+    embed, lm_head = torch.randn(V, H), torch.randn(V, H)
+    seqs = [torch.randint(V, (30,)).tolist() for _ in range(4)]
+    hidden = [torch.randn(len(s), H) for s in seqs]
+    seen = []
+
+    def ckpt(head, stats):
+        assert not head.training and "steps" in stats
+        seen.append((stats["steps"], head.slot.detach().clone()))
+    head = train_head(embed, lm_head, hidden, seqs, k=2, steps=40, batch_positions=8, progress=False,
+                      checkpoint=ckpt, checkpoint_every=1e-9)
+    assert len(seen) >= 2 and seen[0][0] < seen[-1][0]
+    assert not torch.equal(seen[0][1], seen[-1][1]) and not head.training
+
+
+def test_walk_tokens_per_verify_steps_over_accepted_prefixes():
+    """The loop-like walk: from position 0 step over prefix + 1; at k = j the prefix is capped at j. Hand-counted:
+    sequence [3, 0, 0, 0, 0, 1, 0] at k=4 visits 0 (4 tokens), 4 (1), 5 (2), end: 7 tokens / 3 steps; at k=1 it
+    visits 0 (2), 2 (1), 3 (1), 4 (1), 5 (2): 7 / 5. The per-position mean differs (the walk skips positions)."""
+    from kestrel.spec.acceptance import slot_stats, walk_tokens_per_verify
+    pref = torch.tensor([3, 0, 0, 0, 0, 1, 0, 2, 2])
+    w = walk_tokens_per_verify(pref, [7, 2], 4)
+    # second sequence [2, 2]: k>=2 visits 0 (3 tokens), end; k=1 visits 0 (2), end
+    assert w[0] == (7 + 2) / (5 + 1) and w[3] == (7 + 3) / (3 + 1) and w[1] == (3 + 1 + 1 + 2 + 3) / 5  # k=2: 0 (3), 3 (1), 4 (1), 5 (2); then 3
+    st = slot_stats(pref, 4, [7, 2])
+    assert st["walk"] == w and abs(st["tokens_per_verify"][3] - (1 + pref.float().mean().item())) < 1e-6

@@ -45,23 +45,50 @@ def head_prefixes(head, seqs, prompt_lens, hidden, embed: torch.Tensor, lm_head:
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
-def slot_stats(pref: torch.Tensor, k: int) -> dict:
+def walk_tokens_per_verify(pref: torch.Tensor, counts: list[int], k: int) -> list[float]:
+    """Tokens per verify as the speculative loop meets them, at fixed k = 1..k: walk each sequence from its first
+    draft position, step over the accepted prefix + the target's token, and count tokens / steps. The per-position
+    mean (slot_stats' tokens_per_verify) weighs every position once, but the loop spends few steps where drafts are
+    long and many where they fail, so it sees less (session 4 R1: 2.09 per position offline vs 1.79 live).
+    pref: head_prefixes' flat output, counts: its positions per sequence (in order; greedy drafts of k = j are the
+    first j of the k-draft, so prefix at j = min(prefix, j))."""
+    segs = [s.tolist() for s in pref.split(list(counts))]
+    out = []
+    for j in range(1, k + 1):
+        tok = steps = 0
+        for s in segs:
+            t = 0
+            while t < len(s):
+                a = min(s[t], j)
+                tok, steps, t = tok + a + 1, steps + 1, t + a + 1
+        out.append(tok / max(steps, 1))
+    return out
+
+
+def slot_stats(pref: torch.Tensor, k: int, counts: list[int] | None = None) -> dict:
     """Per slot i: P(accept i | accepted < i) (cond), P(prefix >= i) (reach); tokens per verify at fixed k = j
-    (accepted prefix + the target's own token)."""
+    (accepted prefix + the target's own token); with counts (positions per sequence) also `walk`
+    (walk_tokens_per_verify: what a live loop would see)."""
     reach = [(pref >= i).float().mean().item() if pref.numel() else 0.0 for i in range(k + 1)]
     cond = [reach[i] / reach[i - 1] if reach[i - 1] > 0 else 0.0 for i in range(1, k + 1)]
-    return {"positions": pref.numel(), "cond": cond, "reach": reach[1:],
-            "tokens_per_verify": [1 + sum(reach[1:j + 1]) for j in range(1, k + 1)]}
+    st = {"positions": pref.numel(), "cond": cond, "reach": reach[1:],
+          "tokens_per_verify": [1 + sum(reach[1:j + 1]) for j in range(1, k + 1)]}
+    if counts is not None:
+        st["walk"] = walk_tokens_per_verify(pref, counts, k)
+    return st
 
 
 def format_stats(name: str, st: dict) -> str:
-    """One markdown table row (columns as in table_header)."""
+    """One markdown table row (columns as in table_header; the walk columns only where st has them)."""
     f = lambda xs, d: " | ".join(f"{x:.{d}f}" for x in xs)
-    return f"| {name} | {st['positions']} | {f(st['cond'], 3)} | {f(st['reach'], 3)} | {f(st['tokens_per_verify'], 2)} |"
+    row = f"| {name} | {st['positions']} | {f(st['cond'], 3)} | {f(st['reach'], 3)} | {f(st['tokens_per_verify'], 2)} |"
+    return row + (f" {f(st['walk'], 2)} |" if "walk" in st else "")
 
 
-def table_header(k: int) -> list[str]:
+def table_header(k: int, walk: bool = False) -> list[str]:
     hdr = ("| drafter | positions | " + " | ".join(f"P(acc {i} \\| <{i})" for i in range(1, k + 1)) + " | "
            + " | ".join(f"P(prefix>={i})" for i in range(1, k + 1)) + " | "
            + " | ".join(f"tokens/verify k={j}" for j in range(1, k + 1)) + " |")
-    return [hdr, "|---" * (2 + 3 * k) + "|"]
+    if walk:
+        hdr += " " + " | ".join(f"walk tok/verify k={j}" for j in range(1, k + 1)) + " |"
+    return [hdr, "|---" * (2 + (4 if walk else 3) * k) + "|"]

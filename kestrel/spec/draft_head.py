@@ -109,7 +109,10 @@ class DraftHead(nn.Module):
         """draft() for all-greedy rows with no host syncs (capturable in a CUDA graph): tokens [N, k] (argmax),
         confidence [N, k] float32 (None without want_conf: the device loop does not read it, and each slot's
         confidence is 3 more launches in its graph). readout: subset_readout()'s tensors (argmax over the draft
-        vocabulary only)."""
+        vocabulary only), or a callable taking (head, h, x_next, embed, k, want_conf) that drafts instead (the
+        fused kernels of head_fused.FusedGreedyDraft)."""
+        if callable(readout):
+            return readout(self, h, x_next, embed, k, want_conf)
         z = self.slots(h, embed[x_next])
         toks, confs, prev, zi = [], [], x_next, None
         if readout is not None:

@@ -36,7 +36,8 @@ def add_parser(subparsers):
     p.add_argument("--k", type=int, default=4, help="draft tokens the head proposes (default: %(default)s)")
     p.add_argument("--layers", type=int, default=2, help="MLP blocks in the parallel backbone (default: %(default)s)")
     p.add_argument("--prompts", default=None, help="text file, one prompt per line, 'varied' = the generated "
-                   "topic x task set of kestrel/spec/prompt_set.py (~7k prompts), 'self' = prompts the target writes "
+                   "topic x task set of kestrel/spec/prompt_set.py (~7k prompts), 'chat' = the human-style requests of "
+                   "kestrel/spec/chat_prompts.py (code, poems, how-tos, emails; ~1.9k), 'self' = prompts the target writes "
                    "itself (as many as --num-prompts needs), or several joined by '+' (e.g. varied+self: 'self' "
                    "fills what the others leave; default: 32 built-in prompts)")
     p.add_argument("--self-prompt-tokens", type=int, default=40, help="longest self-written prompt (default: %(default)s)")
@@ -87,6 +88,9 @@ def add_parser(subparsers):
                    help="store this many most frequent tokens of the generated text with the head: greedy "
                         "drafting reads out over them only (a full-vocabulary readout per slot is a third of a "
                         "proposal's device time); 0 = the full vocabulary (default: %(default)s)")
+    p.add_argument("--save-every", type=float, default=None,
+                   help="also save the head (to --out) every so many seconds of training, so a job killed by its "
+                        "time limit still leaves the latest head (default: only at the end)")
     p.add_argument("--steps", type=int, default=500, help="optimizer steps (default: %(default)s)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop training after this many seconds (the LR schedule follows the clock; default: no limit)")
@@ -117,7 +121,7 @@ def _check(args):
     if not 0.0 <= args.heldout < 0.5:
         raise ValueError("--heldout must be in [0, 0.5)")
     for src in (args.prompts or "").split("+"):
-        if src and src not in ("varied", "self") and not os.path.isfile(src):
+        if src and src not in ("varied", "chat", "self") and not os.path.isfile(src):
             raise ValueError(f"--prompts file {src!r} not found")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
@@ -133,6 +137,9 @@ def _prompt_texts(engine, args) -> list[str]:
         elif src == "varied":
             from kestrel.spec.prompt_set import varied_prompts
             texts += varied_prompts(seed=args.seed)
+        elif src == "chat":
+            from kestrel.spec.chat_prompts import chat_prompts
+            texts += chat_prompts(seed=args.seed)
         elif src == "self":
             want_self = True
         else:
@@ -244,20 +251,22 @@ def _acceptance_report(head, engine, split: dict, k: int) -> tuple[list[str], di
     dtype as the engine runs it."""
     import copy
 
-    from kestrel.spec.acceptance import format_stats, head_prefixes, slot_stats, table_header
+    from kestrel.spec.acceptance import draft_positions, format_stats, head_prefixes, slot_stats, table_header
     emb, lm = engine.model.embed_tokens.weight, engine.model.lm_head.weight
     h = copy.deepcopy(head).to(emb.device, emb.dtype).eval()
-    lines, out = table_header(k), {}
+    lines, out = table_header(k, walk=True), {}
     ro = h.subset_readout(emb, lm)  # as HeadDrafter drafts; the full-vocabulary row shows what the subset costs
     for name, (seqs, plens, hid, offs) in split.items():
         if not seqs:
             continue
-        st = slot_stats(head_prefixes(h, seqs, plens, hid, emb, lm, k, hidden_offsets=offs, readout=ro), k)
+        cnt = [len(draft_positions(len(q), max(p, o + 1))) for q, p, o in zip(seqs, plens, offs)]
+        st = slot_stats(head_prefixes(h, seqs, plens, hid, emb, lm, k, hidden_offsets=offs, readout=ro), k, cnt)
         lines.append(format_stats(f"{name} ({len(seqs)} seqs)", st))
         if ro is not None and name == "held-out":
-            full = slot_stats(head_prefixes(h, seqs, plens, hid, emb, lm, k, hidden_offsets=offs), k)
+            full = slot_stats(head_prefixes(h, seqs, plens, hid, emb, lm, k, hidden_offsets=offs), k, cnt)
             lines.append(format_stats(f"{name}, full-vocabulary readout", full))
-        out[name] = {"cond": [round(x, 3) for x in st["cond"]], "tokens_per_verify": round(st["tokens_per_verify"][-1], 3)}
+        out[name] = {"cond": [round(x, 3) for x in st["cond"]], "tokens_per_verify": round(st["tokens_per_verify"][-1], 3),
+                     "walk": round(st["walk"][-1], 3)}
     return lines, out
 
 
@@ -309,14 +318,23 @@ def run(args) -> int:
     else:
         head = DraftHead(model.config.hidden_size, k=args.k, layers=args.layers, mult=args.mult,
                          recurrent=args.recurrent)
+    vocab = head.vocab  # --draft-vocab 0 keeps an --init head's own
+    if args.draft_vocab:  # from the data alone: checkpoints saved during training carry it too
+        vocab, cover = frequent_tokens(seqs[tr], plens[tr], args.draft_vocab, engine.model_config.vocab_size)
+        print(f"draft vocabulary: {len(vocab)} tokens cover {cover:.4f} of the generated training tokens", flush=True)
+    head.vocab = vocab
+    meta = {"target": engine.model_name, "generated_tokens": n_gen}
+
+    def checkpoint(h, stats):
+        h.save(args.out, {**meta, "train_stats": json.dumps(stats)}, dtype=getattr(torch, args.save_dtype))
+        print(f"checkpoint {args.out} {stats}", flush=True)
     head = train_head(model.embed_tokens.weight, model.lm_head.weight, hidden[tr], seqs[tr], k=args.k, steps=args.steps,
                       batch_positions=args.batch_positions, lr=args.lr, seed=args.seed, head=head,
                       progress=args.progress, max_seconds=args.max_seconds, log_every=0 if args.progress else 500,
                       vocab_subset=args.vocab_subset == "on" or (args.vocab_subset == "auto" and args.device == "cpu"),
-                      prompt_lens=train_plens, weight_decay=args.weight_decay, amp=args.amp, hidden_offsets=offs[tr])
-    if args.draft_vocab:
-        head.vocab, cover = frequent_tokens(seqs[tr], plens[tr], args.draft_vocab, engine.model_config.vocab_size)
-        print(f"draft vocabulary: {len(head.vocab)} tokens cover {cover:.4f} of the generated training tokens", flush=True)
+                      prompt_lens=train_plens, weight_decay=args.weight_decay, amp=args.amp, hidden_offsets=offs[tr],
+                      checkpoint=checkpoint if args.save_every else None, checkpoint_every=args.save_every or 0)
+    head.vocab = vocab
     n_eval = max(n_ho, 1)
     split = {"held-out": (seqs[:n_ho], plens[:n_ho], hidden[:n_ho], offs[:n_ho]),
              "train": (seqs[n_ho:n_ho + n_eval], plens[n_ho:n_ho + n_eval], hidden[n_ho:n_ho + n_eval],
@@ -324,8 +342,8 @@ def run(args) -> int:
     lines, acc = _acceptance_report(head, engine, split, args.k)
     print("greedy acceptance of the trained head (train row: its own training sequences; a gap = overfitting):")
     print("\n".join(lines), flush=True)
-    head.save(args.out, {"target": engine.model_name, "train_stats": json.dumps(head.train_stats),
-                         "generated_tokens": n_gen, "acceptance": json.dumps(acc)}, dtype=getattr(torch, args.save_dtype))
+    head.save(args.out, {**meta, "train_stats": json.dumps(head.train_stats), "acceptance": json.dumps(acc)},
+              dtype=getattr(torch, args.save_dtype))
     print(f"saved draft head to {args.out} ({sum(p.numel() for p in head.parameters()) / 1e6:.2f}M params, "
           f"{head.train_stats}) in {time.time() - t0:.1f}s")
     return 0

@@ -112,7 +112,8 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
                head: DraftHead | None = None, progress: bool = True, conf_weight: float = 0.5,
                vocab_subset: bool = False, max_seconds: float | None = None, hard_label: str = "argmax",
                log_every: int = 0, prompt_lens: list[int] | None = None, weight_decay: float = 0.0,
-               amp: bool = False, hidden_offsets: list[int] | None = None) -> DraftHead:
+               amp: bool = False, hidden_offsets: list[int] | None = None, checkpoint=None,
+               checkpoint_every: float = 0.0) -> DraftHead:
     """Distil: cross-entropy to the teacher's distribution at each slot (soft) and to the token the teacher actually
     generated there (hard: a sharp signal even where the teacher is flat), + BCE of the confidence output against
     'the head's argmax equals the teacher's argmax' (per-slot acceptance under greedy verification).
@@ -131,6 +132,8 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
     log_every: print the running stats every so many steps (for logs without a progress bar).
     prompt_lens: train only where the head drafts at inference, past each prompt (see _Packed); None = everywhere.
     hidden_offsets: the first position each hidden[j] covers (None = 0: full sequences).
+    checkpoint(head, stats): called every checkpoint_every seconds of training with the head in eval mode (then
+    back to train): a job cut by its time limit keeps the latest head.
     amp: bf16 autocast for the [positions, vocab] readouts (CUDA; the softmax / losses stay float32)."""
     device = embed.device
     torch.manual_seed(seed)
@@ -162,7 +165,7 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
     cosine = lambda i: min(1.0, max(frac(i), (i + 1) / steps) / 0.05) * 0.5 * (1 + math.cos(math.pi * frac(i)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: max(cosine(i), 0.05))
     bar = tqdm(range(steps), desc="Training draft head", unit="step", disable=not progress)
-    stats, done = {}, 0
+    stats, done, last_ckpt = {}, 0, time.monotonic()
     for step in bar:
         if max_seconds and time.monotonic() - t0 >= max_seconds:
             break
@@ -195,5 +198,10 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
             bar.set_postfix(stats)
             if log_every and step % log_every == 0:
                 print(f"step {step} {time.monotonic() - t0:.0f}s {stats}", flush=True)
+        if checkpoint is not None and checkpoint_every and time.monotonic() - last_ckpt >= checkpoint_every:
+            head.train_stats = dict(stats, steps=done)
+            checkpoint(head.eval(), head.train_stats)
+            head.train()
+            last_ckpt = time.monotonic()
     head.train_stats = dict(stats, steps=done)
     return head.eval()
