@@ -57,9 +57,9 @@ def variants(layer, m, gpu, fmt, opts=None):
     if fp4 and opts["fold"]:  # independent of the XS A/B (--no-xs keeps it)
         out.append(("dflt-fold" if dflt == base else "mv-fold", base, "fold"))
     if fp4:  # the e2m1 decode's bit moves on the FMA pipe (gemm_wna16_small.E2M1_IMAD), alone and with XS / FOLD
-        for im in opts["imad"]:  # (on the mv tile where the default is another kernel)
+        for j, im in enumerate(opts["imad"]):  # (on the mv tile where the default is another kernel)
             out.append((f"{'dflt' if dflt == base else 'mv'}-{im}", base, im))
-            for sk in opts["imad_splits"]:
+            for sk in opts["imad_splits"] if j == 0 else []:  # other splits: the first mode only
                 if sk != base.split_k:
                     out.append((f"{base.kernel}{base.block_m} bn{base.block_n} w{base.num_warps} sk{sk}-{im}",
                                 dataclasses.replace(base, split_k=sk), im))
@@ -172,7 +172,7 @@ def main():
     ap.add_argument("--no-xs", action="store_true", help="no XS_E2M1 A/B variants of the default tile")
     ap.add_argument("--imad", default="", help="MXFP4: also the default tile with these E2M1_IMAD modes, e.g. "
                     "imad1,imad2,imad2-xs,imad2-fold")
-    ap.add_argument("--imad-splits", default="", help="... and with these split_k values")
+    ap.add_argument("--imad-splits", default="", help="... and the first of them with these split_k values")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     t_start = time.time()
