@@ -36,7 +36,7 @@ def variants(layer, m, gpu, fmt, opts=None):
     default tile], xs=XS mode of those, fold=bool, mvs8=bool)."""
     from kestrel.kernels.configs import TuningConfig
     opts = {"splits": [], "xs": False, "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [], "xs_ab": True,
-            **(opts or {})}
+            "imad": [], "imad_splits": [], **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
@@ -54,8 +54,15 @@ def variants(layer, m, gpu, fmt, opts=None):
         out.append(("dflt-noxs" if xs_d else "dflt-xs", dflt, not xs_d))
         if dflt != base:
             out.append(("mv-xs", base, True))
-        if opts["fold"]:
-            out.append(("dflt-fold" if dflt == base else "mv-fold", base, "fold"))
+    if fp4 and opts["fold"]:  # independent of the XS A/B (--no-xs keeps it)
+        out.append(("dflt-fold" if dflt == base else "mv-fold", base, "fold"))
+    if fp4:  # the e2m1 decode's bit moves on the FMA pipe (gemm_wna16_small.E2M1_IMAD), alone and with XS / FOLD
+        for j, im in enumerate(opts["imad"]):  # (on the mv tile where the default is another kernel)
+            out.append((f"{'dflt' if dflt == base else 'mv'}-{im}", base, im))
+            for sk in opts["imad_splits"] if j == 0 else []:  # other splits: the first mode only
+                if sk != base.split_k:
+                    out.append((f"{base.kernel}{base.block_m} bn{base.block_n} w{base.num_warps} sk{sk}-{im}",
+                                dataclasses.replace(base, split_k=sk), im))
     for sk in opts["splits"]:  # split counts need not be powers of 2: fewer idle SMs in the last wave
         if sk != base.split_k:
             c = dataclasses.replace(base, split_k=sk)
@@ -83,12 +90,17 @@ def variants(layer, m, gpu, fmt, opts=None):
     return [(t, c, f) for t, c, f in out if c.valid_for(layer)]
 
 
-def set_mode(sm, mode, xs0, fold0):
-    """Module switches of gemm_wna16_small for one variant's mode (see variants)."""
+def set_mode(sm, mode, xs0, fold0, imad0=0):
+    """Module switches of gemm_wna16_small for one variant's mode (see variants); "imadN[-xs|-fold]" =
+    E2M1_IMAD N, with XS_E2M1 / FOLD_E8M0."""
+    sm.E2M1_IMAD = imad0
     if mode is None:
         sm.XS_E2M1, sm.FOLD_E8M0 = xs0, fold0
     elif mode == "fold":
         sm.XS_E2M1, sm.FOLD_E8M0 = False, True
+    elif isinstance(mode, str) and mode.startswith("imad"):
+        sm.E2M1_IMAD = int(mode[4])
+        sm.XS_E2M1, sm.FOLD_E8M0 = mode.endswith("-xs"), mode.endswith("-fold")
     else:
         sm.XS_E2M1, sm.FOLD_E8M0 = bool(mode), False
 
@@ -158,6 +170,9 @@ def main():
     ap.add_argument("--maxnreg", type=int, default=0, help="also the default tile with this register cap")
     ap.add_argument("--alt-m", default="", help="also the tune cache's config for these M (e.g. 1)")
     ap.add_argument("--no-xs", action="store_true", help="no XS_E2M1 A/B variants of the default tile")
+    ap.add_argument("--imad", default="", help="MXFP4: also the default tile with these E2M1_IMAD modes, e.g. "
+                    "imad1,imad2,imad2-xs,imad2-fold")
+    ap.add_argument("--imad-splits", default="", help="... and the first of them with these split_k values")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     t_start = time.time()
@@ -170,7 +185,9 @@ def main():
     xs0, fold0 = sm.XS_E2M1, sm.FOLD_E8M0
     opts = {"splits": [int(v) for v in args.splits.split(",") if v], "xs": bool(args.xs), "fold": args.fold,
             "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg,
-            "alt_m": [int(v) for v in args.alt_m.split(",") if v], "xs_ab": not args.no_xs}
+            "alt_m": [int(v) for v in args.alt_m.split(",") if v], "xs_ab": not args.no_xs,
+            "imad": [v for v in args.imad.split(",") if v],
+            "imad_splits": [int(v) for v in args.imad_splits.split(",") if v]}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
               for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
@@ -190,7 +207,7 @@ def main():
     print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
     meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    rows, entries = [], {"xs0": {}, "xs1": {}, "fold1": {}}
+    rows, entries = [], {"xs0": {}, "xs1": {}, "fold1": {}, "imad2": {}}
 
     def dump():
         json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
@@ -251,7 +268,8 @@ def main():
                       and r["tag"] != "humming"]
                 dr = [r for r in pt if r["tag"] == "dflt"]
                 from kestrel.kernels.configs import cache_key, m_bucket
-                for tag_e, modes in (("xs0", (None, False)), ("xs1", (None, True)), ("fold1", (None, "fold"))):
+                for tag_e, modes in (("xs0", (None, False)), ("xs1", (None, True)), ("fold1", (None, "fold")),
+                                     ("imad2", (None, "imad2"))):
                     # entries for XS_E2M1 off / on, FOLD_E8M0 on (int4 rows count for all)
                     best = min((r for r in pt if r["fold"] in modes), key=lambda r: r["us"], default=None)
                     if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:

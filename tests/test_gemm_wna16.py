@@ -276,6 +276,31 @@ def test_e2m1_scaled_x(spec, dt, monkeypatch):
         assert ((y - ref).norm() / ref.norm()).item() < TOL
 
 
+@pytest.mark.parametrize("mul", [True, False], ids=["mul", "raw"])
+def test_mv_fp4_imad_decode_ptx_semantics(mul):
+    # the FMA-pipe e2m1 PTX (E2M1_IMAD): value exactly (times the 2^126 multiplier), or value * 2^-126 (XS), for
+    # every field of random word pairs, so every code, both nibbles and both halves
+    from test_gemm_wna16_tc import _run_ptx
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.quant.formats import decode_minifloat
+    g = torch.Generator().manual_seed(18)
+    for _ in range(24):
+        w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+        for f in range(8):
+            b = f // 2
+            sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
+            if mul:
+                asm = sm._ASM_FP4_ODD_BF16_IMAD if f % 2 else sm._ASM_FP4_EVEN_BF16_IMAD
+                out = _run_ptx(asm.value, [w0, w1, sel, sel, 0x7E807E80, 0x7E807E80])
+            else:
+                asm = sm._ASM_FP4_ODD_RAW_IMAD if f % 2 else sm._ASM_FP4_EVEN_RAW_IMAD
+                out = _run_ptx(asm.value, [w0, w1, sel, sel])
+            got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
+                torch.bfloat16).double()
+            want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
+            assert torch.equal(got, want * (1.0 if mul else 2.0 ** -126)), (f, mul, got, want)
+
+
 def test_mv_fp4_raw_decode_ptx_semantics():
     # the multiply-free e2m1 PTX (XS_E2M1) gives value * 2^-126 as bf16 bits exactly (0.5 -> the subnormal 2^-127)
     from test_gemm_wna16_tc import _run_ptx

@@ -208,6 +208,8 @@ def _run_ptx(asm: str, ops: list[int], first: int = 1, outs: int = 1):
             r = v[0] & v[1]
         elif op == "or.b32":
             r = v[0] | v[1]
+        elif op == "mul.lo.u32":
+            r = (v[0] * v[1]) & 0xFFFFFFFF
         elif op == "prmt.b32":  # default mode, selectors < 8: byte k of d = byte sel_k of {b, a}
             both = v[0] | (v[1] << 32)
             r = sum(((both >> (8 * ((v[2] >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4))

@@ -91,11 +91,28 @@ def _asm_fp4_raw(odd: bool) -> tl.constexpr:
                         "lop3.b32 $0, t, u, 0x80008000, 0xEC; }")
 
 
+def _asm_fp4_imad(odd: bool, mul: bool) -> tl.constexpr:
+    """A bf16 e2m1 field with its bit moves on the FMA pipe: the nibble of the byte-0 (byte-2) copy, masked, times
+    0x1040 (even; 0x0104 odd) makes two non-overlapping shifted copies (one with the sign at bit 15, one with the
+    exponent + mantissa at bits 8..6) and one mask keeps exactly those bits: LOP3, IMAD, LOP3 where _asm_fp4_field
+    takes SHF (+ SHL), LOP3, LOP3 (sm_90 SASS), i.e. one integer-pipe op less per register pair, the integer pipe
+    (half rate on Hopper) being the decode's limit. Then the multiply by $5 (mul) as in _asm_fp4_field, or nothing
+    (value * 2^-126, as _asm_fp4_raw)."""
+    mask, k = ("0x00F000F0", "0x0104") if odd else ("0x000F000F", "0x1040")
+    tail = "and.b32 u, u, 0x81C081C0; mul.rn.bf16x2 $0, u, $5; }" if mul else "and.b32 $0, u, 0x81C081C0; }"
+    return tl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $1, $2, $3; " + f"and.b32 u, t, {mask}; "
+                        f"mul.lo.u32 u, u, {k}; " + tail)
+
+
 _ASM_FP4_EVEN_RAW = _asm_fp4_raw(False)
 _ASM_FP4_ODD_RAW = _asm_fp4_raw(True)
 _ASM_FP4_EVEN_BF16 = _asm_fp4_field(False, False)
 _ASM_FP4_ODD_BF16 = _asm_fp4_field(True, False)
 _ASM_FP4_EVEN_F16 = _asm_fp4_field(False, True)
+_ASM_FP4_EVEN_BF16_IMAD = _asm_fp4_imad(False, True)
+_ASM_FP4_ODD_BF16_IMAD = _asm_fp4_imad(True, True)
+_ASM_FP4_EVEN_RAW_IMAD = _asm_fp4_imad(False, False)
+_ASM_FP4_ODD_RAW_IMAD = _asm_fp4_imad(True, False)
 _ASM_FP4_ODD_F16 = _asm_fp4_field(True, True)
 # e8m0 scales folded into the bf16 decode multiplier (mv / mvs, bf16 activations): 2^126 * 2^(e-127) * 2^-FOLD_EXP,
 # i.e. bf16 exponent field e + 126 - FOLD_EXP, exact for e in [FOLD_EXP - 125, FOLD_EXP + 128] (clamped outside);
@@ -112,28 +129,32 @@ FOLD_E8M0 = False
 # Needs |x| < 2^(128 - XS_EXP) = 2^28 and the tensor cores to take bf16 subnormals (e2m1 +-0.5 -> 2^-127).
 XS_EXP = tl.constexpr(100)
 XS_E2M1 = False  # A/B switch (bench/wna16_mvs8_sweep.py)
+# bf16 e2m1 decode through _asm_fp4_imad: 0 off, 1 even fields, 2 all fields (A/B switch until GPU-timed)
+E2M1_IMAD = 0
 
 
 @triton.jit
-def _fp4_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr, mul):
+def _fp4_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr, mul, IMAD: tl.constexpr = 0):
     """GPU only (inline PTX): e2m1 field FIELD of int32 words -> bf16/fp16 values * mul, two words per register
     pair; `mul` (int32, q's shape) holds the bf16x2/f16x2 multiplier of each element in both halves (the two
     elements of a pair are adjacent k of one column in the MMA operand layout, so they share it)."""
     B: tl.constexpr = FIELD // 2
     sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)
     asm: tl.constexpr = (_ASM_FP4_EVEN_F16 if FIELD % 2 == 0 else _ASM_FP4_ODD_F16) if FP16 else (
-        _ASM_FP4_EVEN_BF16 if FIELD % 2 == 0 else _ASM_FP4_ODD_BF16)
+        (_ASM_FP4_EVEN_BF16_IMAD if IMAD else _ASM_FP4_EVEN_BF16) if FIELD % 2 == 0 else (
+            _ASM_FP4_ODD_BF16_IMAD if IMAD == 2 else _ASM_FP4_ODD_BF16))
     # out; words, selector, multiplier (each twice: pack=2)
     return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", [q, sel, mul], dtype=tl.float16 if FP16 else tl.bfloat16,
                                      is_pure=True, pack=2)
 
 
 @triton.jit
-def _fp4_pairs_raw(q, FIELD: tl.constexpr):
+def _fp4_pairs_raw(q, FIELD: tl.constexpr, IMAD: tl.constexpr = 0):
     """GPU only (inline PTX): e2m1 field FIELD of int32 words -> bf16 value * 2^-126 (see XS_EXP)."""
     B: tl.constexpr = FIELD // 2
     sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)
-    asm: tl.constexpr = _ASM_FP4_EVEN_RAW if FIELD % 2 == 0 else _ASM_FP4_ODD_RAW
+    asm: tl.constexpr = (_ASM_FP4_EVEN_RAW_IMAD if IMAD else _ASM_FP4_EVEN_RAW) if FIELD % 2 == 0 else (
+        _ASM_FP4_ODD_RAW_IMAD if IMAD == 2 else _ASM_FP4_ODD_RAW)
     return tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [q, sel], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
@@ -207,7 +228,8 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_KIND: tl.constexpr,
               GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr, MASK_B: tl.constexpr,
-              PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False):
+              PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False,
+              IMAD: tl.constexpr = 0):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
     s_pre its group-scale row when PRE_S (prefetched by the caller). FOLD (e2m1 + e8m0, bf16): the group scale is
     folded into the decoded weights (times 2^-FOLD_EXP, exact), so every field's MMA chains straight into acc
@@ -235,18 +257,18 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 sf = (tl.minimum(tl.maximum(e - FOLD_EXP, 1), 254) << 23).to(tl.float32, bitcast=True)
         if XS:  # e2m1 value * 2^-126 (x carries 2^XS_EXP)
             if ASM:
-                w = _fp4_pairs_raw(q, i)
+                w = _fp4_pairs_raw(q, i, IMAD)
             else:  # fp32 for the interpreter's fp32 dot (its bf16 cast flushes the subnormal 0.5 * 2^-126)
                 w = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS) * (2.0 ** -126)
                 if not DOT_F32:
                     w = w.to(tl.bfloat16)
         elif ASM and not IS_INT:  # e2m1: the exact value (FOLD: times scale * 2^-FOLD_EXP)
             if FOLD:
-                w = _fp4_pairs(q, i, False, mulq)
+                w = _fp4_pairs(q, i, False, mulq, IMAD)
             else:
                 w = _fp4_pairs(q, i, x_ptr.dtype.element_ty == tl.float16,
                                tl.full(q.shape, 0x74007400 if x_ptr.dtype.element_ty == tl.float16 else 0x7E807E80,
-                                       tl.int32))  # 2^14 / 2^126 in both halves
+                                       tl.int32), IMAD)  # 2^14 / 2^126 in both halves
         elif FOLD:  # the same folded value without PTX (interpreter)
             w = (fp_plane(q, i, BITS, EXP_BITS, MAN_BITS) * sf[None, :]).to(x_ptr.dtype.element_ty)
         elif ASM:  # c - CODE_OFFSET (symmetric) or OFF + c (zero points: corrected through the x sum)
@@ -339,7 +361,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
-               RED_STEP: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False):
+               RED_STEP: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False,
+               IMAD: tl.constexpr = 0):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -397,7 +420,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
-                            XS)
+                            XS, IMAD)
     else:
         for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
             if PF > 0:  # keep PF blocks ahead of the cp.async pipeline in flight to the L2
@@ -410,7 +433,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                 acc = _mv_block(acc, q, q, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, nb_mask,
                                 K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO,
                                 SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, KB > 1,
-                                False, R, FOLD, XS)
+                                False, R, FOLD, XS, IMAD)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
@@ -607,5 +630,6 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
                          RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype),
                          XS=scale_x_e2m1(fmt, x2.dtype) and not fold_e8m0(fmt, x2.dtype),
+                         IMAD=E2M1_IMAD if is_e2m1 and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
     return y
