@@ -333,7 +333,7 @@ def test_tuner_local_search_reaches_the_measured_winners():
     assert first[0] == ComputeConfig("tcg", 128, 128, 0, 2, 8, 4, swap=True)
     assert {(c.kernel, c.swap) for c in first} == {("tcg", True), ("tcg", False), ("tc", False),
                                                     ("dequant_mm", False)}
-    assert ComputeConfig("tcg", 128, 128, 0, 4, 8, 4, swap=True) in first[:8]
+    assert ComputeConfig("tcg", 128, 128, 0, 4, 8, 4, swap=True) in first[:10]
     # 70B qkv M = 256: 160 CTAs of 128x128 on 132 SMs (1.2 waves at split 1, 113 us vs Humming 66 in session 5):
     # split 4 (4.85 waves) and the 256-row tile at split 3 (1.8 waves) are measured right after the heuristic
     qkv = LayerConfig(FORMATS["int4"], 10240, 8192)
