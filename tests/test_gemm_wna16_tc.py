@@ -124,6 +124,23 @@ def test_gluon_tcg_kernel(cfg, m):
     assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
 
 
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 128, 128, 0, 3, 8, 4, swap=True, reduce=1), 200),
+                                   (ComputeConfig("tcg", 128, 128, 0, 3, 8, 4, swap=True), 130),
+                                   (ComputeConfig("tcg", 256, 128, 0, 3, 8, 2, swap=True, reduce=1), 256),
+                                   (ComputeConfig("tcg", 128, 256, 0, 2, 8, 3, swap=True, reduce=1), 100)],
+                         ids=["split3-reduce", "split3-atomic", "bm256-split3-reduce", "bn256-split2-reduce"])
+def test_gluon_tcg_swap_wave_splits(fmt, cfg, m):
+    # the tuner's wave-quantization candidates (tuning.wave_candidates): split 3 of 6 K steps (2 each), the 256-row
+    # 2-stage tile and the 256-wide tile with the in-kernel reduction; 3 N tiles
+    qw = _weight(FORMATS[fmt], n=384 if cfg.block_n == 128 else 512, k=768, seed=14)
+    assert cfg.valid_for(LayerConfig(qw.spec, *qw.shape))
+    x = torch.randn(m, 768, generator=torch.Generator().manual_seed(m)).bfloat16()
+    ref = x.double() @ dequantize(qw).double().t()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+    assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
+
+
 @pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=1), 37),
                                    (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3, swap=True), 130),
                                    (ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=2), 70),
