@@ -124,6 +124,23 @@ def test_gluon_tcg_kernel(cfg, m):
     assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
 
 
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 128, 128, 0, 3, 8, 4, swap=True, reduce=1), 200),
+                                   (ComputeConfig("tcg", 128, 128, 0, 3, 8, 4, swap=True), 130),
+                                   (ComputeConfig("tcg", 256, 128, 0, 3, 8, 2, swap=True, reduce=1), 256),
+                                   (ComputeConfig("tcg", 128, 256, 0, 2, 8, 3, swap=True, reduce=1), 100)],
+                         ids=["split3-reduce", "split3-atomic", "bm256-split3-reduce", "bn256-split2-reduce"])
+def test_gluon_tcg_swap_wave_splits(fmt, cfg, m):
+    # the tuner's wave-quantization candidates (tuning.wave_candidates): split 3 of 6 K steps (2 each), the 256-row
+    # 2-stage tile and the 256-wide tile with the in-kernel reduction; 3 N tiles
+    qw = _weight(FORMATS[fmt], n=384 if cfg.block_n == 128 else 512, k=768, seed=14)
+    assert cfg.valid_for(LayerConfig(qw.spec, *qw.shape))
+    x = torch.randn(m, 768, generator=torch.Generator().manual_seed(m)).bfloat16()
+    ref = x.double() @ dequantize(qw).double().t()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+    assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
+
+
 @pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=1), 37),
                                    (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3, swap=True), 130),
                                    (ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=2), 70),
@@ -325,16 +342,25 @@ def test_configs_valid_for_llama_shapes():
 
 
 def test_tuner_local_search_reaches_the_measured_winners():
-    # `kestrel tune --max-candidates 10` measures the 10 candidates nearest the heuristic. At 8B down M = 256 the
-    # heuristic is the H200 probe winner (swap tcg 128x128 split 2 s4, 57.2 us, session 4 R1) and the first config
-    # of each other path (tc, dequant + cuBLAS) must be among the 8; split-K neighbours (x2, /2) come first
-    from kestrel.kernels.tuning import compile_key, config_distance
+    # `kestrel tune --max-candidates 16` measures the heuristic, then the wave-quantization picks (wave_candidates),
+    # then the candidates nearest the heuristic. At 8B down M = 256 the heuristic is the H200 probe winner (swap tcg
+    # 128x128 split 2 s4, 57.2 us, session 4 R1) and the first config of each other path (tc, dequant + cuBLAS)
+    # must be among the 16; split-K neighbours (x2, /2) come first
+    from kestrel.kernels.tuning import compile_key, config_distance, wave_candidates
     lay = LayerConfig(FORMATS["int4"], 4096, 14336)
-    first = candidates(lay, 256)[:10]
+    first = candidates(lay, 256)[:16]
     assert first[0] == ComputeConfig("tcg", 128, 128, 0, 2, 8, 4, swap=True)
     assert {(c.kernel, c.swap) for c in first} == {("tcg", True), ("tcg", False), ("tc", False),
                                                     ("dequant_mm", False)}
-    assert ComputeConfig("tcg", 128, 128, 0, 4, 8, 4, swap=True) in first[:4]
+    assert ComputeConfig("tcg", 128, 128, 0, 4, 8, 4, swap=True) in first[:10]
+    # 70B qkv M = 256: 160 CTAs of 128x128 on 132 SMs (1.2 waves at split 1, 113 us vs Humming 66 in session 5):
+    # split 4 (4.85 waves) and the 256-row tile at split 3 (1.8 waves) are measured right after the heuristic
+    qkv = LayerConfig(FORMATS["int4"], 10240, 8192)
+    wc = wave_candidates(qkv, 256)
+    assert wc[0] == ComputeConfig("tcg", 128, 128, 0, 4, 8, 4, swap=True, reduce=1)
+    assert ComputeConfig("tcg", 256, 128, 0, 3, 8, 2, swap=True, reduce=1) in wc
+    assert candidates(qkv, 256)[1:1 + len(wc)] == wc
+    assert all(c.valid_for(qkv) for c in wave_candidates(qkv, 1024))
     # the heuristic's split lands each shape near one wave (M = 256) / 1.5 waves (M = 64) of one CTA per SM
     assert heuristic(LayerConfig(FORMATS["int4"], 8192, 8192), 64) == ComputeConfig("tcg", 64, 128, 0, 4, 8, 4,
                                                                                     swap=True)

@@ -34,8 +34,9 @@ def candidates(layer: LayerConfig, m: int, gluon: bool = True) -> list[ComputeCo
     """gluon=False leaves out the Gluon "tcg" kernel (e.g. before it has been checked on a new GPU/Triton)."""
     out = small_m_candidates(layer, m) if m <= 16 else large_m_candidates(layer, m, gluon=gluon)
     h = heuristic(layer, m)
+    front = wave_candidates(layer, m) if gluon and 64 < m <= 1024 else []
     seen, uniq = set(), []
-    for c in [h] + out:
+    for c in [h] + front + out:
         if c not in seen and c.valid_for(layer):
             seen.add(c)
             uniq.append(c)
@@ -47,7 +48,50 @@ def candidates(layer: LayerConfig, m: int, gluon: bool = True) -> list[ComputeCo
             kind = (c.kernel, c.swap)
             rank[c] = seen_k.get(kind, 0)
             seen_k[kind] = rank[c] + 1
-    return sorted(uniq, key=lambda c: config_distance(c, h) + 0.5 * rank.get(c, 0))
+    # the wave-quantization picks right after the heuristic: split neighbours by |log2| never reach split 3-4 of a
+    # 1.2-wave grid (70B qkv M = 256) within --max-candidates
+    pos = {c: i for i, c in enumerate(front)}
+    return sorted(uniq, key=lambda c: (c != h, c not in pos, pos.get(c, 0),
+                                       config_distance(c, h) + 0.5 * rank.get(c, 0)))
+
+
+def wave_cost(units: int, split: int, slots: int) -> float:
+    """Relative time of `units` CTAs (tiles x split), each 1/split of a tile's K, on `slots` resident CTAs: whole
+    waves of 1/split-long CTAs, +5 % per extra split for the partial sums (a guess: the tuner measures)."""
+    return math.ceil(units / slots) / split * (1 + 0.05 * (split - 1))
+
+
+def wave_splits(layer: LayerConfig, m: int, block_m: int, block_n: int, per_sm: int, num_sms: int = 132,
+                max_split: int = 8) -> list[int]:
+    """Splits over K (each >= 8 K steps of 128, none empty) of the swap kernel's grid, best wave_cost first."""
+    tiles = -(-m // block_m) * -(-layer.n // block_n)
+    steps = layer.k // 128
+    sks = [sk for sk in range(1, max_split + 1)
+           if sk == 1 or (steps // sk >= 8 and (sk - 1) * -(-steps // sk) < steps)]
+    return sorted(sks, key=lambda sk: wave_cost(tiles * sk, sk, per_sm * num_sms))
+
+
+def wave_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeConfig]:
+    """64 < M <= 1024: swap-AB tcg configs chosen for wave quantization, measured first by the tuner. The M = 256
+    tiles (128x128 s4, 164 KB, and 256x128 s2, 147 KB: one CTA per SM) of 70B qkv (N = 10240) make 160 / 80 CTAs
+    on 132 SMs: split 1 runs 1.2 waves (113 us vs Humming 66 on the H200, session 5), split 4 / 3 fill 4.85 / 1.8;
+    128x256 s3 (144 KB) halves the x re-reads of 128x128.
+    Split > 1 with the in-kernel reduction (one launch); the best 128x128 split also with atomics. M = 1024: the
+    128x256 s3 swap tile (within 3-5 % of dequant + cuBLAS in session 5) and the 256-row tile."""
+    C = ComputeConfig
+    out = []
+    if m <= 256:
+        for bm, bn, st in ((128, 128, 4), (256, 128, 2), (128, 256, 3)):
+            for i, sk in enumerate(wave_splits(layer, m, bm, bn, 1, num_sms)[:1 if bn == 256 else 2]):
+                out.append(C("tcg", bm, bn, 0, sk, 8, st, swap=True, reduce=int(sk > 1)))
+                if sk > 1 and i == 0 and (bm, bn) == (128, 128):
+                    out.append(C("tcg", bm, bn, 0, sk, 8, st, swap=True))
+    else:
+        for bm, bn, st in ((128, 256, 3), (256, 128, 2), (128, 128, 4)):
+            best = wave_splits(layer, m, bm, bn, 1, num_sms, max_split=2)[0]
+            for sk in dict.fromkeys((1, best) if bn == 256 else (best,)):  # 128x256: also the session-5 probe's 1
+                out.append(C("tcg", bm, bn, 0, sk, 8, st, swap=True, reduce=int(sk > 1)))
+    return [c for c in out if c.valid_for(layer)]
 
 
 def config_distance(c: ComputeConfig, h: ComputeConfig) -> float:
@@ -98,14 +142,15 @@ def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeC
     if m <= 64:
         swaps = [(64, 128, 4, 8, 0), (64, 128, 3, 8, 0), (64, 256, 4, 8, 0), (64, 64, 4, 4, 0), (64, 128, 4, 8, 2)]
     else:
+        # (256, 128, 2): 256 x rows, all of M = 256 per W tile (correct at 2 stages only: configs.valid_for)
         swaps = [(128, 128, 4, 8, 0), (128, 128, 3, 8, 0), (64, 128, 4, 8, 0), (128, 256, 3, 8, 0),
-                 (128, 128, 4, 8, 2)]
+                 (128, 128, 4, 8, 2), (256, 128, 2, 8, 0)]
     out = []
     for bm, bn, st, w, *sw in tiles + swaps:
         n_tiles = -(-m // bm) * -(-layer.n // bn)
-        # split 3 at M <= 64: the 80-tile (70B qkv) and 48-tile (8B qkv) grids fill 1.8 / 1.1 waves at 3, 1.2 / 1.45
+        # split 3 (every M): the 80-tile (70B qkv) and 48-tile (8B qkv) grids fill 1.8 / 1.1 waves at 3, 1.2 / 1.45
         # at 2 / 4 (their M = 64 winners, 0.75x / 0.93x Humming in session 4)
-        splits = [sk for sk in ((1, 2, 3, 4, 8) if m <= 64 else (1, 2, 4, 8))
+        splits = [sk for sk in (1, 2, 3, 4, 8)
                   if sk == 1 or num_sms // 2 <= n_tiles * sk <= 2 * num_sms]
         extra = {"swap": True, "ws": sw[0]} if sw else {}
         # the split nearest one wave first (the first tcg config is the one --max-candidates surely measures);
