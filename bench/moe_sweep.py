@@ -33,6 +33,7 @@ from kestrel.quant.packing import unpack_codes  # noqa: E402
 
 try:  # the Gluon grouped kernel (GPU only)
     from kestrel.kernels.moe_tcg import TcgConfig, grouped_gemm_planar_tcg, supports as tcg_supports
+    from kestrel.kernels.moe_tcg import compiled_stats as tcg_stats
 except Exception as _ex:  # noqa: BLE001
     TcgConfig = None
     TCG_IMPORT_ERROR = repr(_ex)
@@ -220,6 +221,7 @@ def sweep_shape(name, ms, rows, args):
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "kernel": "tcg", "cfg": cfg.as_dict(),
                  "touched_experts": touched, "supported": tcg_supports(x, P, cfg)}
             measure(r, lambda i, out, cfg=cfg: grouped_gemm_planar_tcg(x, P, aligns[cfg.BM][i], T, k, out, cfg), pref)
+            log("  tcg", cfg.as_dict(), tcg_stats())
             if time.time() - T0 > args.deadline_s:
                 log("deadline: stopping the tcg configs")
                 break
