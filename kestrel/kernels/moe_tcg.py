@@ -499,14 +499,16 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
     tw = topk_weights if topk_weights is not None else out
     grid = (blocks * -(-N // bn),)
     LAST_COMPILED[0] = None  # (a launch that fails to compile leaves no stale stats)
+    reg = {"maxnreg": cfg.MAXNREG} if cfg.MAXNREG else {}
     if cfg.SWAP == 2:
         LAST_COMPILED[0] = _moe_tcgp_kernel[grid](
             x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
             x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages,
-            GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps)
+            GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps,
+            **reg)
         return out
     kern, extra = (_moe_tcgs_kernel, (w.scales,)) if cfg.SWAP else (_moe_tcg_kernel, ())
-    kw = {"EARLY_REFILL": bool(cfg.REFILL)} if cfg.SWAP else {}
+    kw = {"EARLY_REFILL": bool(cfg.REFILL), **reg} if cfg.SWAP else reg
     LAST_COMPILED[0] = kern[grid](x, q_desc, s_desc, *extra, out, tw, sorted_ids, expert_ids, num_post, num_slots,
                                   a_div, max(reduce_k, 1), N, K, x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM,
                                   BLOCK_N=bn, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
