@@ -50,6 +50,7 @@ class TcgConfig:
     # 2: the same as the dense swap kernel's loop (_moe_tcgp_kernel: one wgmma kept in flight, scales prefetched)
     REFILL: int = 0  # swapped kernel: 1 refills the previous step's ring slot after the pre-MMA barrier (one CTA
     # barrier per step instead of two). BROKEN on the H200 (err 0.25, session 4 R2): `supports` refuses it
+    MAXNREG: int = 0  # > 0: register cap per thread (ptxas maxnreg), e.g. 128 for 2 CTAs of 8 warps per SM
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
 
     def as_dict(self) -> dict:
