@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gemm_w8a8 import LogRow, add_run_args, humming_build, log, past_deadline, rel, safe_us, start_run, write_report  # noqa: E402
 
 from kestrel.kernels.moe_align import route_topk  # noqa: E402
+from kestrel.kernels import moe_gemm  # noqa: E402
 from kestrel.kernels.moe_gemm import quantize_experts  # noqa: E402
 from kestrel.kernels.moe_layer import FusedMoE, ref_moe  # noqa: E402
 
@@ -44,15 +45,21 @@ MODELS = {  # experts, top_k, hidden, moe intermediate
 # kernel), int4h = the byte-packed "halves" layout (lowbit_gemm kernel), int4p = the interchange "pairs" packing
 FMT = {"bf16": ("bf16", "bf16", True, False), "fp8": ("fp8", "fp8", True, False), "int4": ("int4", "bf16", True, True),
        "int4h": ("int4", "bf16", True, False), "int4p": ("int4", "bf16", False, False)}
+# int4tN = int4 with the layer's Gluon loop forced to KESTREL_MOE_TCG=N while it is called, int4t3b128 also with
+# KESTREL_MOE_TCG_BM=128 (moe_gemm's globals, set around each format's calls: the loops are timed side by side in
+# one process on the same quantized weights)
+TCG_MODES = {"int4t2": {"USE_TCG": "2"}, "int4t3": {"USE_TCG": "3"}, "int4t3b128": {"USE_TCG": "3", "TCG_BM": "128"}}
+FMT.update({f: FMT["int4"] for f in TCG_MODES})
 HUMMING = {"fp8": ({"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}),
            "int4": ({"dtype": "int4", "group_size": 128}, None)}
-HUMMING_OF = {"fp8": "fp8", "int4": "int4", "int4h": "int4", "int4p": "int4"}  # the Humming layer each is held to
+# the Humming layer each is held to
+HUMMING_OF = {"fp8": "fp8", "int4": "int4", "int4h": "int4", "int4p": "int4", **{f: "int4" for f in TCG_MODES}}
 
 
 # both peers are timed without their sort / index-list building, so the fair kestrel column is *_noalign; the
 # align-included ratio is listed too (kestrel's align is one or three launches inside the layer)
 RATIOS = [(f"kestrel {f} vs {peer}{tag}", col, f"kestrel_{f}{suffix}_us")
-          for f in ("bf16", "fp8", "int4", "int4h", "int4p")
+          for f in ("bf16", "fp8", "int4", "int4h", "int4p", *TCG_MODES)
           for peer, col in (("per-expert cuBLAS bf16 loop", "cublas_loop_us"),
                             (f"Humming {HUMMING_OF.get(f, f)}", f"humming_{HUMMING_OF.get(f, f)}_us"))
           for tag, suffix in ((" (both excl. sort/align)", "_noalign"), (" (kestrel incl. align)", ""))]
@@ -123,11 +130,13 @@ def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256):
     w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
     router = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
-    ours = {}
+    ours, quant = {}, {}
     for f in fmts:
         wf, af, kl, pl = FMT[f]
-        ours[f] = FusedMoE(router, quantize_experts(w13, wf, kernel_layout=kl, planar=pl),
-                           quantize_experts(w2, wf, kernel_layout=kl, planar=pl), k, af)
+        if FMT[f] not in quant:  # int4 / int4t2 / int4t3 share one quantized copy
+            quant[FMT[f]] = (quantize_experts(w13, wf, kernel_layout=kl, planar=pl),
+                             quantize_experts(w2, wf, kernel_layout=kl, planar=pl))
+        ours[f] = FusedMoE(router, *quant[FMT[f]], k, af)
     hum = {}
     for h in dict.fromkeys(HUMMING_OF[f] for f in fmts if f in HUMMING_OF):
         layers = humming_build(f"{h} MoE layers", lambda: humming_moe(h, w13, w2, E, k), budget)
@@ -146,6 +155,9 @@ def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256):
         r["cublas_loop_us"] = safe_us([cublas_loop(xi, a, b, w13, w2) for xi, (a, b) in zip(xs, rts)])
         for f in fmts:
             moe = ours[f]
+            saved = {g: getattr(moe_gemm, g) for g in TCG_MODES.get(f, {})}
+            for g, v in TCG_MODES.get(f, {}).items():  # read by moe_configs at each call (and graph capture)
+                setattr(moe_gemm, g, v)
             try:
                 from kestrel.kernels.moe_gemm import moe_configs
                 r[f"kestrel_{f}_cfgs"] = [f"{type(c).__name__}{c.as_dict()}" for c in
@@ -164,6 +176,9 @@ def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256):
             except Exception as ex:
                 traceback.print_exc()
                 r[f"kestrel_{f}_error"] = repr(ex)[:200]
+            finally:
+                for g, v in saved.items():
+                    setattr(moe_gemm, g, v)
             h = HUMMING_OF.get(f)
             if h in hum and f"humming_{h}_us" not in r:
                 try:
@@ -186,7 +201,8 @@ def main():
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {','.join(MODELS)}")
     p.add_argument("--ms", default="1,16,64,256,1024,4096", help="comma list of token counts M")
     p.add_argument("--formats", default="bf16,fp8,int4",
-                   help="comma list of bf16,fp8,int4,int4h,int4p (int4* = W4A16 g128: planar / halves / pairs)")
+                   help="comma list of bf16,fp8,int4,int4h,int4p,int4t2,int4t3 (int4* = W4A16 g128: planar / halves / "
+                        "pairs; int4tN(b128): planar with KESTREL_MOE_TCG=N (KESTREL_MOE_TCG_BM=128))")
     p.add_argument("--humming-models", default="qwen3-30b-a3b,mixtral-8x7b",
                    help="models on which Humming runs too (its JIT costs ~10 s per layer and format)")
     p.add_argument("--routings", type=int, default=8, help="distinct token batches / routings timed in rotation")

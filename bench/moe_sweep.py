@@ -33,6 +33,7 @@ from kestrel.quant.packing import unpack_codes  # noqa: E402
 
 try:  # the Gluon grouped kernel (GPU only)
     from kestrel.kernels.moe_tcg import TcgConfig, grouped_gemm_planar_tcg, supports as tcg_supports
+    from kestrel.kernels.moe_tcg import compiled_stats as tcg_stats
 except Exception as _ex:  # noqa: BLE001
     TcgConfig = None
     TCG_IMPORT_ERROR = repr(_ex)
@@ -84,7 +85,7 @@ TLARGE = [T_(64, 128, 4, 3, 0, 1), T_(64, 128, 4, 3, 1, 1), T_(128, 128, 8, 3, 0
           T_(128, 128, 8, 4, 0, 2), T_(64, 128, 4, 4, 0, 1), T_(128, 128, 8, 2, 0, 2), T_(128, 128, 8, 3, 1, 1)]
 
 
-# the Gluon tcg kernel (moe_tcg.py): BM:BN:warps:stages:GROUP_M:SWAP[:REFILL]
+# the Gluon tcg kernel (moe_tcg.py): BM:BN:warps:stages:GROUP_M:SWAP[:REFILL[:MAXNREG]]
 TCG = ("64:256:8:3:8:1,64:256:8:2:8:1,64:256:8:4:8:1,32:256:8:3:8:1,"
        "64:256:8:3:0:1,64:256:8:3:16:1,32:128:8:3:8:1")
 
@@ -220,6 +221,7 @@ def sweep_shape(name, ms, rows, args):
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "kernel": "tcg", "cfg": cfg.as_dict(),
                  "touched_experts": touched, "supported": tcg_supports(x, P, cfg)}
             measure(r, lambda i, out, cfg=cfg: grouped_gemm_planar_tcg(x, P, aligns[cfg.BM][i], T, k, out, cfg), pref)
+            log("  tcg", cfg.as_dict(), tcg_stats())
             if time.time() - T0 > args.deadline_s:
                 log("deadline: stopping the tcg configs")
                 break
@@ -299,7 +301,7 @@ def main():
     p.add_argument("--ms", default="1,64,1024")
     p.add_argument("--deadline-s", type=float, default=1e9)
     p.add_argument("--kernels", default="lowbit,planar,tc", help="comma list of lowbit,planar,tc,tcg")
-    p.add_argument("--tcg", default=TCG, help="tcg (Gluon) configs: BM:BN:warps:stages:GROUP_M:SWAP[:REFILL],...")
+    p.add_argument("--tcg", default=TCG, help="tcg (Gluon) configs: BM:BN:warps:stages:GROUP_M:SWAP[:REFILL[:MAXNREG]],...")
     p.add_argument("--max-planar", type=int, default=100, help="first N planar configs of the list only")
     p.add_argument("--max-tc", type=int, default=100, help="first N tc configs of the list only")
     p.add_argument("--tc", default="", help="tc configs instead of the list: BM:BN:warps:stages:swap:dec,...")

@@ -248,3 +248,27 @@ def test_tcg_swapped_decode_layout_is_the_wgmma_a_fragment(bn, warps):
     assert flat(got.warp_bases) == [list(v) for v in want.warp_bases]
     assert sorted(flat(got.reg_bases)) == sorted(list(v) for v in want.reg_bases)
     assert flat(got.reg_bases)[0] == [0, 1] == list(want.reg_bases[0])
+
+
+def test_tcg_bm128_blocks_for_many_slots_per_expert(monkeypatch):
+    """KESTREL_MOE_TCG_BM=128 (moe_gemm.TCG_BM): above 192 slots per expert (Mixtral at M = 1024) both projections
+    get 128-row blocks and a BN 128 tcgp config, below it the 64-row default; the layer stays right (CPU: the tc
+    fallback runs the config)."""
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    monkeypatch.setattr(moe_gemm, "USE_TCG", "3")
+    monkeypatch.setattr(moe_gemm, "TCG_BM", "128")
+    torch.manual_seed(7)
+    H, I, E, k = 128, 128, 2, 1
+    router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=128)
+    assert moe.w13.planar is not None
+    assert [c.BM for c in moe_configs(200, k, E, "bf16", moe.w13, moe.w2)] == [64, 64]  # 100 per expert
+    cfgs = moe_configs(400, k, E, "bf16", moe.w13, moe.w2)
+    assert all(isinstance(c, moe_gemm.TcgConfig) and (c.BM, c.BN, c.SWAP, c.num_stages) == (128, 128, 2, 4)
+               for c in cfgs)
+    x = torch.randn(400, H).to(torch.bfloat16)
+    tw, ti = moe.route(x)
+    ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")
+    assert _rel(moe(x, (tw, ti)), ref) < LAYER_TOL["bf16"]

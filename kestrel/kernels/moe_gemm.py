@@ -136,8 +136,12 @@ def moe_config(num_slots: int, num_experts: int, act: str, planar: bool = False)
     1.5x slower than 64-row swapped ones on Mixtral at M = 1024, bench/results/moe_h200_run4.md)."""
     per_expert = num_slots / max(num_experts, 1)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 or planar else 128
-    if planar and bm == 64 and per_expert <= 96 and _tcg32():
+    if planar and bm == 64 and per_expert <= 96 and _tcg_bm() == 32:
         bm = 32  # KESTREL_MOE_TCG_BM=32: 32-row blocks for the swapped Gluon kernel (less padding, wgmma N 32)
+    if planar and bm == 64 and per_expert > 192 and _tcg_bm() == 128:
+        # KESTREL_MOE_TCG_BM=128 (not default until measured): Mixtral-like routing (256 slots per expert at M =
+        # 1024) fills 128-row blocks, so each decoded weight tile feeds twice the tokens at no extra padding
+        bm = 128
     dq16 = act in ("bf16", "mxfp4", "nvfp4")
     bk = 64 if dq16 else 128
     warps = 8 if bm >= 128 else 4
@@ -178,7 +182,7 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
         return MvConfig(BM=bm, BN=bn, SPLIT_K=split, num_warps=2, num_stages=3)
     # compute bound: one K=128 tensor-core dot per step (moe_tc / moe_tcg). H200, M = 1024 up projection
     # (bench/results/moe_h200_run6.md): Qwen3 225.7 us vs 243.4 for mv, Mixtral 1548 vs 1707
-    if bm >= TC_MIN_BM or (bm == 32 and num_slots / max(num_experts, 1) > 32 and _tcg32()):
+    if bm >= TC_MIN_BM or (bm == 32 and num_slots / max(num_experts, 1) > 32 and _tcg_bm() == 32):
         if USE_TCG and moe_tcg is not None and w.planar.group == 128:  # Gluon: decode overlapped with the wgmma
             # H200, M = 1024 (bench/results/moe_h200_run6.md, session 4 R1): swapped BN 256 204.7 / 132.5 / 1310 us
             # (Qwen3 up / down, Mixtral up) vs tc 225.7 / 147.8 / 1549; the unswapped tcg was slower than tc
@@ -186,8 +190,9 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
             # session 5 R1: the tcgp loop (SWAP 2, 4-deep ring) 198.3 / 125.6 us on Qwen3 up / down (SWAP 1: 207.4
             # / 133.4, Humming 132.5 / 77.1)
             tcgp = USE_TCG == "3"
-            return TcgConfig(BM=bm, BN=256 if swap else 128, num_warps=8, num_stages=4 if tcgp else 3, GROUP_M=8,
-                             SWAP=2 if tcgp else int(swap))
+            # 128-row blocks: BN 128 keeps the fp32 accumulator at 64 registers a thread, as 64 x 256 does
+            return TcgConfig(BM=bm, BN=256 if swap and bm <= 64 else 128, num_warps=8, num_stages=4 if tcgp else 3,
+                             GROUP_M=8, SWAP=2 if tcgp else int(swap))
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
@@ -203,8 +208,14 @@ USE_TCG = os.environ.get("KESTREL_MOE_TCG", "2")
 USE_TCG = "" if USE_TCG == "0" else USE_TCG
 
 
-def _tcg32() -> bool:
-    return os.environ.get("KESTREL_MOE_TCG_BM") == "32" and USE_TCG in ("2", "3") and moe_tcg is not None
+# KESTREL_MOE_TCG_BM=32 / 128: other expert-block rows for the swapped Gluon kernel (see moe_config); a module
+# global so benches can flip it between calls
+TCG_BM = os.environ.get("KESTREL_MOE_TCG_BM", "")
+
+
+def _tcg_bm() -> int:
+    """the expert-block rows asked for the swapped Gluon kernel, 0 for the default."""
+    return int(TCG_BM) if TCG_BM in ("32", "128") and USE_TCG in ("2", "3") and moe_tcg is not None else 0
 
 
 def _tc_fallback(cfg: "TcgConfig") -> TcConfig:

@@ -50,6 +50,7 @@ class TcgConfig:
     # 2: the same as the dense swap kernel's loop (_moe_tcgp_kernel: one wgmma kept in flight, scales prefetched)
     REFILL: int = 0  # swapped kernel: 1 refills the previous step's ring slot after the pre-MMA barrier (one CTA
     # barrier per step instead of two). BROKEN on the H200 (err 0.25, session 4 R2): `supports` refuses it
+    MAXNREG: int = 0  # > 0: register cap per thread (ptxas maxnreg), e.g. 128 for 2 CTAs of 8 warps per SM
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
 
     def as_dict(self) -> dict:
@@ -452,6 +453,17 @@ def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
              MUL_ROUTED, REDUCE, num_warps)
 
 
+LAST_COMPILED = [None]  # the compiled kernel of the last launch (benches log its registers / spills / smem)
+
+
+def compiled_stats() -> dict:
+    """registers, spills and shared memory of the last launched kernel (what decides CTAs per SM)."""
+    k = LAST_COMPILED[0]
+    md = getattr(k, "metadata", None)
+    return {"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+            "smem": getattr(md, "shared", None)}
+
+
 def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
     """Hopper, bf16 row-major x with 16-byte aligned rows, int4 g128 planar weights, a tile the kernel handles."""
     E, N, K = w.shape
@@ -487,16 +499,20 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
     s_desc = TensorDescriptor.from_tensor(w.scales.view(E * (K // BLOCK_K), N), [1, bn], lay([1, bn], gl.float32))
     tw = topk_weights if topk_weights is not None else out
     grid = (blocks * -(-N // bn),)
+    LAST_COMPILED[0] = None  # (a launch that fails to compile leaves no stale stats)
+    reg = {"maxnreg": cfg.MAXNREG} if cfg.MAXNREG else {}
     if cfg.SWAP == 2:
-        _moe_tcgp_kernel[grid](x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div,
-                               max(reduce_k, 1), N, K, x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM,
-                               BLOCK_N=bn, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
-                               MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps)
+        LAST_COMPILED[0] = _moe_tcgp_kernel[grid](
+            x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
+            x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages,
+            GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps,
+            **reg)
         return out
     kern, extra = (_moe_tcgs_kernel, (w.scales,)) if cfg.SWAP else (_moe_tcg_kernel, ())
-    kw = {"EARLY_REFILL": bool(cfg.REFILL)} if cfg.SWAP else {}
-    kern[grid](x, q_desc, s_desc, *extra, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
-               x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages,
-               GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0,
-               num_warps=cfg.num_warps, **kw)
+    kw = {"EARLY_REFILL": bool(cfg.REFILL), **reg} if cfg.SWAP else reg
+    LAST_COMPILED[0] = kern[grid](x, q_desc, s_desc, *extra, out, tw, sorted_ids, expert_ids, num_post, num_slots,
+                                  a_div, max(reduce_k, 1), N, K, x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM,
+                                  BLOCK_N=bn, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
+                                  MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0,
+                                  num_warps=cfg.num_warps, **kw)
     return out
