@@ -291,8 +291,11 @@ def report(engine, args, decoders, temp, workload, argv):
             # and the mean length of the common prefix (where a flip happens, not just whether)
             pairs = [(a, b) for x in runs[mode] for a, b in zip(x["outputs"], ref)] if ref and temp == 0 else []
             if args.tie_check and ref and temp == 0 and mode != "nospec":
-                print(f"[{workload}] c={c:3d} {mode:12s} tie check: "
-                      f"{tie_report(engine, prompts, runs[mode][0]['outputs'], ref)}", flush=True)
+                try:  # a diagnostic: a failure here must not cost the measured table
+                    print(f"[{workload}] c={c:3d} {mode:12s} tie check: "
+                          f"{tie_report(engine, prompts, runs[mode][0]['outputs'], ref)}", flush=True)
+                except Exception:
+                    traceback.print_exc()
             r["same"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)} ({sum(_prefix(a, b) for a, b in pairs) / len(pairs):.0f})" \
                 if pairs else None
             rows.append(r)
