@@ -158,10 +158,12 @@ def main(argv=None):
                     help="dummy = random weights of the model's shape (times the machinery; acceptance is meaningless)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--drafter", nargs="+", default=["ngram"], choices=["ngram", "head", "hybrid"],
+    ap.add_argument("--drafter", nargs="+", default=["ngram"],
+                    choices=["ngram", "head", "hybrid", "head-fused", "hybrid-fused"],
                     help="one or more drafters; each runs k1/k4/conf against the same no-spec baseline; hybrid = the "
                          "head, with the n-gram's draft where an n-gram of >= 2 tokens matched (overlapped loop only; "
-                         "its -sync modes are the plain head)")
+                         "its -sync modes are the plain head); -fused = the same with the fused drafting kernels "
+                         "(head_fused.py, CUDA), side by side with the PyTorch ones in this process")
     ap.add_argument("--head", default=None, help="draft head safetensors (for --drafter head)")
     ap.add_argument("--kmax", type=int, default=4, help="most draft tokens for the confidence scheduler")
     ap.add_argument("--token-budget", type=int, default=None, help="confidence scheduler budget (default: config's)")
@@ -193,7 +195,7 @@ def main(argv=None):
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="append a markdown section with the results to this file")
     args = ap.parse_args(argv)
-    if ("head" in args.drafter or "hybrid" in args.drafter) and not args.head:
+    if any(d != "ngram" for d in args.drafter) and not args.head:
         ap.error("--drafter head needs --head FILE (train one with `kestrel train-draft`)")
     if args.tokenizer:
         import kestrel.model.loader as loader
@@ -225,19 +227,22 @@ def build_modes(engine, args) -> dict:
     captured) once and shared by its modes; n-gram drafters are per run (they adapt per request)."""
     modes = {"nospec": None} if "nospec" in args.modes else {}
     budget = f",token_budget={args.token_budget}" if args.token_budget else ""
-    heads = {}  # the draft head is loaded (and its graphs captured) once for the head and hybrid drafters
+    # the draft head is loaded (and its graphs captured) once for the head and hybrid drafters, once more for the
+    # fused ones (another drafter object: the loop cache keys on it, so the two variants get their own graphs)
+    heads = {}
     runs = [(m, lp) for lp in args.loop for m in args.modes if MODES[m] is not None]
     runs += [(m, "off") for m in args.sync_modes if "off" not in args.loop]
     for d in args.drafter:
+        base, fused = d.removesuffix("-fused"), d.endswith("-fused")
         for m, lp in runs:
-            extra = ",hybrid_ngram=2" if d == "hybrid" else ""
+            extra = (",hybrid_ngram=2" if base == "hybrid" else "") + (",head_fused=1" if fused else "")
             cfg = parse_speculative(MODES[m].format(kmax=args.kmax) + f",drafter={'ngram' if d == 'ngram' else 'head'}"
                                     + budget + f",loop={lp}" + extra + (f",{args.spec_args}" if args.spec_args else "")
                                     + (f",head={args.head}" if d != "ngram" else ""))
-            if d != "ngram" and "h" not in heads:
-                heads["h"] = build_drafter(cfg, engine)
+            if d != "ngram" and fused not in heads:
+                heads[fused] = build_drafter(cfg, engine)
 
-            def make(cfg=cfg, shared=heads.get("h") if d != "ngram" else None):
+            def make(cfg=cfg, shared=heads.get(fused) if d != "ngram" else None):
                 dec = SpecDecoder(cfg, shared or build_drafter(cfg, engine), engine.config.device)
                 if args.cuda_graphs:
                     dec.graphs = verify_graphs(engine, max(cfg.k, args.kmax))
@@ -291,8 +296,11 @@ def report(engine, args, decoders, temp, workload, argv):
             # and the mean length of the common prefix (where a flip happens, not just whether)
             pairs = [(a, b) for x in runs[mode] for a, b in zip(x["outputs"], ref)] if ref and temp == 0 else []
             if args.tie_check and ref and temp == 0 and mode != "nospec":
-                print(f"[{workload}] c={c:3d} {mode:12s} tie check: "
-                      f"{tie_report(engine, prompts, runs[mode][0]['outputs'], ref)}", flush=True)
+                try:  # a diagnostic: a failure here must not cost the measured table
+                    print(f"[{workload}] c={c:3d} {mode:12s} tie check: "
+                          f"{tie_report(engine, prompts, runs[mode][0]['outputs'], ref)}", flush=True)
+                except Exception:
+                    traceback.print_exc()
             r["same"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)} ({sum(_prefix(a, b) for a, b in pairs) / len(pairs):.0f})" \
                 if pairs else None
             rows.append(r)

@@ -26,6 +26,10 @@ class SpeculativeConfig:
     # drafter=head inside the loop: take the n-gram lookup's draft where it matched an n-gram of at least this many
     # tokens (copying beats the head there), the head's elsewhere; 0 = head only
     hybrid_ngram: int = 0
+    # drafter=head on CUDA: draft greedily with the fused Triton kernels of head_fused.py (1), the PyTorch ops (0),
+    # or as the KESTREL_HEAD_FUSED environment variable says (-1; off when unset); a field so that one process can
+    # run both side by side (bench/spec_decode.py --drafter hybrid hybrid-fused)
+    head_fused: int = -1
 
     def __post_init__(self):
         self.validate()
@@ -39,6 +43,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative loop must be auto, on or off, got {self.loop!r}")
         if self.hybrid_ngram < 0:
             raise ValueError(f"speculative hybrid_ngram must be >= 0 (0 = head only), got {self.hybrid_ngram}")
+        if self.head_fused not in (-1, 0, 1):
+            raise ValueError(f"speculative head_fused must be -1 (environment), 0 or 1, got {self.head_fused}")
         if not (1 <= self.k <= 16):
             raise ValueError(f"speculative k must be in [1, 16], got {self.k}")
         if self.token_budget is not None and self.token_budget < 1:

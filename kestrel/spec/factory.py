@@ -33,7 +33,8 @@ def build_drafter(cfg: SpeculativeConfig, engine) -> Drafter:
         from kestrel.spec.head_drafter import HeadDrafter
         head = DraftHead.load(cfg.head, device=engine.config.device)
         m = engine.model
-        d = HeadDrafter(head, m.embed_tokens.weight, m.lm_head.weight)
+        d = HeadDrafter(head, m.embed_tokens.weight, m.lm_head.weight,
+                        fused=None if cfg.head_fused < 0 else bool(cfg.head_fused))
         if getattr(engine.runner, "graphs", None) is not None:  # the engine replays decode graphs: so does the head
             d.enable_cuda_graphs(engine.runner.graphs.batch_sizes)
         return d

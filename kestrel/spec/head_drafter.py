@@ -11,7 +11,7 @@ class HeadDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, head: DraftHead, embed: torch.Tensor, lm_head: torch.Tensor,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, fused: bool | None = None):
         if head.cfg["hidden_size"] != embed.shape[1]:
             raise ValueError(f"draft head hidden size {head.cfg['hidden_size']} does not match the target's "
                              f"{embed.shape[1]}: it was trained for another model")
@@ -26,8 +26,11 @@ class HeadDrafter(Drafter):
             else None
         # KESTREL_HEAD_FUSED=1 (CUDA): refine + readout of each slot in 3 Triton kernels instead of ~9 launches
         # (head_fused.py; R1 of session 5: k=4 proposal 0.124 -> 0.077 ms at batch 1). Off by default until its
-        # drafts are shown equal to the PyTorch ones within numerics (they read out fp32 logits, PyTorch bf16)
-        if self.readout is not None and embed.is_cuda and os.environ.get("KESTREL_HEAD_FUSED", "0") == "1":
+        # drafts are shown equal to the PyTorch ones within numerics (they read out fp32 logits, PyTorch bf16).
+        # fused: True / False, None = the environment variable
+        if fused is None:
+            fused = os.environ.get("KESTREL_HEAD_FUSED", "0") == "1"
+        if self.readout is not None and embed.is_cuda and fused:
             from kestrel.spec.head_fused import FusedGreedyDraft
             self.readout = FusedGreedyDraft(self.head, embed, lm_head, self.readout)
 
