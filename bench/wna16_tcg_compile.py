@@ -37,14 +37,14 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
     sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "s_ptr": "*u8" if fp4 else "*bf16",
            "y_ptr": "*fp32" if const.get("ATOMIC") else "*bf16", "M": "i32", "N": "i32", "K": "i32",
            "stride_ym": "i32", "split_k": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "n_full": "i32",
-           "n_tail": "i32"}
+           "n_tiles": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=False, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, WS=False,
                   FP4=fp4, num_warps=warps, REDUCE=False, TAIL=False)
     consts.update(const)
     if not consts["REDUCE"]:
         consts.update(ws_ptr=None, cnt_ptr=None)
     if not consts["TAIL"]:
-        consts.update(n_full=0, n_tail=0)
+        consts.update(n_full=0, n_tiles=0)
     signature = {n: sig.get(n, "constexpr") for n in names}
     for n, v in consts.items():
         if v is None:

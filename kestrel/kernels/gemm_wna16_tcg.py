@@ -63,27 +63,11 @@ def _issue(x_desc, q_desc, s_desc, bar, x_buf, q_buf, s_buf, off_m, off_n, step,
 
 
 @gluon.jit
-def _tile_and_split(M, K, split_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The prologue every tcg kernel shares: program (pid, pid_k) -> its tile origin (off_m, off_n), the M tiles of
-    one N tile side by side (each word tile is then read from HBM once), and its K steps [s0, s0 + cnt) of split
-    pid_k. The host never launches an empty split: the caller states cnt > 0 (gl.assume)."""
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    off_m = (pid % num_pid_m) * BLOCK_M
-    off_n = (pid // num_pid_m) * BLOCK_N
-    n_steps = K // BK
-    per = gl.cdiv(n_steps, split_k)
-    s0 = pid_k * per
-    cnt = gl.minimum(s0 + per, n_steps) - s0
-    return pid, pid_k, off_m, off_n, s0, cnt
-
-
-@gluon.jit
 def _tail_tile_and_split(M, K, n_full, tail_split, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """cfg.tail's prologue (1-D grid): programs 0 .. n_full - 1 are the whole waves' tiles, unsplit; the rest are
     the last partial wave's tiles (n_full + t // tail_split), each split over K in tail_split. Returns the tile
-    origin, its K steps [s0, s0 + cnt), its split count and, for the in-kernel sum, the tail tile's index."""
+    origin, its K steps [s0, s0 + cnt), and its split count (1 for a whole-wave tile: _swap_store's
+    reduction then sums its one partial)."""
     pid = gl.program_id(0)
     full = (pid < n_full).to(gl.int32)
     t = gl.maximum(pid - n_full, 0)
@@ -97,7 +81,7 @@ def _tail_tile_and_split(M, K, n_full, tail_split, BLOCK_M: gl.constexpr, BLOCK_
     per = gl.cdiv(n_steps, split)
     s0 = pid_k * per
     cnt = gl.minimum(s0 + per, n_steps) - s0
-    return t // tail_split, pid_k, off_m, off_n, s0, cnt, split
+    return tile, pid_k, off_m, off_n, s0, cnt, split
 
 
 @gluon.jit
@@ -105,7 +89,17 @@ def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, split_k, BLOC
                 BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                 num_warps: gl.constexpr):
     """split_k is a runtime value (one compile for every split > 1); ATOMIC = split_k > 1."""
-    pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m  # M tiles of one N tile run side by side: each word tile is read from HBM once
+    pid_n = pid // num_pid_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
     # the host never launches an empty split; without the hint the loop's zero-trip path sets acc = 0 beside the
     # in-flight wgmma and ptxas serialises every wgmma (C7515)
     gl.assume(cnt > 0)
@@ -281,17 +275,27 @@ def _swap_load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, c
 def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                  WS: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
-                 ws_ptr=None, cnt_ptr=None, TAIL: gl.constexpr = False, n_full=0, n_tail=0):
+                 ws_ptr=None, cnt_ptr=None, TAIL: gl.constexpr = False, n_full=0, n_tiles=0):
     """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier.
     REDUCE: split-K summed in the kernel (_swap_store) instead of fp32 atomics into a zeroed y.
     FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128.
-    TAIL (with REDUCE): only the n_tail tiles after the n_full of the whole waves are split (in split_k), see
-    _tail_tile_and_split; the unsplit tiles store y directly."""
+    TAIL (with REDUCE, cfg.tail): only the tiles after the n_full of the whole waves are split (in split_k), see
+    _tail_tile_and_split."""
     if TAIL:
         pid, pid_k, off_m, off_n, s0, cnt, my_split = _tail_tile_and_split(M, K, n_full, split_k, BLOCK_M, BLOCK_N)
-        n_red = n_tail
+        n_red = n_tiles
     else:
-        pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        pid_m = pid % num_pid_m
+        pid_n = pid // num_pid_m
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        n_steps = K // BK
+        per = gl.cdiv(n_steps, split_k)
+        s0 = pid_k * per
+        cnt = gl.minimum(s0 + per, n_steps) - s0
         my_split = split_k
         n_red = gl.num_programs(0)
     gl.assume(cnt > 0)
@@ -370,19 +374,16 @@ def _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M: gl.constexpr
     ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
     if REDUCE:
-        if split_k == 1:  # an unsplit tile of cfg.tail's grid
-            gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            idx = rm[None, :] * BLOCK_N + rn[:, None]
-            gl.store(ws_ptr + (pid_k * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, out)
-            gl.thread_barrier()  # every thread's partial is written before the ticket (acq_rel) is taken
-            ticket = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if ticket == split_k - 1:
-                tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
-                for j in range(split_k):  # .cg: the other splits' partials were written through other SMs' L1s
-                    tot += gl.load(ws_ptr + (j * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, cache_modifier=".cg")
-                gl.store(ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # ready for the next call
+        idx = rm[None, :] * BLOCK_N + rn[:, None]
+        gl.store(ws_ptr + (pid_k * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, out)
+        gl.thread_barrier()  # every thread's partial is written before the ticket (acq_rel) is taken
+        ticket = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if ticket == split_k - 1:
+            tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
+            for j in range(split_k):  # .cg: the other splits' partials were written through other SMs' L1s
+                tot += gl.load(ws_ptr + (j * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, cache_modifier=".cg")
+            gl.store(ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # ready for the next call
     elif not ATOMIC:
         gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -439,7 +440,17 @@ def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLO
                   BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                   FP4: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """ws=2 (launched with num_warps=4): two consumer warpgroups in two partitions plus a loader warp."""
-    pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
@@ -502,12 +513,13 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
         if tail_split > 1:
             from kestrel.kernels.gemm_wna16_tc import _split_counters
             y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-            wsp = torch.empty(tail_split * n_tail * bm * bn, device=x2.device, dtype=torch.float32)
+            # a slab and a counter per tile: the whole-wave tiles go through the reduction too, with one partial
+            wsp = torch.empty(tail_split * grid[0] * bm * bn, device=x2.device, dtype=torch.float32)
             _tcgs_kernel[(n_full + n_tail * tail_split, 1)](
                 x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), tail_split, BLOCK_M=bm, BLOCK_N=bn,
                 ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
                 FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True, ws_ptr=wsp,
-                cnt_ptr=_split_counters(x2.device, n_tail), TAIL=True, n_full=n_full, n_tail=n_tail)
+                cnt_ptr=_split_counters(x2.device, grid[0]), TAIL=True, n_full=n_full, n_tiles=grid[0])
             return y
         split, grid = 1, (grid[0], 1)  # whole waves (or a tail too wide to split): the plain launch
     if cfg.swap and cfg.ws == 0 and cfg.reduce and split > 1:  # in-kernel split-K sum: one launch
