@@ -57,8 +57,9 @@ class ComputeConfig:
     # step); 2 = also each of the two consumer warpgroups in its own partition (half the tile's weight rows each)
     ws: int = 0
     # "tcg" swap with reduce: 1 = split over K only the tiles of the grid's last partial wave (at most split_k, so
-    # they fill one wave of the SMs), the whole waves' tiles unsplit and stored directly (one launch). A grid of
-    # 1.2 waves runs ~1.25 waves long instead of 2, without split-K's partial sums on every tile
+    # they fill one wave of the SMs), the whole waves' tiles unsplit (one launch; they pass the in-kernel reduction
+    # with a single partial). A grid of 1.2 waves should run ~1.25 waves long instead of 2 without split-K's
+    # zeroed fp32 y, atomics and cast on every tile. Not yet timed or checked on a GPU (session 8): opt-in only
     tail: int = 0
 
     def to_dict(self) -> dict:
