@@ -234,7 +234,7 @@ def config_str(c: dict) -> str:
         return "dequant+cuBLAS" + (f" chunks{c['chunks']}" if c.get("chunks", 1) > 1 else "")
     return (f"{c['kernel']}{' swap' if c.get('swap') else ''} {c['block_m']}x{c['block_n']} w{c['num_warps']} "
             f"s{c['num_stages']}" + (f" sk{c['split_k']}" if c["split_k"] > 1 else "") +
-            (" red" if c.get("reduce") else "") + (f" ws{c['ws']}" if c.get("ws") else ""))
+            (" red" if c.get("reduce") else "") + (" tail" if c.get("tail") else "") + (f" ws{c['ws']}" if c.get("ws") else ""))
 
 
 def markdown(res) -> str:

@@ -354,11 +354,12 @@ def test_tuner_local_search_reaches_the_measured_winners():
                                                     ("dequant_mm", False)}
     assert ComputeConfig("tcg", 128, 128, 0, 4, 8, 4, swap=True) in first[:10]
     # 70B qkv M = 256: 160 CTAs of 128x128 on 132 SMs (1.2 waves at split 1, 113 us vs Humming 66 in session 5):
-    # split 4 (4.85 waves) and the 256-row tile at split 3 (1.8 waves) are measured right after the heuristic
+    # split 4 (4.85 waves), 128x256 and the 256-row tile at split 3 (1.8 waves) are measured right after the heuristic
     qkv = LayerConfig(FORMATS["int4"], 10240, 8192)
     wc = wave_candidates(qkv, 256)
-    assert wc[0] == ComputeConfig("tcg", 128, 128, 0, 4, 8, 4, swap=True, reduce=1)
-    assert ComputeConfig("tcg", 256, 128, 0, 3, 8, 2, swap=True, reduce=1) in wc
+    assert wc[0] == ComputeConfig("tcg", 128, 128, 0, 4, 8, 4, swap=True)  # atomics: 93.5 us, reduce 135.4 (R1)
+    assert ComputeConfig("tcg", 256, 128, 0, 3, 8, 2, swap=True) in wc
+    assert ComputeConfig("tcg", 128, 256, 0, 3, 8, 3, swap=True, reduce=1) in wc
     assert candidates(qkv, 256)[1:1 + len(wc)] == wc
     assert all(c.valid_for(qkv) for c in wave_candidates(qkv, 1024))
     # the heuristic's split lands each shape near one wave (M = 256) / 1.5 waves (M = 64) of one CTA per SM
@@ -398,3 +399,32 @@ def test_dequantize_tc_and_streamed(spec):
     # the two-stream dequant + matmul (one stream on the CPU): 128-aligned column blocks, ragged last one
     y = dequant_matmul_streamed(x.to(DEV), qd, fmt, 2, block_n=32, num_warps=4).cpu().double()
     assert ((y - r).norm() / r.norm()).item() < TOL
+
+
+def test_tail_plan_splits_only_the_last_partial_wave():
+    from kestrel.kernels.gemm_wna16_tcg import tail_plan
+    # 70B qkv M = 256, 128x128: 160 tiles on 132 SMs -> 132 unsplit + 28 split in 4 (112 CTAs, one wave)
+    assert tail_plan(160, 8, 64, 132) == (132, 28, 4)
+    assert tail_plan(448, 8, 32, 132) == (396, 52, 2)  # 8B gate_up M = 256
+    assert tail_plan(264, 8, 64, 132) == (264, 0, 1)  # whole waves: nothing to split
+    assert tail_plan(80, 3, 64, 132) == (80, 0, 1)  # the tail fills a wave unsplit
+    assert tail_plan(6, 4, 6, 4) == (4, 2, 2)
+    assert tail_plan(5, 8, 6, 4) == (4, 1, 3)  # split 4 of 6 steps would leave the last split empty
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("bn", [128, 256])
+def test_gluon_tcg_swap_tail(fmt, bn, monkeypatch):
+    # cfg.tail on a pretend 4-SM GPU: 2 M x 3 N tiles (bn 256: 3 x 2) -> 4 unsplit tiles + 2 split over K with
+    # the in-kernel sum; two calls (the tail's counters must be back at zero after the first)
+    from kestrel.kernels import gemm_wna16_tcg as tcg
+    monkeypatch.setattr(tcg, "_num_sms", lambda device: 4)
+    cfg = ComputeConfig("tcg", 128, bn, 0, 3, 8, 4 if bn == 128 else 3, swap=True, reduce=1, tail=1)
+    qw = _weight(FORMATS[fmt], n=384 if bn == 128 else 512, k=768, seed=15)
+    assert cfg.valid_for(LayerConfig(qw.spec, *qw.shape))
+    assert not ComputeConfig("tcg", 128, bn, 0, 3, 8, 4, swap=True, tail=1).valid_for(LayerConfig(qw.spec, *qw.shape))
+    x = torch.randn(200 if bn == 128 else 300, 768, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ref = x.double() @ dequantize(qw).double().t()
+    for _ in range(2):
+        y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+        assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL

@@ -56,6 +56,11 @@ class ComputeConfig:
     # "tcg" with swap: 1 = warp-specialised (a loader warp refills the TMA ring on mbarriers; no CTA barrier per
     # step); 2 = also each of the two consumer warpgroups in its own partition (half the tile's weight rows each)
     ws: int = 0
+    # "tcg" swap with reduce: 1 = split over K only the tiles of the grid's last partial wave (at most split_k, so
+    # they fill one wave of the SMs), the whole waves' tiles unsplit (one launch; they pass the in-kernel reduction
+    # with a single partial). A grid of 1.2 waves should run ~1.25 waves long instead of 2 without split-K's
+    # zeroed fp32 y, atomics and cast on every tile. Not yet timed or checked on a GPU (session 8): opt-in only
+    tail: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,7 +93,8 @@ class ComputeConfig:
                     # ~9-57 % of y at 3 stages (209-221 KB; bench/wna16_tcg_diag.py, H200 session 5 R1): 2 only
                     and not (self.swap and self.block_m > 128 and (self.num_stages > 2 or self.ws))
                     # reduce: the in-kernel split-K sum of the swap kernel without the loader warp
-                    and (not self.reduce or (self.swap and self.ws == 0 and self.split_k > 1)))
+                    and (not self.reduce or (self.swap and self.ws == 0 and self.split_k > 1))
+                    and (not self.tail or self.reduce))
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):

@@ -17,6 +17,8 @@ A operand in registers and x^T from the ring as B, int4 g128 or MXFP4; cfg.ws 1/
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -58,6 +60,28 @@ def _issue(x_desc, q_desc, s_desc, bar, x_buf, q_buf, s_buf, off_m, off_n, step,
     tma.async_copy_global_to_shared(x_desc, [off_m, step * BK], bar, x_buf, pred=pred)
     tma.async_copy_global_to_shared(q_desc, [step * R, off_n], bar, q_buf, pred=pred)
     tma.async_copy_global_to_shared(s_desc, [step, off_n], bar, s_buf, pred=pred)
+
+
+@gluon.jit
+def _tail_tile_and_split(M, K, n_full, tail_split, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """cfg.tail's prologue (1-D grid): programs 0 .. n_full - 1 are the whole waves' tiles, unsplit; the rest are
+    the last partial wave's tiles (n_full + t // tail_split), each split over K in tail_split. Returns the tile
+    origin, its K steps [s0, s0 + cnt), and its split count (1 for a whole-wave tile: _swap_store's
+    reduction then sums its one partial)."""
+    pid = gl.program_id(0)
+    full = (pid < n_full).to(gl.int32)
+    t = gl.maximum(pid - n_full, 0)
+    split = full + (1 - full) * tail_split
+    tile = full * pid + (1 - full) * (n_full + t // tail_split)
+    pid_k = (1 - full) * (t % tail_split)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    off_m = (tile % num_pid_m) * BLOCK_M
+    off_n = (tile // num_pid_m) * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
+    return tile, pid_k, off_m, off_n, s0, cnt, split
 
 
 @gluon.jit
@@ -251,21 +275,29 @@ def _swap_load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, c
 def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                  WS: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
-                 ws_ptr=None, cnt_ptr=None):
+                 ws_ptr=None, cnt_ptr=None, TAIL: gl.constexpr = False, n_full=0, n_tiles=0):
     """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier.
     REDUCE: split-K summed in the kernel (_swap_store) instead of fp32 atomics into a zeroed y.
-    FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128."""
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_pid_m
-    pid_n = pid // num_pid_m
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    n_steps = K // BK
-    per = gl.cdiv(n_steps, split_k)
-    s0 = pid_k * per
-    cnt = gl.minimum(s0 + per, n_steps) - s0
+    FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128.
+    TAIL (with REDUCE, cfg.tail): only the tiles after the n_full of the whole waves are split (in split_k), see
+    _tail_tile_and_split."""
+    if TAIL:
+        pid, pid_k, off_m, off_n, s0, cnt, my_split = _tail_tile_and_split(M, K, n_full, split_k, BLOCK_M, BLOCK_N)
+        n_red = n_tiles
+    else:
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        pid_m = pid % num_pid_m
+        pid_n = pid // num_pid_m
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        n_steps = K // BK
+        per = gl.cdiv(n_steps, split_k)
+        s0 = pid_k * per
+        cnt = gl.minimum(s0 + per, n_steps) - s0
+        my_split = split_k
+        n_red = gl.num_programs(0)
     gl.assume(cnt > 0)
 
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
@@ -319,7 +351,7 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
     _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps, REDUCE,
-                ws_ptr, cnt_ptr, pid, gl.num_programs(0), pid_k, split_k)
+                ws_ptr, cnt_ptr, pid, n_red, pid_k, my_split)
 
 
 @gluon.jit
@@ -437,6 +469,23 @@ def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLO
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
+def tail_plan(tiles: int, max_split: int, steps: int, num_sms: int) -> tuple[int, int, int]:
+    """cfg.tail's grid: (n_full, n_tail, tail_split). The whole waves' tiles (n_full, a multiple of num_sms) run
+    unsplit; the n_tail tiles left over are split over K in the most splits (<= max_split, none empty) that still
+    fit one wave. tail_split 1: nothing to split (the grid is whole waves, or the tail fills a wave already)."""
+    n_full = tiles // num_sms * num_sms
+    n_tail = tiles - n_full
+    sk = min(max_split, num_sms // n_tail) if n_tail else 1
+    while sk > 1 and (sk - 1) * -(-steps // sk) >= steps:  # an empty last split
+        sk -= 1
+    return (n_full, n_tail, sk) if sk > 1 else (tiles, 0, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def supports(qw: QuantizedWeight, x2: torch.Tensor, cfg: ComputeConfig) -> bool:
     """On the GPU with bf16 x (act-order is already applied to x by gemm_wna16); ComputeConfig.valid_for checks
     the format and the tile."""
@@ -459,6 +508,20 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], lay([bm, bk], gl.bfloat16))
     q_desc = TensorDescriptor.from_tensor(qw.qweight, [r, bn], lay([r, bn], gl.int32))
     grid = (-(-m // bm) * (n // bn), split)
+    if cfg.swap and cfg.ws == 0 and cfg.tail:  # split only the last partial wave's tiles
+        n_full, n_tail, tail_split = tail_plan(grid[0], split, k // bk, _num_sms(x2.device))
+        if tail_split > 1:
+            from kestrel.kernels.gemm_wna16_tc import _split_counters
+            y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+            # a slab and a counter per tile: the whole-wave tiles go through the reduction too, with one partial
+            wsp = torch.empty(tail_split * grid[0] * bm * bn, device=x2.device, dtype=torch.float32)
+            _tcgs_kernel[(n_full + n_tail * tail_split, 1)](
+                x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), tail_split, BLOCK_M=bm, BLOCK_N=bn,
+                ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
+                FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True, ws_ptr=wsp,
+                cnt_ptr=_split_counters(x2.device, grid[0]), TAIL=True, n_full=n_full, n_tiles=grid[0])
+            return y
+        split, grid = 1, (grid[0], 1)  # whole waves (or a tail too wide to split): the plain launch
     if cfg.swap and cfg.ws == 0 and cfg.reduce and split > 1:  # in-kernel split-K sum: one launch
         from kestrel.kernels.gemm_wna16_tc import _split_counters
         y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)

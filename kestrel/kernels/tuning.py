@@ -74,18 +74,21 @@ def wave_splits(layer: LayerConfig, m: int, block_m: int, block_n: int, per_sm: 
 def wave_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeConfig]:
     """64 < M <= 1024: swap-AB tcg configs chosen for wave quantization, measured first by the tuner. The M = 256
     tiles (128x128 s4, 164 KB, and 256x128 s2, 147 KB: one CTA per SM) of 70B qkv (N = 10240) make 160 / 80 CTAs
-    on 132 SMs: split 1 runs 1.2 waves (113 us vs Humming 66 on the H200, session 5), split 4 / 3 fill 4.85 / 1.8;
-    128x256 s3 (144 KB) halves the x re-reads of 128x128.
-    Split > 1 with the in-kernel reduction (one launch); the best 128x128 split also with atomics. M = 1024: the
-    128x256 s3 swap tile (within 3-5 % of dequant + cuBLAS in session 5) and the 256-row tile."""
+    on 132 SMs: split 1 runs 1.2 waves, split 4 / 3 fill 4.85 / 1.8; 128x256 s3 (144 KB) halves the x re-reads of
+    128x128. H200 session 7 R1 (int4 70B qkv M = 256, us): 128x128 split 1 113.2, split 4 with fp32 atomics 93.5,
+    split 4 with the in-kernel reduction 135.4 (its last split sums the 4 partial tiles alone), 128x256 split 3
+    reduce 94.5, 256x128 split 3 reduce 120.0: so split > 1 with atomics, the 128x256 tile also with the reduction
+    (MXFP4's winner there, 106.6). On multi-wave grids splitting lost (8B gate_up split 2: 142.0 vs 117.0): the
+    tuner decides. M = 1024: the 128x256 s3 swap tile (won int4 70B gate_up / down and 8B gate_up) and the
+    256-row tile."""
     C = ComputeConfig
     out = []
     if m <= 256:
-        for bm, bn, st in ((128, 128, 4), (256, 128, 2), (128, 256, 3)):
-            for i, sk in enumerate(wave_splits(layer, m, bm, bn, 1, num_sms)[:1 if bn == 256 else 2]):
-                out.append(C("tcg", bm, bn, 0, sk, 8, st, swap=True, reduce=int(sk > 1)))
-                if sk > 1 and i == 0 and (bm, bn) == (128, 128):
-                    out.append(C("tcg", bm, bn, 0, sk, 8, st, swap=True))
+        for bm, bn, st in ((128, 128, 4), (128, 256, 3), (256, 128, 2)):
+            for i, sk in enumerate(wave_splits(layer, m, bm, bn, 1, num_sms)[:1 if bm == 256 else 2]):
+                out.append(C("tcg", bm, bn, 0, sk, 8, st, swap=True))
+                if sk > 1 and bn == 256 and i == 0:
+                    out.append(C("tcg", bm, bn, 0, sk, 8, st, swap=True, reduce=1))
     else:
         for bm, bn, st in ((128, 256, 3), (256, 128, 2), (128, 128, 4)):
             best = wave_splits(layer, m, bm, bn, 1, num_sms, max_split=2)[0]
