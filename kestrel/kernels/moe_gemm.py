@@ -139,7 +139,7 @@ def moe_config(num_slots: int, num_experts: int, act: str, planar: bool = False)
     if planar and bm == 64 and per_expert <= 96 and _tcg_bm() == 32:
         bm = 32  # KESTREL_MOE_TCG_BM=32: 32-row blocks for the swapped Gluon kernel (less padding, wgmma N 32)
     if planar and bm == 64 and per_expert > 192 and _tcg_bm() == 128:
-        # KESTREL_MOE_TCG_BM=128 (not default until measured): Mixtral-like routing (256 slots per expert at M =
+        # KESTREL_MOE_TCG_BM=128 (default, session 8): Mixtral-like routing (256 slots per expert at M =
         # 1024) fills 128-row blocks, so each decoded weight tile feeds twice the tokens at no extra padding
         bm = 128
     dq16 = act in ("bf16", "mxfp4", "nvfp4")
@@ -200,17 +200,18 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
 
 # planar int4 expert blocks of at least this many rows run the tc kernel (moe_tc.py) by default, smaller ones mv
 TC_MIN_BM = 64
-# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=2 (default:
-# W decoded into the wgmma's register operand, session 4's loop), 3 (the same on the dense swap kernel's loop, one
-# wgmma in flight: 1.05x per GEMM in session 5 R1, but its routed / fp32-atomic epilogue and the layer never ran on
-# the GPU, so not the default yet), 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
-USE_TCG = os.environ.get("KESTREL_MOE_TCG", "2")
+# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=3 (default: W
+# decoded into the wgmma's register operand on the dense swap kernel's loop, one wgmma in flight; session 8 H200:
+# layer err 5.67e-3 as =2, Qwen3-30B-A3B M=1024 layer 350.6 vs 366.1 us, Mixtral 1989 vs 2067), 2 (session 4's
+# swapped loop), 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
+USE_TCG = os.environ.get("KESTREL_MOE_TCG", "3")
 USE_TCG = "" if USE_TCG == "0" else USE_TCG
 
 
 # KESTREL_MOE_TCG_BM=32 / 128: other expert-block rows for the swapped Gluon kernel (see moe_config); a module
-# global so benches can flip it between calls
-TCG_BM = os.environ.get("KESTREL_MOE_TCG_BM", "")
+# global so benches can flip it between calls. 128 is the default (applies above 192 slots per expert only):
+# session 8 H200 Mixtral-8x7B M=1024 layer 1926 us vs 1989 with 64-row blocks, same err (5.65e-3); "" / 0: off
+TCG_BM = os.environ.get("KESTREL_MOE_TCG_BM", "128")
 
 
 def _tcg_bm() -> int:

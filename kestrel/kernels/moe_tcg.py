@@ -51,6 +51,9 @@ class TcgConfig:
     REFILL: int = 0  # swapped kernel: 1 refills the previous step's ring slot after the pre-MMA barrier (one CTA
     # barrier per step instead of two). BROKEN on the H200 (err 0.25, session 4 R2): `supports` refuses it
     MAXNREG: int = 0  # > 0: register cap per thread (ptxas maxnreg), e.g. 128 for 2 CTAs of 8 warps per SM
+    PROBE: int = 0  # SWAP 2 timing probe, WRONG results (benches only; `supports` refuses it): 1 skips the decode
+    # (a constant A operand), 2 skips the per-step wgmma (decode kept alive by a sum, one wgmma at the end): which of
+    # decode and MMA bounds the loop
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
 
     def as_dict(self) -> dict:
@@ -397,7 +400,7 @@ def _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out
 def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                      out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr,
-                     REDUCE: gl.constexpr, num_warps: gl.constexpr):
+                     REDUCE: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr):
     """acc^T [BN, BM] = W tile (decoded into registers by gemm_wna16_tcg's swap decode) @ x^T (shared), the loop of
     the dense swap kernel: step i's wgmma is issued behind step i - 1's (one in flight: no tensor-core gap while a
     slot is refilled), its scales loaded a step ahead (no L2 latency before the decode)."""
@@ -429,22 +432,32 @@ def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     s_base = s_ptr + (expert * n_steps).to(gl.int64) * N + s_offs  # fp32 scales [E * K / 128, N]
     s_next = gl.load(s_base, mask=s_ok, other=0.0)
     acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    if PROBE != 0:
+        keep = gl.zeros((BLOCK_N, BK), dtype=gl.bfloat16, layout=a_layout)
     for i in range(n_steps):
         slot = i % STAGES
         sraw = s_next.to(gl.bfloat16)
         s_next = gl.load(s_base + gl.minimum(i + 1, n_steps - 1) * N, mask=s_ok, other=0.0)
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
+        if PROBE == 1:
+            a = keep
+        else:
+            a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
         async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step i landed (one group per step)
         fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
         gl.thread_barrier()  # ... from every thread
-        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its ring slot is free
+        if PROBE == 2:
+            keep = keep + a
+        else:
+            acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its ring slot is free
         gl.thread_barrier()  # ... in every warpgroup, before one thread refills it
         nxt = i + STAGES - 1
         ns = nxt % STAGES
         _issue_xq(q_desc, bars.index(ns), q_smem.index(ns), x_smem.index(ns), x_ptrs, qrow0, off_n, nxt,
                   nxt < n_steps)
+    if PROBE == 2:
+        acc = warpgroup_mma(keep, x_smem.index(0).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     async_copy.wait_group(0)
     for i in gl.static_range(STAGES):
@@ -473,6 +486,7 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             and cfg.BM in ((32, 64, 128) if cfg.SWAP else (64, 128)) and cfg.BN in (64, 128, 256)
             and cfg.num_warps in (4, 8)
             and (not cfg.SWAP or (cfg.BN >= 16 * cfg.num_warps and cfg.num_stages >= 2))
+            and not cfg.PROBE  # timing probes compute wrong results
             and not cfg.REFILL  # R2 (H200): REFILL=1 gave wrong results (err 0.25) and was slower: disabled
             # session 5 R1 (H200): the tcgp loop measured wrong with a 3-deep ring (err 0.07 on three shapes; cause
             # not found: the ring indexing reads right), right (same err as SWAP 1, 2.8e-3) and faster with 4
@@ -505,8 +519,8 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
         LAST_COMPILED[0] = _moe_tcgp_kernel[grid](
             x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
             x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages,
-            GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps,
-            **reg)
+            GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, PROBE=cfg.PROBE,
+            num_warps=cfg.num_warps, **reg)
         return out
     kern, extra = (_moe_tcgs_kernel, (w.scales,)) if cfg.SWAP else (_moe_tcg_kernel, ())
     kw = {"EARLY_REFILL": bool(cfg.REFILL), **reg} if cfg.SWAP else reg
