@@ -62,6 +62,36 @@ def prefixes(seqs, plens, k, model=None, hidden=None, head=None, hybrid_min_n: i
     return torch.cat(out)
 
 
+@torch.inference_mode()
+def tree_prefixes(seqs, plens, widths, model, hidden, head, readout=None, max_rows: int = 2048) -> torch.Tensor:
+    """Accepted length of the best root-to-leaf path of the head's greedy draft tree (DraftHead.draft_tree) at every
+    generated position: what verifying the whole tree at once (tree attention) would accept."""
+    dev = model.embed_tokens.weight.device
+    head = head.to(dev, model.embed_tokens.weight.dtype).eval()
+    k, out = len(widths), []
+    for j, (s, p) in enumerate(zip(seqs, plens)):
+        L = len(s)
+        t = draft_positions(L, p, dev)
+        toks = torch.tensor(s, device=dev)
+        idx = t[:, None] + 2 + torch.arange(k, device=dev)[None, :]
+        for c in range(0, len(t), max_rows):
+            tc, ic = t[c:c + max_rows], idx[c:c + max_rows]
+            d = head.draft_tree(hidden[j][tc].to(dev), toks[tc + 1], model.embed_tokens.weight, model.lm_head.weight,
+                                widths, readout=readout)
+            truth, valid = toks[ic.clamp(max=L - 1)][:, None, :], (ic < L)[:, None, :]
+            out.append(((d == truth) & valid).long().cumprod(2).sum(2).amax(1).cpu())
+    return torch.cat(out)
+
+
+def tree_nodes(widths) -> int:
+    """Draft tokens in the tree: sum over depths of the branches alive there."""
+    n, P = 0, 1
+    for w in widths:
+        P *= w
+        n += P
+    return n
+
+
 def table(name, pref: torch.Tensor, k: int, counts=None) -> list[str]:
     return [format_stats(name, slot_stats(pref, k, counts))]
 
@@ -78,6 +108,9 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=None, help="cut each workload to this many prompts")
     ap.add_argument("--out", default=None, help="append the markdown table to this file")
+    ap.add_argument("--trees", nargs="*", default=[],
+                    help="draft trees to score as well, each as comma-separated widths per slot, e.g. 4,2,1,1 (top-4 "
+                         "first tokens, top-2 under each, then greedy); depth = the number of widths (<= --k)")
     args = ap.parse_args(argv)
     if args.tokenizer:
         import kestrel.model.loader as loader
@@ -109,10 +142,14 @@ def main(argv=None):
             if ro is not None:
                 lines += table(f"{wl}: head {name}, full-vocabulary readout",
                                prefixes(seqs, plens, k, engine.model, hidden, head), k, cnt)
+            for tr in args.trees:
+                w = [int(x) for x in tr.split(",")]
+                lines += table(f"{wl}: head {name}, tree {tr} ({tree_nodes(w)} draft tokens)",
+                               tree_prefixes(seqs, plens, w, engine.model, hidden, head, readout=ro), k, cnt)
             for mn in (1, 2, 3):
                 lines += table(f"{wl}: hybrid (n-gram if n>={mn}, else head) {name}",
                                prefixes(seqs, plens, k, engine.model, hidden, head, mn, readout=ro), k, cnt)
-        print("\n".join(lines[-1 - 5 * len(args.head):]), flush=True)
+        print("\n".join(lines[-1 - (5 + len(args.trees)) * len(args.head):]), flush=True)
     text = "\n".join(lines) + f"\n\n({time.perf_counter() - t0:.0f} s)\n"
     print(text)
     if args.out:

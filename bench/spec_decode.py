@@ -163,7 +163,8 @@ def main(argv=None):
                     help="one or more drafters; each runs k1/k4/conf against the same no-spec baseline; hybrid = the "
                          "head, with the n-gram's draft where an n-gram of >= 2 tokens matched (overlapped loop only; "
                          "its -sync modes are the plain head); -fused = the same with the fused drafting kernels "
-                         "(head_fused.py, CUDA), side by side with the PyTorch ones in this process")
+                         "(head_fused.py, CUDA; the engine's default), side by side with the PyTorch ones (head, "
+                         "hybrid: head_fused=0) in this process")
     ap.add_argument("--head", default=None, help="draft head safetensors (for --drafter head)")
     ap.add_argument("--kmax", type=int, default=4, help="most draft tokens for the confidence scheduler")
     ap.add_argument("--token-budget", type=int, default=None, help="confidence scheduler budget (default: config's)")
@@ -235,7 +236,7 @@ def build_modes(engine, args) -> dict:
     for d in args.drafter:
         base, fused = d.removesuffix("-fused"), d.endswith("-fused")
         for m, lp in runs:
-            extra = (",hybrid_ngram=2" if base == "hybrid" else "") + (",head_fused=1" if fused else "")
+            extra = (",hybrid_ngram=2" if base == "hybrid" else "") + (",head_fused=1" if fused else ",head_fused=0")
             cfg = parse_speculative(MODES[m].format(kmax=args.kmax) + f",drafter={'ngram' if d == 'ngram' else 'head'}"
                                     + budget + f",loop={lp}" + extra + (f",{args.spec_args}" if args.spec_args else "")
                                     + (f",head={args.head}" if d != "ngram" else ""))

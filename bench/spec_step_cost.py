@@ -45,7 +45,7 @@ PHASES = ("schedule", "draft", "launch", "gpu_wait", "accept", "commit")
 def gpu_floors(engine, vg, ctx_len: int, reps: int) -> list[tuple]:
     """ms per replay of the decode graph and the verify graphs, rows of a ctx_len-token context."""
     dg, bsz = engine.runner.graphs, engine.block_manager.block_size
-    nb = -(-(ctx_len + 8) // bsz)
+    nb = -(-(ctx_len + max(vg.k_sizes) + 2) // bsz)  # room for the widest verify chunk
     out = []
     ev = lambda: torch.cuda.Event(enable_timing=True)
     for bs in (1, 64):
@@ -144,6 +144,10 @@ def main(argv=None):
     ap.add_argument("--buckets", type=int, nargs="+", default=[1, 64],
                     help="decode/verify graph batch buckets to capture (fewer = shorter start-up)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--verify-k", type=int, nargs="+", default=None,
+                    help="verify graphs to time in part 1 (K drafts + 1 tokens per row; default: the engine's "
+                         "buckets up to 4); e.g. 8 16 32 prices a draft tree of that many tokens")
+    ap.add_argument("--floors-only", action="store_true", help="part 1 only (no engine steps)")
     args = ap.parse_args(argv)
     if args.tokenizer:
         import kestrel.model.loader as loader
@@ -155,7 +159,14 @@ def main(argv=None):
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.concurrency),
                                     kv_cache_gb=1.0, enable_prefix_caching=False, max_num_batched_tokens=4096,
                                     progress=False))
-    vg = verify_graphs(engine, 4)
+    if args.verify_k and getattr(engine.runner, "graphs", None) is not None:
+        from kestrel.spec.verify_graph import VerifyGraphs
+        r, b = engine.runner, engine.runner.backend
+        vg = VerifyGraphs(r.model, b.k_cache, b.v_cache, r.graphs.batch_sizes, sorted(set(args.verify_k)),
+                          -(-engine.max_model_len // r.block_size), r.cfg.sliding_window)
+        vg.capture()
+    else:
+        vg = verify_graphs(engine, 4)
     print(f"engine + verify graphs ready in {time.perf_counter() - t0:.1f}s", flush=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
     lines = [f"GPU: {gpu}, torch {torch.__version__}, SmolLM2-135M {args.dtype}", "",
@@ -164,6 +175,9 @@ def main(argv=None):
         lines.append(f"| {bs} | {name} | {ms:.3f} |")
         print(lines[-1], flush=True)
 
+    if args.floors_only:
+        _write(lines, args.out)
+        return
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     stepper = engine.async_stepper
     timer = Phases()
@@ -210,10 +224,13 @@ def main(argv=None):
                          + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
     engine.spec, engine.async_stepper = None, stepper
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    _write(lines, args.out)
+
+
+def _write(lines, out) -> None:
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -207,3 +207,32 @@ def test_walk_tokens_per_verify_steps_over_accepted_prefixes():
     assert w[0] == (7 + 2) / (5 + 1) and w[3] == (7 + 3) / (3 + 1) and w[1] == (3 + 1 + 1 + 2 + 3) / 5  # k=2: 0 (3), 3 (1), 4 (1), 5 (2); then 3
     st = slot_stats(pref, 4, [7, 2])
     assert st["walk"] == w and abs(st["tokens_per_verify"][3] - (1 + pref.float().mean().item())) < 1e-6
+
+
+def test_draft_tree_paths_are_teacher_forced_chains():
+    """DraftHead.draft_tree (the tree-verification ceiling of bench/draft_acceptance.py): widths of ones is exactly
+    draft_greedy's chain (full and draft-vocabulary readout); with wider slots, path 0 is the greedy chain, the
+    first tokens are the top-w of slot 1, and every path's token at slot i is the argmax (rank r of its width) of
+    forward_teacher fed that path's own earlier tokens."""
+    torch.manual_seed(0)
+    H, V, k = 16, 50, 4
+    embed, lm_head = torch.randn(V, H), torch.randn(V, H)
+    head = DraftHead(H, k=k, recurrent=True).eval()
+    h, x = torch.randn(3, H), torch.tensor([1, 7, 9])
+    greedy, _ = head.draft_greedy(h, x, embed, lm_head, k)
+    assert torch.equal(head.draft_tree(h, x, embed, lm_head, [1] * k)[:, 0], greedy)
+    head.vocab = torch.arange(0, V, 2)
+    ro = head.subset_readout(embed, lm_head)
+    assert torch.equal(head.draft_tree(h, x, embed, lm_head, [1] * k, readout=ro)[:, 0],
+                       head.draft_greedy(h, x, embed, lm_head, k, readout=ro)[0])
+    head.vocab = None
+    widths = [3, 2, 1, 1]
+    t = head.draft_tree(h, x, embed, lm_head, widths)
+    assert t.shape == (3, 6, k)
+    assert torch.equal(t[:, 0], greedy)
+    for p in range(6):
+        prev = torch.cat([x[:, None], t[:, p, :-1]], 1)
+        logits, _ = head.forward_teacher(h, embed[x], embed[prev], lm_head)
+        ranks = [p // 2, p % 2, 0, 0]  # path p = (first token rank p // 2, second rank p % 2, greedy after)
+        for i in range(k):
+            assert torch.equal(logits[:, i].topk(widths[i], -1).indices[:, ranks[i]], t[:, p, i])

@@ -169,3 +169,37 @@ def test_loop_head_enters_without_hidden_states(tmp_path, plain, monkeypatch):
     s = e.stats()
     assert sum(s["spec_loop_steps"].values()) > 10
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+def test_loop_cost_model_batch_one_is_not_swung_by_single_outcomes():
+    """At batch 1 every step observes one row (accept or reject): the running survival must not swing K with it.
+    Session 7 R1's costs and a head accepting ~45% per slot: exact survival makes K=6 the best (rate 1.40 vs K=1's
+    1.16 tokens/ms), and the loop must pick it nearly always (with a fixed weight of 0.3 per step it chose K=1 in
+    ~2/3 of the steps, as the live conf runs did)."""
+    from kestrel.spec.spec_loop import SpecLoop
+
+    p = [0.45, 0.45, 0.5, 0.55, 0.6, 0.6]  # P(accept slot i | slots before accepted)
+    costs = {0: 1.19, 1: 1.25, 2: 1.29, 4: 1.33, 6: 1.33}
+    exact = [1.0]
+    for q in p:
+        exact.append(exact[-1] * q)
+    best = max(costs, key=lambda K: (1 + sum(exact[1:K + 1])) / costs[K])
+    assert best == 6
+    for seed in range(3):
+        loop = SpecLoop.__new__(SpecLoop)
+        loop.schedule, loop.k, loop.ks, loop.bs, loop.probe_every, loop.num_steps = "confidence", 6, sorted(costs), 1, 16, 1
+        loop.host_ms, loop.last_k = 0.11, None
+        loop.surv = [1.0] + [0.5 ** i for i in range(1, 7)]
+        loop.gpu_ms = {(1, K): c for K, c in costs.items()}
+        loop.gpu_n = {key: 2 for key in loop.gpu_ms}
+        rng, chosen = random.Random(seed), []
+        for _ in range(600):
+            loop.num_steps += 1
+            K = loop.choose_k()
+            chosen.append(K)
+            a = 0
+            while a < K and rng.random() < p[a]:
+                a += 1
+            if K:
+                loop.observe([1 if i <= a else 0 for i in range(K + 1)], 1, K)
+        assert chosen.count(best) >= 0.9 * len(chosen), (seed, {K: chosen.count(K) for K in costs})

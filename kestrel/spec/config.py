@@ -27,7 +27,7 @@ class SpeculativeConfig:
     # tokens (copying beats the head there), the head's elsewhere; 0 = head only
     hybrid_ngram: int = 0
     # drafter=head on CUDA: draft greedily with the fused Triton kernels of head_fused.py (1), the PyTorch ops (0),
-    # or as the KESTREL_HEAD_FUSED environment variable says (-1; off when unset); a field so that one process can
+    # or as the KESTREL_HEAD_FUSED environment variable says (-1; on unless it is 0); a field so that one process can
     # run both side by side (bench/spec_decode.py --drafter hybrid hybrid-fused)
     head_fused: int = -1
 

@@ -136,6 +136,28 @@ class DraftHead(nn.Module):
         return toks, torch.stack(confs, 1) if want_conf else None
 
     @torch.no_grad()
+    def draft_tree(self, h, x_next, embed, lm_head, widths, readout=None):
+        """Greedy draft tree, for measuring what tree verification could accept (bench/draft_acceptance.py): slot i
+        keeps the widths[i] most likely tokens under every branch of slot i-1, each branch refined with its own
+        chain. Returns tokens [N, P, len(widths)], one row per root-to-leaf path (P = prod(widths)); widths of all
+        ones is draft_greedy's chain. readout: subset_readout()'s tensors or None (full vocabulary)."""
+        z = self.slots(h, embed[x_next])
+        N = z.shape[0]
+        if readout is not None:
+            sub, emb_s, lm_s = readout
+        paths, zi, e, P = None, None, None, 1
+        for i, w in enumerate(widths[:self.k]):
+            zi = z[:, 0] if i == 0 else self.refine(z[:, i].repeat_interleave(P, 0), e, zi)
+            logits = zi @ lm_s.t() if readout is not None else _rms(self.out_norm, zi) @ lm_head.t()
+            top = logits.float().topk(w, -1).indices  # [N * P, w]: parent p's children at p * w + c
+            zi = zi.repeat_interleave(w, 0)
+            e = (emb_s if readout is not None else embed)[top.reshape(-1)]
+            col = top.view(N, P * w, 1)
+            paths = col if paths is None else torch.cat([paths.repeat_interleave(w, 1), col], -1)
+            P *= w
+        return sub[paths] if readout is not None else paths
+
+    @torch.no_grad()
     def draft(self, h, x_next, embed, lm_head, k, temperature=None, generator=None):
         """Inference: propose k tokens per row. temperature [N] (0 = greedy). Returns tokens [N, k],
         confidence [N, k], q [N, k, V] (the distributions sampled from; T=1 softmax for greedy rows) or None when
