@@ -131,6 +131,13 @@ XS_EXP = tl.constexpr(100)
 XS_E2M1 = False  # A/B switch (bench/wna16_mvs8_sweep.py)
 # bf16 e2m1 decode through _asm_fp4_imad: 0 off, 1 even fields, 2 all fields (A/B switch until GPU-timed)
 E2M1_IMAD = 0
+# Cost probe, timing only (results are WRONG on purpose; bench/wna16_mvs8_sweep.py --probe): which part of the
+# MXFP4 mv loop the GPU time goes to. Bit flags on the e2m1 (ASM, no FOLD / XS) path: 1 = no group scale (no scale
+# load / decode / accumulator FMA: acc += d), 2 = the e2m1 fields decoded as int4 nibbles (_nibble_pairs: PRMT +
+# LOP3 per pair, int4's cost), 4 = no decode beyond the PRMT that gathers a pair (the MMA gets raw word bytes),
+# 8 = every group of a planar block takes the block's first scale row (one scale load / decode per block instead
+# of one per group; the accumulator FMAs stay).
+PROBE = 0
 
 
 @triton.jit
@@ -156,6 +163,15 @@ def _fp4_pairs_raw(q, FIELD: tl.constexpr, IMAD: tl.constexpr = 0):
     asm: tl.constexpr = (_ASM_FP4_EVEN_RAW_IMAD if IMAD else _ASM_FP4_EVEN_RAW) if FIELD % 2 == 0 else (
         _ASM_FP4_ODD_RAW_IMAD if IMAD == 2 else _ASM_FP4_ODD_RAW)
     return tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [q, sel], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _gather_pairs(q, FIELD: tl.constexpr):
+    """Cost probe only (PROBE & 4): the PRMT that gathers byte FIELD // 2 of two words, read as bf16x2."""
+    B: tl.constexpr = FIELD // 2
+    sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r,r", [q, sel], dtype=tl.bfloat16,
+                                     is_pure=True, pack=2)
 
 
 @triton.jit
@@ -229,7 +245,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr, MASK_B: tl.constexpr,
               PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False,
-              IMAD: tl.constexpr = 0):
+              IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
     s_pre its group-scale row when PRE_S (prefetched by the caller). FOLD (e2m1 + e8m0, bf16): the group scale is
     folded into the decoded weights (times 2^-FOLD_EXP, exact), so every field's MMA chains straight into acc
@@ -263,7 +279,11 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 if not DOT_F32:
                     w = w.to(tl.bfloat16)
         elif ASM and not IS_INT:  # e2m1: the exact value (FOLD: times scale * 2^-FOLD_EXP)
-            if FOLD:
+            if PROBE & 4:
+                w = _gather_pairs(q, i)
+            elif PROBE & 2:
+                w = _nibble_pairs(q, i, False, -1)
+            elif FOLD:
                 w = _fp4_pairs(q, i, False, mulq, IMAD)
             else:
                 w = _fp4_pairs(q, i, x_ptr.dtype.element_ty == tl.float16,
@@ -322,7 +342,10 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
             else:
                 d = tl.dot(x, w, d)
         if (i + 1) % FPG == 0 and not FOLD:  # end of a quantization group run: correction and scale on [BM, BN]
-            g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
+            if PROBE & 8:
+                g = (b * PB) // GROUP_SIZE
+            else:
+                g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
             if IS_INT and not (ASM and not HAS_ZERO):
                 if HAS_ZERO:
                     zero = tl.load(z_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.float32)
@@ -339,7 +362,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                     d = d - xs[:, None] * zero[None, :]
             if MASK_B:
                 d = d * okf
-            if PER_CHANNEL:
+            if PER_CHANNEL or PROBE & 1:
                 acc += d
             else:
                 if PRE_S:
@@ -362,7 +385,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
                RED_STEP: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False,
-               IMAD: tl.constexpr = 0):
+               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -420,7 +443,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
-                            XS, IMAD)
+                            XS, IMAD, PROBE)
     else:
         for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
             if PF > 0:  # keep PF blocks ahead of the cp.async pipeline in flight to the L2
@@ -433,7 +456,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                 acc = _mv_block(acc, q, q, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, nb_mask,
                                 K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO,
                                 SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, KB > 1,
-                                False, R, FOLD, XS, IMAD)
+                                False, R, FOLD, XS, IMAD, PROBE)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
@@ -631,5 +654,6 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype),
                          XS=scale_x_e2m1(fmt, x2.dtype) and not fold_e8m0(fmt, x2.dtype),
                          IMAD=E2M1_IMAD if is_e2m1 and x2.dtype == torch.bfloat16 else 0,
+                         PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
     return y
