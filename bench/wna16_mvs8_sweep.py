@@ -36,7 +36,7 @@ def variants(layer, m, gpu, fmt, opts=None):
     default tile], xs=XS mode of those, fold=bool, mvs8=bool)."""
     from kestrel.kernels.configs import TuningConfig
     opts = {"splits": [], "xs": False, "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [], "xs_ab": True,
-            "imad": [], "imad_splits": [], **(opts or {})}
+            "imad": [], "imad_splits": [], "probe": [], "grow": False, **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
@@ -63,6 +63,18 @@ def variants(layer, m, gpu, fmt, opts=None):
                 if sk != base.split_k:
                     out.append((f"{base.kernel}{base.block_m} bn{base.block_n} w{base.num_warps} sk{sk}-{im}",
                                 dataclasses.replace(base, split_k=sk), im))
+    if fp4 and opts["grow"] and m <= 4:  # GROUP_ROWS: the 4 scale groups of a block on the tile's spare rows
+        out.append((f"{'dflt' if dflt == base else 'mv'}-grow", base, "grow"))
+        for sk in sorted({max(1, base.split_k // 2), base.split_k * 2}):
+            out.append((f"{base.kernel}{base.block_m} bn{base.block_n} w{base.num_warps} sk{sk}-grow",
+                        dataclasses.replace(base, split_k=sk), "grow"))
+        for bn, w in ((64, 1), (128, 2)):
+            if (bn, w) != (base.block_n, base.num_warps):
+                out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-grow",
+                            dataclasses.replace(base, block_n=bn, num_warps=w), "grow"))
+    if fp4:  # cost probes (gemm_wna16_small.PROBE, timing only: WRONG results on purpose) on the mv tile
+        for pb in opts["probe"]:
+            out.append((f"{'dflt' if dflt == base else 'mv'}-probe{pb}", base, f"probe{pb}"))
     for sk in opts["splits"]:  # split counts need not be powers of 2: fewer idle SMs in the last wave
         if sk != base.split_k:
             c = dataclasses.replace(base, split_k=sk)
@@ -92,12 +104,17 @@ def variants(layer, m, gpu, fmt, opts=None):
 
 def set_mode(sm, mode, xs0, fold0, imad0=0):
     """Module switches of gemm_wna16_small for one variant's mode (see variants); "imadN[-xs|-fold]" =
-    E2M1_IMAD N, with XS_E2M1 / FOLD_E8M0."""
-    sm.E2M1_IMAD = imad0
+    E2M1_IMAD N, with XS_E2M1 / FOLD_E8M0; "probeN" = PROBE N (timing only)."""
+    sm.E2M1_IMAD, sm.PROBE, sm.GROUP_ROWS = imad0, 0, False
     if mode is None:
         sm.XS_E2M1, sm.FOLD_E8M0 = xs0, fold0
     elif mode == "fold":
         sm.XS_E2M1, sm.FOLD_E8M0 = False, True
+    elif mode == "grow":
+        sm.XS_E2M1, sm.FOLD_E8M0, sm.GROUP_ROWS = False, False, True
+    elif isinstance(mode, str) and mode.startswith("probe"):
+        sm.PROBE = int(mode[5:])
+        sm.XS_E2M1, sm.FOLD_E8M0 = False, False
     elif isinstance(mode, str) and mode.startswith("imad"):
         sm.E2M1_IMAD = int(mode[4])
         sm.XS_E2M1, sm.FOLD_E8M0 = mode.endswith("-xs"), mode.endswith("-fold")
@@ -173,6 +190,9 @@ def main():
     ap.add_argument("--imad", default="", help="MXFP4: also the default tile with these E2M1_IMAD modes, e.g. "
                     "imad1,imad2,imad2-xs,imad2-fold")
     ap.add_argument("--imad-splits", default="", help="... and the first of them with these split_k values")
+    ap.add_argument("--grow", action="store_true", help="MXFP4, M <= 4: also GROUP_ROWS on the mv tile (+ splits)")
+    ap.add_argument("--probe", default="", help="MXFP4: also the mv tile with these gemm_wna16_small.PROBE cost "
+                    "probes (timing only, results WRONG on purpose), e.g. 1,2,4,5")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     t_start = time.time()
@@ -187,7 +207,8 @@ def main():
             "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg,
             "alt_m": [int(v) for v in args.alt_m.split(",") if v], "xs_ab": not args.no_xs,
             "imad": [v for v in args.imad.split(",") if v],
-            "imad_splits": [int(v) for v in args.imad_splits.split(",") if v]}
+            "imad_splits": [int(v) for v in args.imad_splits.split(",") if v],
+            "probe": [int(v) for v in args.probe.split(",") if v], "grow": args.grow}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
               for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
@@ -207,7 +228,7 @@ def main():
     print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
     meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    rows, entries = [], {"xs0": {}, "xs1": {}, "fold1": {}, "imad2": {}}
+    rows, entries = [], {"xs0": {}, "xs1": {}, "fold1": {}, "imad2": {}, "grow1": {}}
 
     def dump():
         json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
@@ -257,7 +278,7 @@ def main():
                     except Exception as ex:
                         print(f"fail {tag} {fmt} {name} M={m}: {ex!r}"[:300], flush=True)
                         continue
-                    if not err < 1e-2:
+                    if not err < 1e-2 and not (isinstance(fold, str) and fold.startswith("probe")):
                         print(f"WRONG RESULT {tag} {fmt} {name} M={m}: rel err {err:.3g}", flush=True)
                     d_us = us if tag == "dflt" else d_us
                     rows.append(dict(fmt=fmt, layer=name, N=n, K=k, M=m, tag=tag, config=cfg.to_dict(),
@@ -269,7 +290,7 @@ def main():
                 dr = [r for r in pt if r["tag"] == "dflt"]
                 from kestrel.kernels.configs import cache_key, m_bucket
                 for tag_e, modes in (("xs0", (None, False)), ("xs1", (None, True)), ("fold1", (None, "fold")),
-                                     ("imad2", (None, "imad2"))):
+                                     ("imad2", (None, "imad2")), ("grow1", (None, "grow"))):
                     # entries for XS_E2M1 off / on, FOLD_E8M0 on (int4 rows count for all)
                     best = min((r for r in pt if r["fold"] in modes), key=lambda r: r["us"], default=None)
                     if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:

@@ -317,3 +317,24 @@ def test_mv_fp4_raw_decode_ptx_semantics():
                 torch.bfloat16).double()
             want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
             assert torch.equal(got, want * 2.0 ** -126), (f, got, want)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
+                                  QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True),
+                                  QuantSpec("fp6_e3m2", group_size=32), QuantSpec("int4", group_size=32)],
+                         ids=lambda s: s.name)
+def test_mv_group_rows(spec, monkeypatch):
+    # GROUP_ROWS: the scale groups of a planar block on the mv tile's spare rows (M <= 16 / groups), with split-K
+    # (a split ending inside a two-block step), one-stage register prefetch, N not a tile multiple, K padded; M
+    # past the limit (and int formats) take the usual path
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "GROUP_ROWS", True)
+    qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(17)), spec)
+    g = 128 // spec.group_size
+    fmt = {"R": 16, "EPW": 8, "GROUP_SIZE": spec.group_size, "PER_CHANNEL": False, "IS_INT": spec.name == "int4"}
+    cfg = ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2)
+    assert sm.group_rows(fmt, cfg, 16 // g) == (0 if fmt["IS_INT"] else g)
+    assert sm.group_rows(fmt, cfg, 16 // g + 1) == 0
+    for m in (1, 16 // g, 16 // g + 1):
+        _check(qw, m, cfg, seed=m)
+        _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=1), seed=m)

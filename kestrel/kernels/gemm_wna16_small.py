@@ -131,6 +131,21 @@ XS_EXP = tl.constexpr(100)
 XS_E2M1 = False  # A/B switch (bench/wna16_mvs8_sweep.py)
 # bf16 e2m1 decode through _asm_fp4_imad: 0 off, 1 even fields, 2 all fields (A/B switch until GPU-timed)
 E2M1_IMAD = 0
+# Cost probe, timing only (results are WRONG on purpose; bench/wna16_mvs8_sweep.py --probe): which part of the
+# MXFP4 mv loop the GPU time goes to. Bit flags on the e2m1 (ASM, no FOLD / XS) path: 1 = no group scale (no scale
+# load / decode / accumulator FMA: acc += d), 2 = the e2m1 fields decoded as int4 nibbles (_nibble_pairs: PRMT +
+# LOP3 per pair, int4's cost), 4 = no decode beyond the PRMT that gathers a pair (the MMA gets raw word bytes),
+# 8 = every group of a planar block takes the block's first scale row (one scale load / decode per block instead
+# of one per group; the accumulator FMAs stay).
+PROBE = 0
+# Groups on the MMA's spare rows (mv, minifloat weights with several scale groups per planar block, M <= BLOCK_M /
+# groups): row r of the x tile is x row r // G restricted to the block's group r % G (the other k masked to 0), so
+# one MMA chain over the whole block gives every group's partial in its own row; the group scales are applied once
+# per block as one [BM, BN] tile (scale row of each row's group) instead of G passes over the accumulator, and the
+# G rows of each x row are summed once at the end. MXFP4 (G = 4): 4x fewer accumulator FMAs and scale loads. On by
+# measurement: H200 2026-12-04 (bench/results/gemm_wna16_smallm.md, session 8), same config, MXFP4 M = 1 / 4 on
+# every Llama shape whose default is mv: 1.155-1.307x faster.
+GROUP_ROWS = True
 
 
 @triton.jit
@@ -156,6 +171,15 @@ def _fp4_pairs_raw(q, FIELD: tl.constexpr, IMAD: tl.constexpr = 0):
     asm: tl.constexpr = (_ASM_FP4_EVEN_RAW_IMAD if IMAD else _ASM_FP4_EVEN_RAW) if FIELD % 2 == 0 else (
         _ASM_FP4_ODD_RAW_IMAD if IMAD == 2 else _ASM_FP4_ODD_RAW)
     return tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [q, sel], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _gather_pairs(q, FIELD: tl.constexpr):
+    """Cost probe only (PROBE & 4): the PRMT that gathers byte FIELD // 2 of two words, read as bf16x2."""
+    B: tl.constexpr = FIELD // 2
+    sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r,r", [q, sel], dtype=tl.bfloat16,
+                                     is_pure=True, pack=2)
 
 
 @triton.jit
@@ -229,7 +253,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr, MASK_B: tl.constexpr,
               PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False,
-              IMAD: tl.constexpr = 0):
+              IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0, row_g=None):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
     s_pre its group-scale row when PRE_S (prefetched by the caller). FOLD (e2m1 + e8m0, bf16): the group scale is
     folded into the decoded weights (times 2^-FOLD_EXP, exact), so every field's MMA chains straight into acc
@@ -263,7 +287,11 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 if not DOT_F32:
                     w = w.to(tl.bfloat16)
         elif ASM and not IS_INT:  # e2m1: the exact value (FOLD: times scale * 2^-FOLD_EXP)
-            if FOLD:
+            if PROBE & 4:
+                w = _gather_pairs(q, i)
+            elif PROBE & 2:
+                w = _nibble_pairs(q, i, False, -1)
+            elif FOLD:
                 w = _fp4_pairs(q, i, False, mulq, IMAD)
             else:
                 w = _fp4_pairs(q, i, x_ptr.dtype.element_ty == tl.float16,
@@ -287,6 +315,8 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
             xmask = m_mask[:, None]
         else:
             xmask = m_mask[:, None] & (kx < K)[None, :]
+        if GROW:  # rows of the other groups of this block see x = 0 for this field
+            xmask = xmask & (row_g == (i * R) // GROUP_SIZE)[:, None]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=xmask, other=0.0)
         if XS:
             x = _scale_x(x, ASM)
@@ -311,6 +341,17 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                     d = tl.dot(x, w, d)
             if i == EPW - 1:
                 acc += d
+        elif GROW:  # one chain over the block: the groups are apart in rows
+            if i == 0:
+                d = tl.dot(x, w)
+            else:
+                d = tl.dot(x, w, d)
+            if i == EPW - 1:
+                if MASK_B:
+                    d = d * okf
+                sg = tl.load(s_ptr + (b * GROW + row_g)[:, None] * N + offs_n[None, :],
+                             mask=m_mask[:, None] & nb_mask[None, :], other=0)
+                acc += d * decode_scale(sg, SCALE_KIND)
         elif SWAP:
             if i % FPG == 0:
                 d = tl.dot(tl.trans(w), tl.trans(x))  # [BN, BM]
@@ -321,8 +362,11 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 d = tl.dot(x, w)  # [BM, BN]
             else:
                 d = tl.dot(x, w, d)
-        if (i + 1) % FPG == 0 and not FOLD:  # end of a quantization group run: correction and scale on [BM, BN]
-            g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
+        if (i + 1) % FPG == 0 and not FOLD and not GROW:  # end of a quantization group run: correction and scale on [BM, BN]
+            if PROBE & 8:
+                g = (b * PB) // GROUP_SIZE
+            else:
+                g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
             if IS_INT and not (ASM and not HAS_ZERO):
                 if HAS_ZERO:
                     zero = tl.load(z_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.float32)
@@ -339,7 +383,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                     d = d - xs[:, None] * zero[None, :]
             if MASK_B:
                 d = d * okf
-            if PER_CHANNEL:
+            if PER_CHANNEL or PROBE & 1:
                 acc += d
             else:
                 if PRE_S:
@@ -362,7 +406,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
                RED_STEP: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False,
-               IMAD: tl.constexpr = 0):
+               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -373,7 +417,13 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     pid_k = tl.program_id(2)
     PB: tl.constexpr = R * EPW
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if GROW:  # tile row r: x row r // GROW, scale group r % GROW of each block
+        rows = tl.arange(0, BLOCK_M)
+        offs_m = pid_m * (BLOCK_M // GROW) + rows // GROW
+        row_g = rows % GROW
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_g = offs_m
     n_mask = offs_n < N
     m_mask = offs_m < M
     offs_r = tl.arange(0, R)
@@ -420,7 +470,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
-                            XS, IMAD)
+                            XS, IMAD, PROBE, GROW, row_g)
     else:
         for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
             if PF > 0:  # keep PF blocks ahead of the cp.async pipeline in flight to the L2
@@ -433,7 +483,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                 acc = _mv_block(acc, q, q, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, nb_mask,
                                 K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO,
                                 SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, KB > 1,
-                                False, R, FOLD, XS, IMAD)
+                                False, R, FOLD, XS, IMAD, PROBE, GROW, row_g)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
@@ -442,6 +492,10 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
         acc = acc * (2.0 ** FOLD_EXP)
     if XS:
         acc = acc * (2.0 ** (126 - XS_EXP))
+    if GROW:  # the GROW group rows of each x row -> one row
+        acc = tl.sum(tl.reshape(acc, (BLOCK_M // GROW, GROW, BLOCK_N)), axis=1)
+        offs_m = pid_m * (BLOCK_M // GROW) + tl.arange(0, BLOCK_M // GROW)
+        m_mask = offs_m < M
     if PER_CHANNEL:
         acc = acc * decode_scale(tl.load(s_ptr + offs_n, mask=n_mask, other=0), SCALE_KIND)[None, :]
     if HAS_GSCALE:
@@ -593,6 +647,16 @@ def scale_x_e2m1(fmt: dict, dtype: torch.dtype) -> bool:
             and fmt["MAN_BITS"] == 1)
 
 
+def group_rows(fmt: dict, cfg, m: int) -> int:
+    """Scale groups per planar block put on the mv tile's rows (GROUP_ROWS), or 0: minifloat weights with >= 2
+    groups per block, plain mv (no FOLD / XS), and every x row's groups fit the tile."""
+    pb = fmt["R"] * fmt["EPW"]
+    g = pb // fmt["GROUP_SIZE"] if not fmt["PER_CHANNEL"] and fmt["GROUP_SIZE"] % fmt["R"] == 0 else 0
+    ok = (GROUP_ROWS and cfg.kernel == "mv" and not fmt["IS_INT"] and g >= 2 and pb % fmt["GROUP_SIZE"] == 0
+          and cfg.block_m % g == 0 and m <= cfg.block_m // g)
+    return g if ok else 0
+
+
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     """x2 [M, K] contiguous (act-order already applied) -> y [M, N] in x2's dtype, kernel cfg.kernel in
     ("gemv", "mv", "mvs": mv with W as the MMA A operand). `fmt` is gemm_wna16's format constexpr dict."""
@@ -609,7 +673,8 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     if cfg.kernel == "gemv":
         grid = (triton.cdiv(n, cfg.block_n), m, split)
     else:
-        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+        grow = group_rows(fmt, cfg, m) if cfg.kernel == "mv" else 0
+        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m // max(grow, 1)), split)
     if split > 1:
         if grid[0] * grid[1] > _CNT_SLOTS:
             raise ValueError(f"split-K over {grid[0] * grid[1]} tiles exceeds {_CNT_SLOTS} counters")
@@ -628,8 +693,9 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
-                         RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype),
-                         XS=scale_x_e2m1(fmt, x2.dtype) and not fold_e8m0(fmt, x2.dtype),
+                         RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype) and not grow,
+                         XS=scale_x_e2m1(fmt, x2.dtype) and not fold_e8m0(fmt, x2.dtype) and not grow, GROW=grow,
                          IMAD=E2M1_IMAD if is_e2m1 and x2.dtype == torch.bfloat16 else 0,
+                         PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
     return y
