@@ -13,9 +13,7 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -33,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kestrel.kernels import moe_tcg  # noqa: E402
 from kestrel.kernels.moe_tcg import TcgConfig  # noqa: E402
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+from wna16_tc_sass import sass_loop  # noqa: E402  (cuobjdump + K-loop extraction, shared with the WNA16 tools)
 PTRS = {"x_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16", "topk_w_ptr": "*fp32", "sorted_ptr": "*i32",
         "expert_ptr": "*i32", "npost_ptr": "*i32"}
 INTS = ("num_valid", "a_div", "out_div", "N", "K", "stride_xm", "stride_ym", "num_m_blocks")
@@ -61,24 +59,11 @@ def compile_tcgp(cfg: TcgConfig, reduce: bool):
 
 
 def analyse(kern) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kern.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
-        res = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loop = []  # the longest backward branch whose body holds wgmma (the K loop)
-    for addr, text in ins:
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if any("GMMA" in t for t in body) and len(body) > len(loop):
-                loop = body
+    loop, regs, stack = sass_loop(kern)
     mix = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
-    regs = int(re.search(r"REG:(\d+)", res).group(1))
     smem = kern.metadata.shared
     ctas = min(65536 // (regs * 32 * kern.metadata.num_warps), 232448 // max(smem, 1))
-    return {"regs": regs, "stack": int(re.search(r"STACK:(\d+)", res).group(1)), "smem": smem, "ctas_per_sm": ctas,
+    return {"regs": regs, "stack": stack, "smem": smem, "ctas_per_sm": ctas,
             "loop_instr": len(loop), "mix": dict(mix.most_common(14))}
 
 
