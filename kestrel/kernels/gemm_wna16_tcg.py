@@ -63,6 +63,22 @@ def _issue(x_desc, q_desc, s_desc, bar, x_buf, q_buf, s_buf, off_m, off_n, step,
 
 
 @gluon.jit
+def _tile_and_split(M, K, split_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The (tile, K split) prologue of a 2-D grid: program (pid, pid_k) owns the tile at (off_m, off_n) and its K
+    steps [s0, s0 + cnt). M tiles of one N tile run side by side, so each weight tile is read from HBM once."""
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    off_m = (pid % num_pid_m) * BLOCK_M
+    off_n = (pid // num_pid_m) * BLOCK_N
+    n_steps = K // BK
+    per = gl.cdiv(n_steps, split_k)
+    s0 = pid_k * per
+    cnt = gl.minimum(s0 + per, n_steps) - s0
+    return pid, pid_k, off_m, off_n, s0, cnt
+
+
+@gluon.jit
 def _tail_tile_and_split(M, K, n_full, tail_split, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """cfg.tail's prologue (1-D grid): programs 0 .. n_full - 1 are the whole waves' tiles, unsplit; the rest are
     the last partial wave's tiles (n_full + t // tail_split), each split over K in tail_split. Returns the tile
@@ -89,17 +105,7 @@ def _tcg_kernel(x_desc, q_desc, s_desc, y_ptr, M, N, K, stride_ym, split_k, BLOC
                 BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                 num_warps: gl.constexpr):
     """split_k is a runtime value (one compile for every split > 1); ATOMIC = split_k > 1."""
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_pid_m  # M tiles of one N tile run side by side: each word tile is read from HBM once
-    pid_n = pid // num_pid_m
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    n_steps = K // BK
-    per = gl.cdiv(n_steps, split_k)
-    s0 = pid_k * per
-    cnt = gl.minimum(s0 + per, n_steps) - s0
+    pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     # the host never launches an empty split; without the hint the loop's zero-trip path sets acc = 0 beside the
     # in-flight wgmma and ptxas serialises every wgmma (C7515)
     gl.assume(cnt > 0)
@@ -285,17 +291,7 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
         pid, pid_k, off_m, off_n, s0, cnt, my_split = _tail_tile_and_split(M, K, n_full, split_k, BLOCK_M, BLOCK_N)
         n_red = n_tiles
     else:
-        pid = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        pid_m = pid % num_pid_m
-        pid_n = pid // num_pid_m
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        n_steps = K // BK
-        per = gl.cdiv(n_steps, split_k)
-        s0 = pid_k * per
-        cnt = gl.minimum(s0 + per, n_steps) - s0
+        pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
         my_split = split_k
         n_red = gl.num_programs(0)
     gl.assume(cnt > 0)
@@ -440,17 +436,7 @@ def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLO
                   BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                   FP4: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """ws=2 (launched with num_warps=4): two consumer warpgroups in two partitions plus a loader warp."""
-    pid = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_pid_m
-    pid_n = pid // num_pid_m
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    n_steps = K // BK
-    per = gl.cdiv(n_steps, split_k)
-    s0 = pid_k * per
-    cnt = gl.minimum(s0 + per, n_steps) - s0
+    pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
