@@ -31,8 +31,8 @@ def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = Tr
             "gs_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
             "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "split_k": "i32"}
     const = dict(FMT[fmt], BLOCK_M=extra.pop("BLOCK_M", 16), BLOCK_N=block_n, SPLIT=split, NUM_STAGES=stages, SWAP=False, EVEN_K=True,
-                 DOT_F32=False, ASM=True, KB=1, PDL=0, PF=0, RED_STEP=2, FOLD=False, XS=False)
-    # every constexpr given explicitly: with FOLD / XS left to their defaults, a FOLD=True and an XS=True compile
+                 DOT_F32=False, ASM=True, KB=1, PDL=0, PF=0, RED_STEP=2, FOLD=False)
+    # every constexpr given explicitly: with FOLD left to its default, a FOLD=True and a FOLD=False compile
     # shared one on-disk cache entry (Triton 3.9 ASTSource key), so the second analysis reported the first kernel
     const.update(extra)
     const = {k: v for k, v in const.items() if k in names}

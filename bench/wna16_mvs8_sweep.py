@@ -2,9 +2,8 @@
   - "mvs8": the same tile as the swapped kernel with x as an 8-wide MMA N side (ComputeConfig("mvs", 8, ...)):
     half the MMAs and half the per-group scale FMAs of the 16-row tile (sm_90 SASS: mxfp4 4.32 -> 3.85-3.94,
     int4 2.50 -> 2.33-2.36 thread-instructions per weight element, bench/wna16_mv_sass.py), at a few splits;
-  - MXFP4 only: x scaled by 2^XS_EXP so the e2m1 decode drops its per-pair multiply (gemm_wna16_small.XS_E2M1;
-    sm_90 SASS: mv 4.41 -> 4.06, mvs8 3.87 -> 3.43 instructions per weight), on the default tile and on mvs8;
-    with --fold also FOLD_E8M0 (the e8m0 group scale as the decode multiplier, no per-group accumulator FMAs);
+  - MXFP4 only, with --fold: FOLD_E8M0 (the e8m0 group scale as the decode multiplier, no per-group accumulator
+    FMAs);
   - with --splits: the default tile at other split-K counts (not only powers of 2: fewer idle SMs in the last wave).
 Every config is checked against x @ dequant(W)^T (float32) before timing. Timing: CUDA graph of 20 calls rotating
 over >= 200 MB of weight copies (L2 cold), median of 10 replays. Kestrel's kernels compile first in worker processes.
@@ -29,34 +28,27 @@ from kestrel.kernels.timing import graph_time_us  # noqa: E402
 
 
 def variants(layer, m, gpu, fmt, opts=None):
-    """[(tag, config, mode)] for one point. mode: None = the module defaults (int4); False / True = MXFP4 with
-    gemm_wna16_small.XS_E2M1 off / on (x scaled by 2^XS_EXP, e2m1 decoded without the per-pair multiply); "fold" =
+    """[(tag, config, mode)] for one point. mode: None = the module defaults; "fold" =
     MXFP4 with FOLD_E8M0 (the e8m0 group scale is the decode multiplier: no per-group FMAs on the accumulator, as
     Humming applies its group scales to the dequantized weights). opts: dict(splits=[extra split_k values for the
-    default tile], xs=XS mode of those, fold=bool, mvs8=bool)."""
+    default tile], fold=bool, mvs8=bool)."""
     from kestrel.kernels.configs import TuningConfig
-    opts = {"splits": [], "xs": False, "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [], "xs_ab": True,
-            "imad": [], "imad_splits": [], "probe": [], "grow": False, **(opts or {})}
+    opts = {"splits": [], "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [],
+            "imad": [], "imad_splits": [], "probe": [], "grow": False, "grow2": False, "stages1": False,
+            "tiles": [], **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
     fp4 = fmt == "mxfp4"
-    from kestrel.kernels import gemm_wna16_small as sm
-    xs_d = bool(sm.XS_E2M1)  # "dflt" = what gemm_wna16 runs by default (tune cache + module switches)
-    out = [("dflt", dflt, xs_d if fp4 else None)]
+    out = [("dflt", dflt, None)]  # what gemm_wna16 runs by default (tune cache + module switches)
     for am in opts["alt_m"]:  # the tune cache's config of another M (its kernel pads M anyway: the M = 1 winner
         # may beat the M = 16 one that buckets 2-8 inherited)
         c = TuningConfig(gpu).lookup(layer, am)
         if am != m and c != dflt and (c.kernel != "stream" or m <= 4):
-            out.append((f"m{am}cfg {c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k}", c,
-                        xs_d if fp4 else None))
-    if fp4 and opts["xs_ab"]:
-        out.append(("dflt-noxs" if xs_d else "dflt-xs", dflt, not xs_d))
-        if dflt != base:
-            out.append(("mv-xs", base, True))
-    if fp4 and opts["fold"]:  # independent of the XS A/B (--no-xs keeps it)
+            out.append((f"m{am}cfg {c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k}", c, None))
+    if fp4 and opts["fold"]:
         out.append(("dflt-fold" if dflt == base else "mv-fold", base, "fold"))
-    if fp4:  # the e2m1 decode's bit moves on the FMA pipe (gemm_wna16_small.E2M1_IMAD), alone and with XS / FOLD
+    if fp4:  # the e2m1 decode's bit moves on the FMA pipe (gemm_wna16_small.E2M1_IMAD), alone and with FOLD
         for j, im in enumerate(opts["imad"]):  # (on the mv tile where the default is another kernel)
             out.append((f"{'dflt' if dflt == base else 'mv'}-{im}", base, im))
             for sk in opts["imad_splits"] if j == 0 else []:  # other splits: the first mode only
@@ -72,54 +64,67 @@ def variants(layer, m, gpu, fmt, opts=None):
             if (bn, w) != (base.block_n, base.num_warps):
                 out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-grow",
                             dataclasses.replace(base, block_n=bn, num_warps=w), "grow"))
+    if fp4 and opts["grow2"] and 4 < m <= 8:  # GROUP_ROWS_PARTIAL: 2 of the 4 groups per pass on the spare rows
+        out.append((f"{'dflt' if dflt == base else 'mv'}-grow2", base, "grow2"))
+        for sk in sorted({max(1, base.split_k // 2), base.split_k * 2}):
+            out.append((f"{base.kernel}{base.block_m} bn{base.block_n} w{base.num_warps} sk{sk}-grow2",
+                        dataclasses.replace(base, split_k=sk), "grow2"))
+        for bn, w in ((64, 1), (128, 2)):
+            if (bn, w) != (base.block_n, base.num_warps):
+                out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-grow2",
+                            dataclasses.replace(base, block_n=bn, num_warps=w), "grow2"))
+    if opts["stages1"] and base.num_stages != 1:  # register prefetch: x through ld.global (L1) not cp.async (L2)
+        c = dataclasses.replace(base, num_stages=1)
+        out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k} s1", c, None))
+    for bn, w in opts["tiles"]:  # other tiles at the default split (module defaults)
+        if (bn, w) != (base.block_n, base.num_warps):
+            c = dataclasses.replace(base, block_n=bn, num_warps=w)
+            out.append((f"{c.kernel}{c.block_m} bn{bn} w{w} sk{c.split_k}", c, None))
     if fp4:  # cost probes (gemm_wna16_small.PROBE, timing only: WRONG results on purpose) on the mv tile
         for pb in opts["probe"]:
             out.append((f"{'dflt' if dflt == base else 'mv'}-probe{pb}", base, f"probe{pb}"))
     for sk in opts["splits"]:  # split counts need not be powers of 2: fewer idle SMs in the last wave
         if sk != base.split_k:
             c = dataclasses.replace(base, split_k=sk)
-            xs = opts["xs"] if fp4 else None
-            out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{sk}{'-xs' if xs is True else ''}", c,
-                        xs))
+            out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{sk}", c, None))
     if opts["maxnreg"]:  # a register cap: more CTAs per SM for some spill
         c = dataclasses.replace(base, maxnreg=opts["maxnreg"])
-        xs = opts["xs"] if fp4 else None
-        out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k} r{c.maxnreg}"
-                    f"{'-xs' if xs is True else ''}", c, xs))
+        out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k} r{c.maxnreg}", c, None))
     if m <= 8 and opts["mvs8"]:
         for sk in sorted({base.split_k, max(1, base.split_k // 2), base.split_k * 2}):
             c = dataclasses.replace(base, kernel="mvs", block_m=8, split_k=sk)
-            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{sk}{'-xs' if fp4 else ''}", c, True if fp4 else None))
+            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{sk}", c, None))
         for bn, w in ((64, 1), (128, 2)):
             if (bn, w) != (base.block_n, base.num_warps):
                 c = dataclasses.replace(base, kernel="mvs", block_m=8, block_n=bn, num_warps=w)
-                out.append((f"mvs8 bn{bn} w{w} sk{c.split_k}{'-xs' if fp4 else ''}", c, True if fp4 else None))
+                out.append((f"mvs8 bn{bn} w{w} sk{c.split_k}", c, None))
         if fp4:
             c = dataclasses.replace(base, kernel="mvs", block_m=8)
-            out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{c.split_k}", c, False))
             if opts["fold"]:
                 out.append((f"mvs8 bn{c.block_n} w{c.num_warps} sk{c.split_k}-fold", c, "fold"))
     return [(t, c, f) for t, c, f in out if c.valid_for(layer)]
 
 
-def set_mode(sm, mode, xs0, fold0, imad0=0):
-    """Module switches of gemm_wna16_small for one variant's mode (see variants); "imadN[-xs|-fold]" =
-    E2M1_IMAD N, with XS_E2M1 / FOLD_E8M0; "probeN" = PROBE N (timing only)."""
-    sm.E2M1_IMAD, sm.PROBE, sm.GROUP_ROWS = imad0, 0, False
+def set_mode(sm, mode, fold0, grow0, imad0=0):
+    """Module switches of gemm_wna16_small for one variant's mode (see variants): None = the defaults; "fold" =
+    FOLD_E8M0; "grow" / "nogrow" = GROUP_ROWS on / off; "grow2" = GROUP_ROWS + GROUP_ROWS_PARTIAL; "imadN[-fold]" = E2M1_IMAD N (with FOLD_E8M0);
+    "probeN" = PROBE N (timing only)."""
+    sm.E2M1_IMAD, sm.PROBE, sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL = imad0, 0, False, False, False
     if mode is None:
-        sm.XS_E2M1, sm.FOLD_E8M0 = xs0, fold0
+        sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL = fold0, grow0[0], grow0[1]
     elif mode == "fold":
-        sm.XS_E2M1, sm.FOLD_E8M0 = False, True
+        sm.FOLD_E8M0 = True
     elif mode == "grow":
-        sm.XS_E2M1, sm.FOLD_E8M0, sm.GROUP_ROWS = False, False, True
-    elif isinstance(mode, str) and mode.startswith("probe"):
+        sm.GROUP_ROWS = True
+    elif mode == "nogrow":
+        pass
+    elif mode == "grow2":
+        sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL = True, True
+    elif mode.startswith("probe"):
         sm.PROBE = int(mode[5:])
-        sm.XS_E2M1, sm.FOLD_E8M0 = False, False
-    elif isinstance(mode, str) and mode.startswith("imad"):
+    elif mode.startswith("imad"):
         sm.E2M1_IMAD = int(mode[4])
-        sm.XS_E2M1, sm.FOLD_E8M0 = mode.endswith("-xs"), mode.endswith("-fold")
-    else:
-        sm.XS_E2M1, sm.FOLD_E8M0 = bool(mode), False
+        sm.FOLD_E8M0 = mode.endswith("-fold")
 
 
 def compile_key(fmt, cfg, fold):
@@ -153,14 +158,14 @@ def _warm(items):
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS
     from kestrel.quant import quantize
-    t0, errs, xs0, fold0, qws = time.time(), [], sm.XS_E2M1, sm.FOLD_E8M0, {}
+    t0, errs, fold0, grow0, qws = time.time(), [], sm.FOLD_E8M0, (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL), {}
     for fmt, n, k, m, cfg, fold in items:
         # a small stand-in weight: N, K are runtime values (multiples of 16 / 128 like every Llama shape), so the
         # kernels are the same; full-size weights in 12 workers ran the H200 out of memory (session 4 round 2)
         n, k = 256, 1024
         if (fmt, n, k) not in qws:
             qws[(fmt, n, k)] = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, FORMATS[fmt])
-        set_mode(sm, fold, xs0, fold0)
+        set_mode(sm, fold, fold0, grow0)
         try:
             gemm_wna16(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qws[(fmt, n, k)],
                        ComputeConfig.from_dict(cfg))
@@ -181,16 +186,19 @@ def main():
     ap.add_argument("--humming", default="", help="also time Humming (same format) at these points, comma list of "
                     "fmt:layer (its first call JIT-compiles for ~10 s)")
     ap.add_argument("--splits", default="", help="extra split_k values for the default tile, e.g. 3,5,6,12")
-    ap.add_argument("--xs", type=int, default=0, help="XS_E2M1 of the --splits variants (MXFP4)")
     ap.add_argument("--fold", action="store_true", help="also MXFP4 with FOLD_E8M0 (default tile, mvs8)")
     ap.add_argument("--no-mvs8", action="store_true", help="no mvs block_m 8 variants")
     ap.add_argument("--maxnreg", type=int, default=0, help="also the default tile with this register cap")
     ap.add_argument("--alt-m", default="", help="also the tune cache's config for these M (e.g. 1)")
-    ap.add_argument("--no-xs", action="store_true", help="no XS_E2M1 A/B variants of the default tile")
     ap.add_argument("--imad", default="", help="MXFP4: also the default tile with these E2M1_IMAD modes, e.g. "
-                    "imad1,imad2,imad2-xs,imad2-fold")
+                    "imad1,imad2,imad2-fold")
     ap.add_argument("--imad-splits", default="", help="... and the first of them with these split_k values")
     ap.add_argument("--grow", action="store_true", help="MXFP4, M <= 4: also GROUP_ROWS on the mv tile (+ splits)")
+    ap.add_argument("--grow2", action="store_true", help="MXFP4, 4 < M <= 8: also GROUP_ROWS_PARTIAL (+ splits, "
+                    "tiles)")
+    ap.add_argument("--stages1", action="store_true", help="also the default tile with num_stages=1")
+    ap.add_argument("--tiles", default="", help="also the default tile's split with these BLOCK_N:warps, e.g. "
+                    "128:2,256:4")
     ap.add_argument("--probe", default="", help="MXFP4: also the mv tile with these gemm_wna16_small.PROBE cost "
                     "probes (timing only, results WRONG on purpose), e.g. 1,2,4,5")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -202,13 +210,15 @@ def main():
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
     gpu = torch.cuda.get_device_name()
-    xs0, fold0 = sm.XS_E2M1, sm.FOLD_E8M0
-    opts = {"splits": [int(v) for v in args.splits.split(",") if v], "xs": bool(args.xs), "fold": args.fold,
+    fold0, grow0 = sm.FOLD_E8M0, (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL)
+    opts = {"splits": [int(v) for v in args.splits.split(",") if v], "fold": args.fold,
             "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg,
-            "alt_m": [int(v) for v in args.alt_m.split(",") if v], "xs_ab": not args.no_xs,
+            "alt_m": [int(v) for v in args.alt_m.split(",") if v],
             "imad": [v for v in args.imad.split(",") if v],
             "imad_splits": [int(v) for v in args.imad_splits.split(",") if v],
-            "probe": [int(v) for v in args.probe.split(",") if v], "grow": args.grow}
+            "probe": [int(v) for v in args.probe.split(",") if v], "grow": args.grow, "grow2": args.grow2,
+            "stages1": args.stages1,
+            "tiles": [tuple(int(u) for u in v.split(":")) for v in args.tiles.split(",") if v]}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
               for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
@@ -228,7 +238,7 @@ def main():
     print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
     meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    rows, entries = [], {"xs0": {}, "xs1": {}, "fold1": {}, "imad2": {}, "grow1": {}}
+    rows, entries = [], {"dflt": {}, "fold1": {}, "imad2": {}, "grow1": {}, "grow2": {}}
 
     def dump():
         json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
@@ -270,7 +280,7 @@ def main():
                     except Exception as ex:
                         print(f"humming call failed: {ex!r}"[:300], flush=True)
                 for tag, cfg, fold in variants(layer, m, gpu, fmt, opts):
-                    set_mode(sm, fold, xs0, fold0)
+                    set_mode(sm, fold, fold0, grow0)
                     try:
                         y = gemm_wna16(x, qw0, cfg)
                         err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -284,14 +294,15 @@ def main():
                     rows.append(dict(fmt=fmt, layer=name, N=n, K=k, M=m, tag=tag, config=cfg.to_dict(),
                                      fold=fold, us=us, err=err, pct_copy=100 * qw0.nbytes / (us * 1e-6) / 1e12 / copy_bw))
                     line += f" | {tag} {us:.2f}" + (f" ({d_us / us:.3f}x)" if tag != "dflt" and d_us else "")
-                set_mode(sm, None, xs0, fold0)
+                set_mode(sm, None, fold0, grow0)
                 pt = [r for r in rows if (r["fmt"], r["layer"], r["M"]) == (fmt, name, m) and r["err"] < 1e-2
                       and r["tag"] != "humming"]
                 dr = [r for r in pt if r["tag"] == "dflt"]
                 from kestrel.kernels.configs import cache_key, m_bucket
-                for tag_e, modes in (("xs0", (None, False)), ("xs1", (None, True)), ("fold1", (None, "fold")),
-                                     ("imad2", (None, "imad2")), ("grow1", (None, "grow"))):
-                    # entries for XS_E2M1 off / on, FOLD_E8M0 on (int4 rows count for all)
+                for tag_e, modes in (("dflt", (None,)), ("fold1", (None, "fold")),
+                                     ("imad2", (None, "imad2")), ("grow1", (None, "grow")),
+                                     ("grow2", (None, "grow2"))):
+                    # entries for the module defaults, FOLD_E8M0 / E2M1_IMAD 2 / GROUP_ROWS / + PARTIAL on
                     best = min((r for r in pt if r["fold"] in modes), key=lambda r: r["us"], default=None)
                     if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:
                         entries[tag_e][cache_key(gpu, layer, m_bucket(m))] = {

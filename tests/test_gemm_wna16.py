@@ -253,33 +253,9 @@ def test_mv_fp4_fold_multiplier_ptx_semantics():
                 assert torch.equal(got, want * 2.0 ** (e - 127 - fe)), (e, f, got, want)
 
 
-@pytest.mark.parametrize("spec", [QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
-                                  QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True)],
-                         ids=lambda s: s.name)
-@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_e2m1_scaled_x(spec, dt, monkeypatch):
-    # XS_E2M1: e2m1 decoded to value * 2^-126 with x scaled by 2^XS_EXP (bf16 only; fp16 keeps the multiply), with
-    # large and tiny activations, split-K and a masked two-block step
-    from kestrel.kernels import gemm_wna16_small as sm
-    monkeypatch.setattr(sm, "XS_E2M1", True)
-    fmt = {"IS_INT": False, "EXP_BITS": 2, "MAN_BITS": 1}
-    assert sm.scale_x_e2m1(fmt, dt) == (dt == torch.bfloat16)
-    qw = quantize(torch.randn(48, 5 * 128, generator=torch.Generator().manual_seed(15)), spec)
-    for seed, cfg in ((0, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2)),
-                      (1, ComputeConfig("mvs", 8, 16, 0, split_k=3, num_warps=1, num_stages=3))):
-        _check(qw, 5, cfg, dtype=dt, seed=seed)
-    g = torch.Generator().manual_seed(16)
-    for scale in (1e-6, 1e4 if dt == torch.bfloat16 else 10.0):  # x far from 1 (fp16 outputs overflow at 1e4)
-        x = (torch.randn(3, qw.shape[1], generator=g) * scale).to(dt)
-        ref = x.double() @ dequantize(qw).double().t()
-        y = gemm_wna16(x, qw, ComputeConfig("mvs", 8, 16, 0, split_k=2, num_warps=1, num_stages=3)).double()
-        assert ((y - ref).norm() / ref.norm()).item() < TOL
-
-
-@pytest.mark.parametrize("mul", [True, False], ids=["mul", "raw"])
-def test_mv_fp4_imad_decode_ptx_semantics(mul):
-    # the FMA-pipe e2m1 PTX (E2M1_IMAD): value exactly (times the 2^126 multiplier), or value * 2^-126 (XS), for
-    # every field of random word pairs, so every code, both nibbles and both halves
+def test_mv_fp4_imad_decode_ptx_semantics():
+    # the FMA-pipe e2m1 PTX (E2M1_IMAD): value exactly (times the 2^126 multiplier) for every field of random word
+    # pairs, so every code, both nibbles and both halves
     from test_gemm_wna16_tc import _run_ptx
     from kestrel.kernels import gemm_wna16_small as sm
     from kestrel.quant.formats import decode_minifloat
@@ -289,34 +265,12 @@ def test_mv_fp4_imad_decode_ptx_semantics(mul):
         for f in range(8):
             b = f // 2
             sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
-            if mul:
-                asm = sm._ASM_FP4_ODD_BF16_IMAD if f % 2 else sm._ASM_FP4_EVEN_BF16_IMAD
-                out = _run_ptx(asm.value, [w0, w1, sel, sel, 0x7E807E80, 0x7E807E80])
-            else:
-                asm = sm._ASM_FP4_ODD_RAW_IMAD if f % 2 else sm._ASM_FP4_EVEN_RAW_IMAD
-                out = _run_ptx(asm.value, [w0, w1, sel, sel])
+            asm = sm._ASM_FP4_ODD_BF16_IMAD if f % 2 else sm._ASM_FP4_EVEN_BF16_IMAD
+            out = _run_ptx(asm.value, [w0, w1, sel, sel, 0x7E807E80, 0x7E807E80])
             got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
                 torch.bfloat16).double()
             want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
-            assert torch.equal(got, want * (1.0 if mul else 2.0 ** -126)), (f, mul, got, want)
-
-
-def test_mv_fp4_raw_decode_ptx_semantics():
-    # the multiply-free e2m1 PTX (XS_E2M1) gives value * 2^-126 as bf16 bits exactly (0.5 -> the subnormal 2^-127)
-    from test_gemm_wna16_tc import _run_ptx
-    from kestrel.kernels import gemm_wna16_small as sm
-    from kestrel.quant.formats import decode_minifloat
-    g = torch.Generator().manual_seed(17)
-    for _ in range(24):
-        w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
-        for f in range(8):
-            b = f // 2
-            sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
-            out = _run_ptx((sm._ASM_FP4_ODD_RAW if f % 2 else sm._ASM_FP4_EVEN_RAW).value, [w0, w1, sel, sel])
-            got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
-                torch.bfloat16).double()
-            want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
-            assert torch.equal(got, want * 2.0 ** -126), (f, got, want)
+            assert torch.equal(got, want), (f, got, want)
 
 
 @pytest.mark.parametrize("spec", [QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
@@ -336,5 +290,25 @@ def test_mv_group_rows(spec, monkeypatch):
     assert sm.group_rows(fmt, cfg, 16 // g) == (0 if fmt["IS_INT"] else g)
     assert sm.group_rows(fmt, cfg, 16 // g + 1) == 0
     for m in (1, 16 // g, 16 // g + 1):
+        _check(qw, m, cfg, seed=m)
+        _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=1), seed=m)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
+                                  QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True)],
+                         ids=lambda s: s.name)
+def test_mv_group_rows_partial(spec, monkeypatch):
+    # GROUP_ROWS_PARTIAL: M past 16 / groups takes the most groups per pass that fit (several passes per block),
+    # with split-K, one-stage register prefetch, N not a tile multiple, K padded; M = 9..16 the usual path
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "GROUP_ROWS", True)
+    monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", True)
+    qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(19)), spec)
+    g = 128 // spec.group_size
+    fmt = {"R": 16, "EPW": 8, "GROUP_SIZE": spec.group_size, "PER_CHANNEL": False, "IS_INT": False}
+    cfg = ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2)
+    want = {16 // g: g, 16 // g + 1: g // 2, 8: 2, 9: 0, 16: 0}
+    assert {m: sm.group_rows(fmt, cfg, m) for m in want} == want
+    for m in (16 // g + 1, 8, 9):
         _check(qw, m, cfg, seed=m)
         _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=1), seed=m)

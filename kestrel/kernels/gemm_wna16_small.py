@@ -83,36 +83,23 @@ def _asm_fp4_field(odd: bool, fp16: bool) -> tl.constexpr:
                         f"and.b32 t, t, 0x80008000; or.b32 t, t, u; mul.rn.{ty} $0, t, $5; }}")
 
 
-def _asm_fp4_raw(odd: bool) -> tl.constexpr:
-    """As _asm_fp4_field (bf16) without the multiply: value * 2^-126 (an e2m1 0.5 is a bf16 subnormal), for the
-    mv / mvs path that scales x by 2^XS_EXP instead (4 instructions per register pair, 3 for the odd field)."""
-    mag, sign = ("shr.u32 u, t, 6; ", "") if odd else ("shr.u32 u, t, 2; ", "shl.b32 t, t, 4; ")
-    return tl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $1, $2, $3; " + mag + sign + "and.b32 u, u, 0x01C001C0; "
-                        "lop3.b32 $0, t, u, 0x80008000, 0xEC; }")
-
-
-def _asm_fp4_imad(odd: bool, mul: bool) -> tl.constexpr:
+def _asm_fp4_imad(odd: bool) -> tl.constexpr:
     """A bf16 e2m1 field with its bit moves on the FMA pipe: the nibble of the byte-0 (byte-2) copy, masked, times
     0x1040 (even; 0x0104 odd) makes two non-overlapping shifted copies (one with the sign at bit 15, one with the
     exponent + mantissa at bits 8..6) and one mask keeps exactly those bits: LOP3, IMAD, LOP3 where _asm_fp4_field
     takes SHF (+ SHL), LOP3, LOP3 (sm_90 SASS), i.e. one integer-pipe op less per register pair, the integer pipe
-    (half rate on Hopper) being the decode's limit. Then the multiply by $5 (mul) as in _asm_fp4_field, or nothing
-    (value * 2^-126, as _asm_fp4_raw)."""
+    (half rate on Hopper) being the decode's limit. Then the multiply by $5 as in _asm_fp4_field."""
     mask, k = ("0x00F000F0", "0x0104") if odd else ("0x000F000F", "0x1040")
-    tail = "and.b32 u, u, 0x81C081C0; mul.rn.bf16x2 $0, u, $5; }" if mul else "and.b32 $0, u, 0x81C081C0; }"
+    tail = "and.b32 u, u, 0x81C081C0; mul.rn.bf16x2 $0, u, $5; }"
     return tl.constexpr("{ .reg .b32 t, u; prmt.b32 t, $1, $2, $3; " + f"and.b32 u, t, {mask}; "
                         f"mul.lo.u32 u, u, {k}; " + tail)
 
 
-_ASM_FP4_EVEN_RAW = _asm_fp4_raw(False)
-_ASM_FP4_ODD_RAW = _asm_fp4_raw(True)
 _ASM_FP4_EVEN_BF16 = _asm_fp4_field(False, False)
 _ASM_FP4_ODD_BF16 = _asm_fp4_field(True, False)
 _ASM_FP4_EVEN_F16 = _asm_fp4_field(False, True)
-_ASM_FP4_EVEN_BF16_IMAD = _asm_fp4_imad(False, True)
-_ASM_FP4_ODD_BF16_IMAD = _asm_fp4_imad(True, True)
-_ASM_FP4_EVEN_RAW_IMAD = _asm_fp4_imad(False, False)
-_ASM_FP4_ODD_RAW_IMAD = _asm_fp4_imad(True, False)
+_ASM_FP4_EVEN_BF16_IMAD = _asm_fp4_imad(False)
+_ASM_FP4_ODD_BF16_IMAD = _asm_fp4_imad(True)
 _ASM_FP4_ODD_F16 = _asm_fp4_field(True, True)
 # e8m0 scales folded into the bf16 decode multiplier (mv / mvs, bf16 activations): 2^126 * 2^(e-127) * 2^-FOLD_EXP,
 # i.e. bf16 exponent field e + 126 - FOLD_EXP, exact for e in [FOLD_EXP - 125, FOLD_EXP + 128] (clamped outside);
@@ -123,16 +110,10 @@ FOLD_EXP = tl.constexpr(16)
 # SASS, bench/wna16_mv_sass.py) the fold saves the per-group scale FMAs but adds register moves (4-12 % more
 # loop instructions). False = the group scale is applied on each group's fp32 MMA partial.
 FOLD_E8M0 = False
-# e2m1 weights with bf16 activations (mv / mvs): decode to value * 2^-126 without the per-pair multiply and scale x
-# by 2^XS_EXP instead (one packed multiply per x pair per field, ~1/8 of the weight pairs at 16 rows); the product
-# value * x * 2^(XS_EXP - 126) is exact in the fp32 MMA and 2^(126 - XS_EXP) goes back on the accumulator once.
-# Needs |x| < 2^(128 - XS_EXP) = 2^28 and the tensor cores to take bf16 subnormals (e2m1 +-0.5 -> 2^-127).
-XS_EXP = tl.constexpr(100)
-XS_E2M1 = False  # A/B switch (bench/wna16_mvs8_sweep.py)
 # bf16 e2m1 decode through _asm_fp4_imad: 0 off, 1 even fields, 2 all fields (A/B switch until GPU-timed)
 E2M1_IMAD = 0
 # Cost probe, timing only (results are WRONG on purpose; bench/wna16_mvs8_sweep.py --probe): which part of the
-# MXFP4 mv loop the GPU time goes to. Bit flags on the e2m1 (ASM, no FOLD / XS) path: 1 = no group scale (no scale
+# MXFP4 mv loop the GPU time goes to. Bit flags on the e2m1 (ASM, no FOLD) path: 1 = no group scale (no scale
 # load / decode / accumulator FMA: acc += d), 2 = the e2m1 fields decoded as int4 nibbles (_nibble_pairs: PRMT +
 # LOP3 per pair, int4's cost), 4 = no decode beyond the PRMT that gathers a pair (the MMA gets raw word bytes),
 # 8 = every group of a planar block takes the block's first scale row (one scale load / decode per block instead
@@ -146,6 +127,10 @@ PROBE = 0
 # measurement: H200 2026-12-04 (bench/results/gemm_wna16_smallm.md, session 8), same config, MXFP4 M = 1 / 4 on
 # every Llama shape whose default is mv: 1.155-1.307x faster.
 GROUP_ROWS = True
+# Partial GROUP_ROWS where all G groups do not fit (MXFP4 M = 5..8, NVFP4 M = 3..8): GROW = the largest power of 2
+# d < G with M * d <= BLOCK_M groups per pass, G / d passes per block (row r: x row r // d, group r % d of the
+# pass), i.e. d x fewer accumulator FMAs than one pass per group at the same MMA count. A/B switch until GPU-timed.
+GROUP_ROWS_PARTIAL = False
 
 
 @triton.jit
@@ -164,33 +149,12 @@ def _fp4_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr, mul, IMAD: tl.constex
 
 
 @triton.jit
-def _fp4_pairs_raw(q, FIELD: tl.constexpr, IMAD: tl.constexpr = 0):
-    """GPU only (inline PTX): e2m1 field FIELD of int32 words -> bf16 value * 2^-126 (see XS_EXP)."""
-    B: tl.constexpr = FIELD // 2
-    sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)
-    asm: tl.constexpr = (_ASM_FP4_EVEN_RAW_IMAD if IMAD else _ASM_FP4_EVEN_RAW) if FIELD % 2 == 0 else (
-        _ASM_FP4_ODD_RAW_IMAD if IMAD == 2 else _ASM_FP4_ODD_RAW)
-    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r", [q, sel], dtype=tl.bfloat16, is_pure=True, pack=2)
-
-
-@triton.jit
 def _gather_pairs(q, FIELD: tl.constexpr):
     """Cost probe only (PROBE & 4): the PRMT that gathers byte FIELD // 2 of two words, read as bf16x2."""
     B: tl.constexpr = FIELD // 2
     sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)
     return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r,r", [q, sel], dtype=tl.bfloat16,
                                      is_pure=True, pack=2)
-
-
-@triton.jit
-def _scale_x(x, ASM: tl.constexpr):
-    """bf16 x * 2^XS_EXP (exact): one packed multiply per pair on the GPU."""
-    if ASM:
-        return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r",
-                                         [x, tl.full(x.shape, 2.0 ** XS_EXP, tl.bfloat16)], dtype=tl.bfloat16,
-                                         is_pure=True, pack=2)
-    else:
-        return (x.to(tl.float32) * (2.0 ** XS_EXP)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -252,7 +216,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_KIND: tl.constexpr,
               GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr, MASK_B: tl.constexpr,
-              PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False,
+              PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False,
               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0, row_g=None):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
     s_pre its group-scale row when PRE_S (prefetched by the caller). FOLD (e2m1 + e8m0, bf16): the group scale is
@@ -262,6 +226,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
     PB: tl.constexpr = R * EPW
     # fields per quantization group run: all of a block when one group covers it
     FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
+    FPP: tl.constexpr = FPG * GROW  # GROW: fields per pass (one MMA chain, one scale tile)
     MANT: tl.constexpr = BITS < 8  # 1 + c/2^B is exact in bf16 only up to 7 mantissa bits
     SUB: tl.constexpr = CODE_OFFSET - 1000 * HAS_ZERO  # < 0: keep OFF + c and correct through the x sum
     offs_k = tl.arange(0, R)
@@ -279,14 +244,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 mulq = tl.broadcast_to((mb | (mb << 16))[None, :], q.shape)
             else:
                 sf = (tl.minimum(tl.maximum(e - FOLD_EXP, 1), 254) << 23).to(tl.float32, bitcast=True)
-        if XS:  # e2m1 value * 2^-126 (x carries 2^XS_EXP)
-            if ASM:
-                w = _fp4_pairs_raw(q, i, IMAD)
-            else:  # fp32 for the interpreter's fp32 dot (its bf16 cast flushes the subnormal 0.5 * 2^-126)
-                w = fp_plane(q, i, BITS, EXP_BITS, MAN_BITS) * (2.0 ** -126)
-                if not DOT_F32:
-                    w = w.to(tl.bfloat16)
-        elif ASM and not IS_INT:  # e2m1: the exact value (FOLD: times scale * 2^-FOLD_EXP)
+        if ASM and not IS_INT:  # e2m1: the exact value (FOLD: times scale * 2^-FOLD_EXP)
             if PROBE & 4:
                 w = _gather_pairs(q, i)
             elif PROBE & 2:
@@ -315,11 +273,9 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
             xmask = m_mask[:, None]
         else:
             xmask = m_mask[:, None] & (kx < K)[None, :]
-        if GROW:  # rows of the other groups of this block see x = 0 for this field
-            xmask = xmask & (row_g == (i * R) // GROUP_SIZE)[:, None]
+        if GROW:  # rows of the pass's other groups see x = 0 for this field
+            xmask = xmask & (row_g == ((i * R) // GROUP_SIZE) % GROW)[:, None]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=xmask, other=0.0)
-        if XS:
-            x = _scale_x(x, ASM)
         if IS_INT and not (ASM and not HAS_ZERO):
             if i % FPG == 0:
                 xs = tl.sum(x.to(tl.float32), axis=1)
@@ -341,15 +297,16 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                     d = tl.dot(x, w, d)
             if i == EPW - 1:
                 acc += d
-        elif GROW:  # one chain over the block: the groups are apart in rows
-            if i == 0:
+        elif GROW:  # one chain per pass of GROW groups (FPP fields): the pass's groups are apart in rows
+            if i % FPP == 0:
                 d = tl.dot(x, w)
             else:
                 d = tl.dot(x, w, d)
-            if i == EPW - 1:
+            if (i + 1) % FPP == 0:
                 if MASK_B:
                     d = d * okf
-                sg = tl.load(s_ptr + (b * GROW + row_g)[:, None] * N + offs_n[None, :],
+                g0 = (b * PB + (i + 1 - FPP) * R) // GROUP_SIZE  # the pass's first group
+                sg = tl.load(s_ptr + (g0 + row_g)[:, None] * N + offs_n[None, :],
                              mask=m_mask[:, None] & nb_mask[None, :], other=0)
                 acc += d * decode_scale(sg, SCALE_KIND)
         elif SWAP:
@@ -405,7 +362,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
-               RED_STEP: tl.constexpr, FOLD: tl.constexpr = False, XS: tl.constexpr = False,
+               RED_STEP: tl.constexpr, FOLD: tl.constexpr = False,
                IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
@@ -470,7 +427,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
-                            XS, IMAD, PROBE, GROW, row_g)
+                            IMAD, PROBE, GROW, row_g)
     else:
         for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
             if PF > 0:  # keep PF blocks ahead of the cp.async pipeline in flight to the L2
@@ -483,15 +440,13 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                 acc = _mv_block(acc, q, q, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, nb_mask,
                                 K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO,
                                 SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, KB > 1,
-                                False, R, FOLD, XS, IMAD, PROBE, GROW, row_g)
+                                False, R, FOLD, IMAD, PROBE, GROW, row_g)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
         acc = tl.trans(acc)
     if FOLD:
         acc = acc * (2.0 ** FOLD_EXP)
-    if XS:
-        acc = acc * (2.0 ** (126 - XS_EXP))
     if GROW:  # the GROW group rows of each x row -> one row
         acc = tl.sum(tl.reshape(acc, (BLOCK_M // GROW, GROW, BLOCK_N)), axis=1)
         offs_m = pid_m * (BLOCK_M // GROW) + tl.arange(0, BLOCK_M // GROW)
@@ -641,20 +596,19 @@ def fold_e8m0(fmt: dict, dtype: torch.dtype) -> bool:
             and fmt["GROUP_SIZE"] % fmt["R"] == 0)
 
 
-def scale_x_e2m1(fmt: dict, dtype: torch.dtype) -> bool:
-    """mv / mvs decode e2m1 without the per-pair multiply and scale x instead (XS_EXP): bf16 activations."""
-    return (XS_E2M1 and dtype == torch.bfloat16 and not fmt["IS_INT"] and fmt["EXP_BITS"] == 2
-            and fmt["MAN_BITS"] == 1)
-
-
 def group_rows(fmt: dict, cfg, m: int) -> int:
-    """Scale groups per planar block put on the mv tile's rows (GROUP_ROWS), or 0: minifloat weights with >= 2
-    groups per block, plain mv (no FOLD / XS), and every x row's groups fit the tile."""
+    """Scale groups per pass put on the mv tile's rows (GROW of GROUP_ROWS), or 0: minifloat weights with >= 2
+    power-of-2 groups per block, plain mv (no FOLD); all groups of a block where every x row's groups fit the
+    tile, else (GROUP_ROWS_PARTIAL) the most that fit, >= 2."""
     pb = fmt["R"] * fmt["EPW"]
     g = pb // fmt["GROUP_SIZE"] if not fmt["PER_CHANNEL"] and fmt["GROUP_SIZE"] % fmt["R"] == 0 else 0
-    ok = (GROUP_ROWS and cfg.kernel == "mv" and not fmt["IS_INT"] and g >= 2 and pb % fmt["GROUP_SIZE"] == 0
-          and cfg.block_m % g == 0 and m <= cfg.block_m // g)
-    return g if ok else 0
+    if not (GROUP_ROWS and cfg.kernel == "mv" and not fmt["IS_INT"] and g >= 2 and pb % fmt["GROUP_SIZE"] == 0
+            and g & (g - 1) == 0):
+        return 0
+    d = g
+    while d >= 2 and (m * d > cfg.block_m or cfg.block_m % d):
+        d //= 2
+    return d if d == g or (GROUP_ROWS_PARTIAL and d >= 2) else 0
 
 
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
@@ -693,8 +647,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
-                         RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype) and not grow,
-                         XS=scale_x_e2m1(fmt, x2.dtype) and not fold_e8m0(fmt, x2.dtype) and not grow, GROW=grow,
+                         RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype) and not grow, GROW=grow,
                          IMAD=E2M1_IMAD if is_e2m1 and x2.dtype == torch.bfloat16 else 0,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
