@@ -35,7 +35,7 @@ def variants(layer, m, gpu, fmt, opts=None):
     from kestrel.kernels.configs import TuningConfig
     opts = {"splits": [], "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [],
             "imad": [], "imad_splits": [], "probe": [], "grow": False, "grow2": False, "stages1": False,
-            "tiles": [], **(opts or {})}
+            "tiles": [], "spf": False, **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
@@ -73,6 +73,12 @@ def variants(layer, m, gpu, fmt, opts=None):
             if (bn, w) != (base.block_n, base.num_warps):
                 out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-grow2",
                             dataclasses.replace(base, block_n=bn, num_warps=w), "grow2"))
+    if fp4 and opts["spf"]:  # SCALE_PREFETCH: next block's 4 scale rows loaded during this block
+        out.append((f"{'dflt' if dflt == base else 'mv'}-spf", base, "spf"))
+        for bn, w in ((64, 1), (128, 2), (128, 4)):  # other tiles (module defaults otherwise)
+            if (bn, w) != (base.block_n, base.num_warps):
+                out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-spf",
+                            dataclasses.replace(base, block_n=bn, num_warps=w), "spf"))
     if opts["stages1"] and base.num_stages != 1:  # register prefetch: x through ld.global (L1) not cp.async (L2)
         c = dataclasses.replace(base, num_stages=1)
         out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k} s1", c, None))
@@ -107,11 +113,14 @@ def variants(layer, m, gpu, fmt, opts=None):
 
 def set_mode(sm, mode, fold0, grow0, imad0=0):
     """Module switches of gemm_wna16_small for one variant's mode (see variants): None = the defaults; "fold" =
-    FOLD_E8M0; "grow" / "nogrow" = GROUP_ROWS on / off; "grow2" = GROUP_ROWS + GROUP_ROWS_PARTIAL; "imadN[-fold]" = E2M1_IMAD N (with FOLD_E8M0);
+    FOLD_E8M0; "grow" / "nogrow" = GROUP_ROWS on / off; "grow2" = GROUP_ROWS + GROUP_ROWS_PARTIAL; "spf" = the defaults + SCALE_PREFETCH; "imadN[-fold]" = E2M1_IMAD N (with FOLD_E8M0);
     "probeN" = PROBE N (timing only)."""
     sm.E2M1_IMAD, sm.PROBE, sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL = imad0, 0, False, False, False
+    sm.SCALE_PREFETCH = False
     if mode is None:
-        sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL = fold0, grow0[0], grow0[1]
+        sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], grow0[2]
+    elif mode == "spf":  # the module defaults + SCALE_PREFETCH
+        sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], True
     elif mode == "fold":
         sm.FOLD_E8M0 = True
     elif mode == "grow":
@@ -158,7 +167,8 @@ def _warm(items):
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS
     from kestrel.quant import quantize
-    t0, errs, fold0, grow0, qws = time.time(), [], sm.FOLD_E8M0, (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL), {}
+    t0, errs, fold0, qws = time.time(), [], sm.FOLD_E8M0, {}
+    grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH)
     for fmt, n, k, m, cfg, fold in items:
         # a small stand-in weight: N, K are runtime values (multiples of 16 / 128 like every Llama shape), so the
         # kernels are the same; full-size weights in 12 workers ran the H200 out of memory (session 4 round 2)
@@ -196,6 +206,7 @@ def main():
     ap.add_argument("--grow", action="store_true", help="MXFP4, M <= 4: also GROUP_ROWS on the mv tile (+ splits)")
     ap.add_argument("--grow2", action="store_true", help="MXFP4, 4 < M <= 8: also GROUP_ROWS_PARTIAL (+ splits, "
                     "tiles)")
+    ap.add_argument("--spf", action="store_true", help="MXFP4: also SCALE_PREFETCH (default tile + 3 tiles)")
     ap.add_argument("--stages1", action="store_true", help="also the default tile with num_stages=1")
     ap.add_argument("--tiles", default="", help="also the default tile's split with these BLOCK_N:warps, e.g. "
                     "128:2,256:4")
@@ -210,14 +221,14 @@ def main():
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
     gpu = torch.cuda.get_device_name()
-    fold0, grow0 = sm.FOLD_E8M0, (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL)
+    fold0, grow0 = sm.FOLD_E8M0, (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH)
     opts = {"splits": [int(v) for v in args.splits.split(",") if v], "fold": args.fold,
             "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg,
             "alt_m": [int(v) for v in args.alt_m.split(",") if v],
             "imad": [v for v in args.imad.split(",") if v],
             "imad_splits": [int(v) for v in args.imad_splits.split(",") if v],
             "probe": [int(v) for v in args.probe.split(",") if v], "grow": args.grow, "grow2": args.grow2,
-            "stages1": args.stages1,
+            "stages1": args.stages1, "spf": args.spf,
             "tiles": [tuple(int(u) for u in v.split(":")) for v in args.tiles.split(",") if v]}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
@@ -238,7 +249,7 @@ def main():
     print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
     meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    rows, entries = [], {"dflt": {}, "fold1": {}, "imad2": {}, "grow1": {}, "grow2": {}}
+    rows, entries = [], {"dflt": {}, "fold1": {}, "imad2": {}, "grow1": {}, "grow2": {}, "spf": {}}
 
     def dump():
         json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
@@ -301,7 +312,7 @@ def main():
                 from kestrel.kernels.configs import cache_key, m_bucket
                 for tag_e, modes in (("dflt", (None,)), ("fold1", (None, "fold")),
                                      ("imad2", (None, "imad2")), ("grow1", (None, "grow")),
-                                     ("grow2", (None, "grow2"))):
+                                     ("grow2", (None, "grow2")), ("spf", (None, "spf"))):
                     # entries for the module defaults, FOLD_E8M0 / E2M1_IMAD 2 / GROUP_ROWS / + PARTIAL on
                     best = min((r for r in pt if r["fold"] in modes), key=lambda r: r["us"], default=None)
                     if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:

@@ -283,6 +283,7 @@ def test_mv_group_rows(spec, monkeypatch):
     # past the limit (and int formats) take the usual path
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "GROUP_ROWS", True)
+    monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", False)
     qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(17)), spec)
     g = 128 // spec.group_size
     fmt = {"R": 16, "EPW": 8, "GROUP_SIZE": spec.group_size, "PER_CHANNEL": False, "IS_INT": spec.name == "int4"}
@@ -312,3 +313,20 @@ def test_mv_group_rows_partial(spec, monkeypatch):
     for m in (16 // g + 1, 8, 9):
         _check(qw, m, cfg, seed=m)
         _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=1), seed=m)
+
+
+@pytest.mark.parametrize("m", [1, 4, 7, 16])
+def test_mv_scale_prefetch(m, monkeypatch):
+    # SCALE_PREFETCH: the next block's 4 e8m0 scale rows packed into one int32 per column, unpacked per group (plain
+    # passes, GROUP_ROWS, GROUP_ROWS_PARTIAL, the swapped kernel), split-K, N not a tile multiple, K padded
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "SCALE_PREFETCH", True)
+    monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", True)
+    spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
+    qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(21)), spec)
+    fmt = {"R": 16, "EPW": 8, "GROUP_SIZE": 32, "PER_CHANNEL": False, "SCALE_KIND": 1}
+    cfg = ComputeConfig("mv", 16, 32, 0, split_k=2, num_warps=4, num_stages=2)
+    assert sm.prefetch_scales(fmt, cfg, 1) and not sm.prefetch_scales(fmt, cfg, 2)
+    _check(qw, m, cfg, seed=m)
+    _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=3), seed=m + 1)
+    _check(qw, m, ComputeConfig("mvs", 16, 16, 0, split_k=2, num_warps=1, num_stages=2), seed=m + 2)

@@ -129,8 +129,15 @@ PROBE = 0
 GROUP_ROWS = True
 # Partial GROUP_ROWS where all G groups do not fit (MXFP4 M = 5..8, NVFP4 M = 3..8): GROW = the largest power of 2
 # d < G with M * d <= BLOCK_M groups per pass, G / d passes per block (row r: x row r // d, group r % d of the
-# pass), i.e. d x fewer accumulator FMAs than one pass per group at the same MMA count. A/B switch until GPU-timed.
-GROUP_ROWS_PARTIAL = False
+# pass), i.e. d x fewer accumulator FMAs than one pass per group at the same MMA count. On by measurement: H200
+# 2026-12-04 (bench/results/gemm_wna16_smallm.md, session 9 R1), MXFP4 M = 8, best tile / split with it vs the
+# previous default on the 8 Llama shapes: 1.053-1.139x (winners merged into the tune cache's M = 8 bucket).
+GROUP_ROWS_PARTIAL = True
+# e8m0 scales with 4 groups per planar block (MXFP4), cp.async pipeline with one block per step: the 4 scale rows of
+# block b + 1 are loaded (packed into one int32 per column) while block b is computed. Without it each group's scale
+# row is a synchronous 1-byte LDG in the loop (cp.async cannot copy single bytes), waited on 4x per block (sm_90
+# SASS); H200 2026-12-04 (session 9 R1) probe 1 (no scale) was 1.21-1.40x faster at M = 16. A/B switch until timed.
+SCALE_PREFETCH = False
 
 
 @triton.jit
@@ -155,6 +162,17 @@ def _gather_pairs(q, FIELD: tl.constexpr):
     sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)
     return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r,r", [q, sel], dtype=tl.bfloat16,
                                      is_pure=True, pack=2)
+
+
+@triton.jit
+def _scale_word(s_ptr, b, N, offs_n, mask):
+    """The e8m0 codes of planar block b's 4 groups (scale rows 4b .. 4b + 3), one byte each of an int32 per
+    column (group j in bits 8j .. 8j + 7)."""
+    ptrs = s_ptr + (b * 4) * N + offs_n
+    w = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+    for j in tl.static_range(1, 4):
+        w = w | (tl.load(ptrs + j * N, mask=mask, other=0).to(tl.int32) << (8 * j))
+    return w
 
 
 @triton.jit
@@ -217,9 +235,11 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr, MASK_B: tl.constexpr,
               PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False,
-              IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0, row_g=None):
+              IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0, row_g=None,
+              PRE_G: tl.constexpr = False):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
-    s_pre its group-scale row when PRE_S (prefetched by the caller). FOLD (e2m1 + e8m0, bf16): the group scale is
+    s_pre its group-scale row when PRE_S, or with PRE_G its 4 e8m0 group codes packed (_scale_word), both
+    prefetched by the caller. FOLD (e2m1 + e8m0, bf16): the group scale is
     folded into the decoded weights (times 2^-FOLD_EXP, exact), so every field's MMA chains straight into acc
     (the caller multiplies acc by 2^FOLD_EXP at the end); a block past the split's end has zero words (masked
     load), so it adds exact zeros."""
@@ -306,8 +326,11 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 if MASK_B:
                     d = d * okf
                 g0 = (b * PB + (i + 1 - FPP) * R) // GROUP_SIZE  # the pass's first group
-                sg = tl.load(s_ptr + (g0 + row_g)[:, None] * N + offs_n[None, :],
-                             mask=m_mask[:, None] & nb_mask[None, :], other=0)
+                if PRE_G:  # code of row r's group: byte (pass's first group in the block + r % GROW)
+                    sg = (s_pre[None, :] >> (8 * (((i + 1 - FPP) * R) // GROUP_SIZE + row_g))[:, None]) & 0xFF
+                else:
+                    sg = tl.load(s_ptr + (g0 + row_g)[:, None] * N + offs_n[None, :],
+                                 mask=m_mask[:, None] & nb_mask[None, :], other=0)
                 acc += d * decode_scale(sg, SCALE_KIND)
         elif SWAP:
             if i % FPG == 0:
@@ -345,6 +368,8 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
             else:
                 if PRE_S:
                     s = decode_scale(s_pre, SCALE_KIND)
+                elif PRE_G:
+                    s = decode_scale((s_pre >> (8 * (((i + 1 - FPG) * R) // GROUP_SIZE))) & 0xFF, SCALE_KIND)
                 else:
                     s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0), SCALE_KIND)
                 if SWAP:
@@ -363,7 +388,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
                RED_STEP: tl.constexpr, FOLD: tl.constexpr = False,
-               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0):
+               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0,
+               PRE_G: tl.constexpr = False):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -429,6 +455,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
                             IMAD, PROBE, GROW, row_g)
     else:
+        if PRE_G:  # (KB = 1, e8m0, 4 groups per block: SCALE_PREFETCH) block b0's scale codes
+            s_nx = _scale_word(s_ptr, b0, N, offs_n, n_mask & ((offs_n * 0 + b0) < b1))
         for b_step in tl.range(b0, b1, KB, num_stages=NUM_STAGES):
             if PF > 0:  # keep PF blocks ahead of the cp.async pipeline in flight to the L2
                 for kb in tl.static_range(KB):
@@ -437,10 +465,15 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                 b = b_step + kb
                 nb_mask = n_mask & ((offs_n * 0 + b) < b1)
                 q = tl.load(q_ptrs + b * R * N, mask=nb_mask[None, :], other=0)
-                acc = _mv_block(acc, q, q, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, nb_mask,
-                                K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO,
-                                SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, KB > 1,
-                                False, R, FOLD, IMAD, PROBE, GROW, row_g)
+                if PRE_G:  # this block's codes; the next block's in flight while this one is computed
+                    s_cur = s_nx
+                    s_nx = _scale_word(s_ptr, b + 1, N, offs_n, n_mask & ((offs_n * 0 + b + 1) < b1))
+                else:
+                    s_cur = q
+                acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask,
+                                nb_mask, K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET,
+                                HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM,
+                                KB > 1, False, R, FOLD, IMAD, PROBE, GROW, row_g, PRE_G)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
@@ -611,6 +644,13 @@ def group_rows(fmt: dict, cfg, m: int) -> int:
     return d if d == g or (GROUP_ROWS_PARTIAL and d >= 2) else 0
 
 
+def prefetch_scales(fmt: dict, cfg, kb: int) -> bool:
+    """mv / mvs load the next block's 4 e8m0 scale rows during this block (SCALE_PREFETCH): e8m0 scales, 4 groups
+    per planar block, the cp.async pipeline (num_stages > 1) with one block per step."""
+    return (SCALE_PREFETCH and cfg.kernel in ("mv", "mvs") and fmt["SCALE_KIND"] == 1 and not fmt["PER_CHANNEL"]
+            and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"] and kb == 1 and cfg.num_stages > 1)
+
+
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     """x2 [M, K] contiguous (act-order already applied) -> y [M, N] in x2's dtype, kernel cfg.kernel in
     ("gemv", "mv", "mvs": mv with W as the MMA A operand). `fmt` is gemm_wna16's format constexpr dict."""
@@ -648,6 +688,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
                          RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype) and not grow, GROW=grow,
+                         PRE_G=prefetch_scales(fmt, cfg, kb) and not (fold_e8m0(fmt, x2.dtype) and not grow),
                          IMAD=E2M1_IMAD if is_e2m1 and x2.dtype == torch.bfloat16 else 0,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
