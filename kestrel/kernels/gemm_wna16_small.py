@@ -136,8 +136,11 @@ GROUP_ROWS_PARTIAL = True
 # e8m0 scales with 4 groups per planar block (MXFP4), cp.async pipeline with one block per step: the 4 scale rows of
 # block b + 1 are loaded (packed into one int32 per column) while block b is computed. Without it each group's scale
 # row is a synchronous 1-byte LDG in the loop (cp.async cannot copy single bytes), waited on 4x per block (sm_90
-# SASS); H200 2026-12-04 (session 9 R1) probe 1 (no scale) was 1.21-1.40x faster at M = 16. A/B switch until timed.
-SCALE_PREFETCH = False
+# SASS). On by measurement except with all groups on the rows (GROUP_ROWS at M <= 4, where it lost 0.81-0.93x on
+# the default tile: 156 -> 204 registers at bn64 w1): H200 2026-12-04 (bench/results/gemm_wna16_smallm.md, session 9
+# R2), MXFP4 best tile with it vs the default: M = 16 1.04-1.19x, M = 8 1.05-1.17x on the 8 Llama shapes (winners
+# merged into the tune cache's M = 8 / 16 buckets).
+SCALE_PREFETCH = True
 
 
 @triton.jit
@@ -644,11 +647,12 @@ def group_rows(fmt: dict, cfg, m: int) -> int:
     return d if d == g or (GROUP_ROWS_PARTIAL and d >= 2) else 0
 
 
-def prefetch_scales(fmt: dict, cfg, kb: int) -> bool:
+def prefetch_scales(fmt: dict, cfg, kb: int, grow: int = 0) -> bool:
     """mv / mvs load the next block's 4 e8m0 scale rows during this block (SCALE_PREFETCH): e8m0 scales, 4 groups
-    per planar block, the cp.async pipeline (num_stages > 1) with one block per step."""
+    per planar block, the cp.async pipeline (num_stages > 1) with one block per step, not all 4 groups on the rows
+    (grow = group_rows(...) < 4)."""
     return (SCALE_PREFETCH and cfg.kernel in ("mv", "mvs") and fmt["SCALE_KIND"] == 1 and not fmt["PER_CHANNEL"]
-            and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"] and kb == 1 and cfg.num_stages > 1)
+            and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"] and kb == 1 and cfg.num_stages > 1 and grow < 4)
 
 
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
@@ -688,7 +692,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
                          RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype) and not grow, GROW=grow,
-                         PRE_G=prefetch_scales(fmt, cfg, kb) and not (fold_e8m0(fmt, x2.dtype) and not grow),
+                         PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not (fold_e8m0(fmt, x2.dtype) and not grow),
                          IMAD=E2M1_IMAD if is_e2m1 and x2.dtype == torch.bfloat16 else 0,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
