@@ -318,8 +318,8 @@ def test_mv_group_rows_partial(spec, monkeypatch):
 @pytest.mark.parametrize("m", [1, 4, 7, 16])
 def test_mv_scale_prefetch(m, monkeypatch):
     # SCALE_PREFETCH: the next block's 4 e8m0 scale rows packed into one int32 per column, unpacked per group (plain
-    # passes at M = 16, GROUP_ROWS_PARTIAL at M = 7, the swapped kernel at every M; off where GROUP_ROWS puts all 4
-    # groups on the rows, M = 1 / 4), split-K, N not a tile multiple, K padded
+    # passes at M = 16, GROUP_ROWS_PARTIAL at M = 7; off where GROUP_ROWS puts all 4 groups on the rows, M = 1 / 4,
+    # and on mvs), split-K, N not a tile multiple, K padded
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "SCALE_PREFETCH", True)
     monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", True)
@@ -331,4 +331,3 @@ def test_mv_scale_prefetch(m, monkeypatch):
     assert sm.prefetch_scales(fmt, cfg, 1, 2) and not sm.prefetch_scales(fmt, cfg, 1, 4)  # off with all 4 groups
     _check(qw, m, cfg, seed=m)
     _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=3), seed=m + 1)
-    _check(qw, m, ComputeConfig("mvs", 16, 16, 0, split_k=2, num_warps=1, num_stages=2), seed=m + 2)

@@ -648,10 +648,11 @@ def group_rows(fmt: dict, cfg, m: int) -> int:
 
 
 def prefetch_scales(fmt: dict, cfg, kb: int, grow: int = 0) -> bool:
-    """mv / mvs load the next block's 4 e8m0 scale rows during this block (SCALE_PREFETCH): e8m0 scales, 4 groups
+    """mv loads the next block's 4 e8m0 scale rows during this block (SCALE_PREFETCH; GPU-timed on mv only, the
+    kernel supports mvs too): e8m0 scales, 4 groups
     per planar block, the cp.async pipeline (num_stages > 1) with one block per step, not all 4 groups on the rows
     (grow = group_rows(...) < 4)."""
-    return (SCALE_PREFETCH and cfg.kernel in ("mv", "mvs") and fmt["SCALE_KIND"] == 1 and not fmt["PER_CHANNEL"]
+    return (SCALE_PREFETCH and cfg.kernel == "mv" and fmt["SCALE_KIND"] == 1 and not fmt["PER_CHANNEL"]
             and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"] and kb == 1 and cfg.num_stages > 1 and grow < 4)
 
 
