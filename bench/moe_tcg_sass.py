@@ -38,7 +38,7 @@ INTS = ("num_valid", "a_div", "out_div", "N", "K", "stride_xm", "stride_ym", "nu
 
 
 def compile_tcgp(cfg: TcgConfig, reduce: bool):
-    fn = moe_tcg._moe_tcgp_kernel
+    fn = moe_tcg._moe_tcgq_kernel if cfg.PERSIST else moe_tcg._moe_tcgp_kernel
     names = fn.arg_names
     lay = gl.NVMMASharedLayout.get_default_for([16, cfg.BN], gl.int32)
     sig = dict(PTRS, q_desc=f"tensordesc<i32[16,{cfg.BN}],{lay!r}>", **{n: "i32" for n in INTS})
@@ -69,7 +69,7 @@ def analyse(kern) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("configs", nargs="+", help="BM:BN:warps:stages:GROUP_M:SWAP[:REFILL[:MAXNREG[:PROBE]]] (SWAP 2)")
+    p.add_argument("configs", nargs="+", help="BM:BN:warps:stages:GROUP_M:SWAP[:REFILL[:MAXNREG[:PROBE[:PERSIST]]]] (SWAP 2)")
     p.add_argument("--reduce", action="store_true", help="also the down projection's routed fp32-atomic epilogue")
     args = p.parse_args()
     for c in args.configs:

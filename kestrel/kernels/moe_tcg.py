@@ -17,6 +17,7 @@ GPU only (no interpreter for Gluon): moe_gemm falls back to moe_tc where `suppor
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -54,6 +55,7 @@ class TcgConfig:
     PROBE: int = 0  # SWAP 2 timing probe, WRONG results (benches only; `supports` refuses it): 1 skips the decode
     # (a constant A operand), 2 skips the per-step wgmma (decode kept alive by a sum, one wgmma at the end): which of
     # decode and MMA bounds the loop
+    PERSIST: int = 0  # SWAP 2: 1 = one program per SM walking its tiles through one load ring (_moe_tcgq_kernel)
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
 
     def as_dict(self) -> dict:
@@ -466,6 +468,142 @@ def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
              MUL_ROUTED, REDUCE, num_warps)
 
 
+@gluon.jit
+def _store_t_staged(acc, epi, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """_store_t through a shared staging tile epi [BN, BM] fp32, 16 slot rows at a time: the persistent loop keeps
+    its ring / tile state live across the epilogue, and the whole tile's 64 values + 64 addresses a thread at once
+    pushed it to 255 registers with spills (offline sm_90a compile)."""
+    MC: gl.constexpr = 16
+    epi.store(acc)
+    gl.thread_barrier()
+    out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    n_ok = gl.expand_dims(offs_n < N, 1)
+    for j in gl.static_range(BLOCK_M // MC):
+        out = epi.slice(j * MC, MC, dim=1).load(out_layout)
+        otok = gl.load(sorted_ptr + pid_m * BLOCK_M + j * MC + gl.arange(0, MC, layout=gl.SliceLayout(0, out_layout)))
+        row_ok = otok < num_valid
+        if MUL_ROUTED:
+            out = out * gl.expand_dims(gl.load(topk_w_ptr + otok, mask=row_ok, other=0.0), 0)
+        mask = gl.expand_dims(row_ok, 0) & n_ok
+        if REDUCE:
+            y_rows = (otok // out_div).to(gl.int64)
+            gl.atomic_add(y_ptr + gl.expand_dims(y_rows * stride_ym, 0) + gl.expand_dims(offs_n, 1), out, mask=mask,
+                          sem="relaxed")
+        else:
+            ptrs = y_ptr + gl.expand_dims(otok.to(gl.int64) * stride_ym, 0) + gl.expand_dims(offs_n, 1)
+            gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _tile_coords(t, pid, G, n_real, N, expert_ptr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(expert block, first column, expert) of this persistent program's tile t: its tiles are pid, pid + G,
+    pid + 2 G, ... (so the G programs walk the swizzled tile order together, as one wave of the plain grid does)."""
+    pid_m, pid_n = _block_of(pid + t * G, n_real, N, BLOCK_N, GROUP_M)
+    return pid_m, pid_n * BLOCK_N, gl.load(expert_ptr + pid_m)
+
+
+@gluon.jit
+def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
+                     out_div, N, K, stride_xm, stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """The tcgp loop made persistent (PERSIST 1): one program per SM walks its tiles as one flat sequence of
+    (tile, K step) steps through one load ring, so the loads of a tile's first steps are in flight while the tile
+    before finishes its last wgmmas and its epilogue (session 8 probes: the tcgp loop spends ~145 of 198.6 us
+    outside decode and MMA — loads, barriers, tile start / finish; Qwen3's down projection has 6 K steps a tile).
+    Step / tile positions are counters carried through the loop (no runtime division per step)."""
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    n_real = gl.cdiv(gl.load(npost_ptr), BLOCK_M)  # expert blocks holding slots (the rest is padding)
+    n_steps = K // BK
+    gl.assume(n_steps > 0)
+    n_tiles = n_real * gl.cdiv(N, BLOCK_N)
+    total = gl.maximum(gl.cdiv(n_tiles - pid, G), 0) * n_steps  # this program's (tile, K step) steps
+    if total == 0:
+        return
+
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    epi = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
+                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1]))
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    # producer: the tile (p_t) and K step in it (p_s) of the next step it issues
+    p_t = 0
+    p_s = 0
+    p_m, p_n, p_e = _tile_coords(0, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+    p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+    for i in gl.static_range(STAGES - 1):
+        _issue_xq(q_desc, bars.index(i), q_smem.index(i), x_smem.index(i), p_x, p_e * (K // 8), p_n, p_s,
+                  i < total)
+        p_s += 1
+        if p_s == n_steps:
+            p_s = 0
+            p_t += 1
+            if i + 1 < total:
+                p_m, p_n, p_e = _tile_coords(p_t, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+                p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
+    sel, zb, cols = dense._swap_consts(L3, N, 0, BLOCK_N, 8, False)  # cols: the tile's columns from 0 [BN, 1, 1]
+    # consumer: c_t / s the tile and K step it computes; c_m / c_n that tile's block and columns (the epilogue),
+    # n_n / n_e the columns and expert of the next step's tile (its scales are loaded a step ahead)
+    c_t = 0
+    s = 0
+    c_m, c_n, n_e = _tile_coords(0, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+    n_m = c_m
+    n_n = c_n
+    s_next = gl.load(s_ptr + (n_e * n_steps).to(gl.int64) * N + n_n + cols, mask=n_n + cols < N, other=0.0)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for c in range(total):
+        slot = c % STAGES
+        last = s == n_steps - 1  # the tile's last step: the next one starts the next tile
+        if last & (c + 1 < total):
+            n_m, n_n, n_e = _tile_coords(c_t + 1, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+        s1 = gl.where(last, 0, s + 1)
+        sraw = s_next.to(gl.bfloat16)
+        s_next = gl.load(s_ptr + (n_e * n_steps + s1).to(gl.int64) * N + n_n + cols,
+                         mask=(n_n + cols < N) & (c + 1 < total), other=0.0)
+        mbarrier.wait(bars.index(slot), (c // STAGES) & 1)
+        a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
+        async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step c landed (one group per step)
+        fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
+        gl.thread_barrier()  # ... from every thread
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, use_acc=s != 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step c - 1 done: its ring slot is free
+        gl.thread_barrier()  # ... in every warpgroup, before one thread refills it
+        nxt = c + STAGES - 1
+        ns = nxt % STAGES
+        _issue_xq(q_desc, bars.index(ns), q_smem.index(ns), x_smem.index(ns), p_x, p_e * (K // 8), p_n, p_s,
+                  nxt < total)
+        p_s += 1
+        if p_s == n_steps:
+            p_s = 0
+            p_t += 1
+            if nxt + 1 < total:
+                p_m, p_n, p_e = _tile_coords(p_t, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+                p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+        if last:  # its epilogue while the next tile's first loads are in flight
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _store_t_staged(acc, epi, y_ptr, topk_w_ptr, sorted_ptr, c_m, c_n, N, num_valid, out_div, stride_ym,
+                            BLOCK_M, BLOCK_N, MUL_ROUTED, REDUCE, num_warps)
+            c_m = n_m
+            c_n = n_n
+            c_t += 1
+        s = s1
+    async_copy.wait_group(0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
 LAST_COMPILED = [None]  # the compiled kernel of the last launch (benches log its registers / spills / smem)
 
 
@@ -475,6 +613,11 @@ def compiled_stats() -> dict:
     md = getattr(k, "metadata", None)
     return {"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
             "smem": getattr(md, "shared", None)}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
@@ -491,6 +634,7 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             # session 5 R1 (H200): the tcgp loop measured wrong with a 3-deep ring (err 0.07 on three shapes; cause
             # not found: the ring indexing reads right), right (same err as SWAP 1, 2.8e-3) and faster with 4
             and (cfg.SWAP != 2 or cfg.num_stages >= 4)
+            and (not cfg.PERSIST or cfg.SWAP == 2)
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
@@ -515,6 +659,14 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
     grid = (blocks * -(-N // bn),)
     LAST_COMPILED[0] = None  # (a launch that fails to compile leaves no stale stats)
     reg = {"maxnreg": cfg.MAXNREG} if cfg.MAXNREG else {}
+    if cfg.PERSIST:
+        tiles = blocks * -(-N // bn)  # an upper bound: the kernel reads the real block count (num_post)
+        grid = (min(tiles, _num_sms(x.device)),)
+        LAST_COMPILED[0] = _moe_tcgq_kernel[grid](
+            x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
+            x.stride(0), out.stride(0), BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
+            MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps, **reg)
+        return out
     if cfg.SWAP == 2:
         LAST_COMPILED[0] = _moe_tcgp_kernel[grid](
             x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
