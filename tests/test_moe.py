@@ -226,30 +226,6 @@ def test_tcg_config_falls_back_to_tc_off_hopper():
     assert torch.equal(out, tc)
 
 
-@pytest.mark.parametrize("bn,warps", [(128, 8), (256, 8), (64, 4), (128, 4)])
-def test_tcg_swapped_decode_layout_is_the_wgmma_a_fragment(bn, warps):
-    """moe_tcg's swapped kernel decodes [BN, 8 fields, 16 word rows] and reshapes it to the [BN, 128] wgmma A
-    operand: that reshape must land on Triton's own DotOperandLayout (same lanes / warps, registers permuted only,
-    so the convert is free) with the bf16x2 pair (register 0) on adjacent k (word rows r, r + 1)."""
-    gluon_ir = pytest.importorskip("triton._C.libtriton.gluon_ir")
-    from triton._C.libtriton import ir
-    from triton.experimental.gluon import language as gl
-    from kestrel.kernels import moe_gemm
-    if moe_gemm.moe_tcg is None:
-        pytest.skip("no Gluon in this Triton")
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    b = gluon_ir.GluonOpBuilder(ctx)
-    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, 64, 16])
-    want = b.to_linear_layout(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)._to_ir(b), [bn, 128])
-    got = moe_gemm.moe_tcg._rows_layout.fn(bn, warps)
-    flat = lambda bases: [[n, 16 * f + r] for n, f, r in bases]  # noqa: E731 (k = 16 f + r: the planar order)
-    assert flat(got.lane_bases) == [list(v) for v in want.lane_bases]
-    assert flat(got.warp_bases) == [list(v) for v in want.warp_bases]
-    assert sorted(flat(got.reg_bases)) == sorted(list(v) for v in want.reg_bases)
-    assert flat(got.reg_bases)[0] == [0, 1] == list(want.reg_bases[0])
-
-
 def test_tcg_bm128_blocks_for_many_slots_per_expert(monkeypatch):
     """KESTREL_MOE_TCG_BM=128 (moe_gemm.TCG_BM): above 192 slots per expert (Mixtral at M = 1024) both projections
     get 128-row blocks and a BN 128 tcgp config, below it the 64-row default; the layer stays right (CPU: the tc

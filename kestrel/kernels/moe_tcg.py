@@ -29,15 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kestrel.kernels import gemm_wna16_tcg as dense
+# the dense kernel's planar block (16 word rows = 128 k), pair decode and wgmma layout: one copy for both
+from kestrel.kernels.gemm_wna16_tcg import BK, R, _ASM_PAIR, _mma_layout
 from kestrel.kernels.moe_mv import BLOCK_K, PlanarW4
-
-R = gl.constexpr(16)  # word rows per planar block (packing.PLANE_ROWS)
-BK = gl.constexpr(128)  # k per planar block of int4
-
-# as gemm_wna16_tcg._ASM_PAIR: fields j, j + 4 of one word -> bf16x2 ((c_j - 8) * s, (c_{j+4} - 8) * s)
-_ASM_PAIR = gl.constexpr("{ .reg .b32 t; shr.u32 t, $1, $3; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-                         "sub.rn.bf16x2 t, t, $5; mul.rn.bf16x2 $0, t, $6; }")
-
 
 @dataclass(frozen=True)
 class TcgConfig:
@@ -66,15 +60,6 @@ class TcgConfig:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
-@gluon.constexpr_function
-def _mma_layout(block_m, block_n, num_warps):
-    wm = 4  # 4-warp groups along M while M has rows for them, the rest along N
-    while wm * 2 <= num_warps and block_m >= 16 * wm * 2:
-        wm *= 2
-    wn = num_warps // wm
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, block_n // wn, 16])
-
-
 @gluon.jit
 def _issue(q_desc, s_desc, bar, q_buf, s_buf, x_buf, x_ptrs, qrow0, srow0, off_n, step, pred):
     """step's loads into one ring slot: words + scales by TMA (on bar), the gathered x rows by cp.async (one
@@ -92,17 +77,7 @@ def _moe_tcg_kernel(x_ptr, q_desc, s_desc, y_ptr, topk_w_ptr, sorted_ptr, expert
                     out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
                     num_warps: gl.constexpr):
-    pid = gl.program_id(0)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    if GROUP_M > 0:  # tl.swizzle2d: GROUP_M expert blocks walk the N tiles together (weight tiles shared in L2)
-        width = GROUP_M * num_pid_n
-        first_m = (pid // width) * GROUP_M
-        size_m = gl.minimum(num_m_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
-    else:
-        pid_m = pid % num_m_blocks
-        pid_n = pid // num_m_blocks
+    pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(npost_ptr):  # padding blocks past the last expert's run
         return
     expert = gl.load(expert_ptr + pid_m)
@@ -112,13 +87,7 @@ def _moe_tcg_kernel(x_ptr, q_desc, s_desc, y_ptr, topk_w_ptr, sorted_ptr, expert
     qrow0 = expert * (K // 8)
     srow0 = expert * n_steps
 
-    # gathered x rows: a warp covers 2 rows x 128 k in 16-byte pieces (cp.async 16 B per thread and row piece)
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-    tok = gl.load(sorted_ptr + rows)
-    a_rows = gl.where(tok < num_valid, tok // a_div, 0).to(gl.int64)
-    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
-    x_ptrs = x_ptr + gl.expand_dims(a_rows * stride_xm, 1) + gl.expand_dims(kx, 0)
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
 
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
@@ -187,46 +156,6 @@ def _moe_tcg_kernel(x_ptr, q_desc, s_desc, y_ptr, topk_w_ptr, sorted_ptr, expert
         gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# swapped kernel: two words (rows r, r + 1: adjacent k of the wgmma A fragment) -> bf16x2 of field f of both:
-# prmt puts byte f // 2 of each at bytes 0 / 2, shr by 4 (f % 2) brings field f to bits 0 / 16, then as _ASM_PAIR
-_ASM_ROWS = gl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, $3; shr.u32 t, t, $5; "
-                         "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $7; mul.rn.bf16x2 $0, t, $8; }")
-
-
-@gluon.constexpr_function
-def _rows_layout(block_n, num_warps):
-    """[BN, 8 fields, 16 word rows] so that the reshape to [BN, 128] (k = 16 f + r, the planar order) is the wgmma A
-    fragment (DotOperandLayout k_width 2 of an MMA with all warps along BN; checked against Triton's linear layout
-    in tests): registers k0 (the bf16x2 pair: rows r, r + 1), n + 8, k + 8, then the fields, then further BN."""
-    reg = [[0, 0, 1], [8, 0, 0], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
-    r = 16 * num_warps
-    while r < block_n:
-        reg.append([r, 0, 0])
-        r *= 2
-    warp = []
-    w = 16
-    while w < 16 * num_warps:
-        warp.append([w, 0, 0])
-        w *= 2
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                                      warp_bases=warp, block_bases=[], shape=[block_n, 8, 16])
-
-
-@gluon.jit
-def _decode_rows(q_buf, s_ptrs, n_ok, sel, sh, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """one K step's [BN, 128] bf16 weight tile (k in planar order = natural order) in the wgmma A layout; the
-    step's group scales straight from global memory (L2), in the layout of the tile's rows."""
-    sc = gl.load(s_ptrs, mask=n_ok, other=0.0).to(gl.bfloat16)
-    q = q_buf.permute((1, 0)).load(gl.SliceLayout(1, L3))  # [BN, 16] words, each thread its rows' 4 word rows
-    shape: gl.constexpr = [BLOCK_N, 8, 16]
-    w = gl.inline_asm_elementwise(_ASM_ROWS, "=r,r,r,r,r,r,r,r,r",
-                                  [gl.expand_dims(q, 1).broadcast_to(shape), sel.broadcast_to(shape),
-                                   sh.broadcast_to(shape), gl.full(shape, 136, gl.bfloat16, L3),
-                                   gl.expand_dims(gl.expand_dims(sc, 1), 2).broadcast_to(shape)],
-                                  dtype=gl.bfloat16, is_pure=True, pack=2)
-    return gl.convert_layout(gl.reshape(w, [BLOCK_N, 128]), a_layout)
-
-
 @gluon.jit
 def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                      out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
@@ -234,17 +163,7 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
                      REDUCE: gl.constexpr, EARLY_REFILL: gl.constexpr, num_warps: gl.constexpr):
     """acc^T [BN, BM] = W tile (registers, decoded) @ x^T (shared): no shared store of the decoded weights, no
     fence / barrier between decode and MMA for them; the decode of step i + 1 runs while the wgmma of step i does."""
-    pid = gl.program_id(0)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    if GROUP_M > 0:
-        width = GROUP_M * num_pid_n
-        first_m = (pid // width) * GROUP_M
-        size_m = gl.minimum(num_m_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
-    else:
-        pid_m = pid % num_m_blocks
-        pid_n = pid // num_m_blocks
+    pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(npost_ptr):
         return
     expert = gl.load(expert_ptr + pid_m)
@@ -254,12 +173,7 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     qrow0 = expert * (K // 8)
     srow0 = expert * n_steps
 
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-    tok = gl.load(sorted_ptr + rows)
-    a_rows = gl.where(tok < num_valid, tok // a_div, 0).to(gl.int64)
-    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
-    x_ptrs = x_ptr + gl.expand_dims(a_rows * stride_xm, 1) + gl.expand_dims(kx, 0)
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
 
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
@@ -275,16 +189,14 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    L3: gl.constexpr = _rows_layout(BLOCK_N, num_warps)
-    f = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)  # prmt: bytes f//2 of both words
-    sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
+    L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
+    sel, zb, s_offs = dense._swap_consts(L3, N, off_n, BLOCK_N, 8, False)  # (the dense swap kernel's decode)
+    s_ok = s_offs < N
+    s_base = s_ptr + srow0.to(gl.int64) * N + s_offs  # the step's scales straight from global memory (L2)
     acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-    offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    n_ok = offs_sn < N - off_n
-    s_ptrs = s_ptr + srow0.to(gl.int64) * N + off_n + offs_sn
     mbarrier.wait(bars.index(0), 0)
-    w = _decode_rows(q_smem.index(0), s_ptrs, n_ok, sel, sh, L3, a_layout, BLOCK_N)
+    w = dense._swap_a(q_smem.index(0), gl.load(s_base, mask=s_ok, other=0.0).to(gl.bfloat16), sel, zb, L3, a_layout,
+                      BLOCK_N, False)
     for i in range(n_steps):
         slot = i % STAGES
         if EARLY_REFILL:  # groups: STAGES (prologue) + one per earlier iteration; step i's is at most STAGES - 2 old
@@ -304,7 +216,8 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
         j = gl.minimum(i + 1, n_steps - 1)
         js = j % STAGES
         mbarrier.wait(bars.index(js), (j // STAGES) & 1)
-        w_next = _decode_rows(q_smem.index(js), s_ptrs + j * N, n_ok, sel, sh, L3, a_layout, BLOCK_N)
+        w_next = dense._swap_a(q_smem.index(js), gl.load(s_base + j * N, mask=s_ok, other=0.0).to(gl.bfloat16), sel,
+                               zb, L3, a_layout, BLOCK_N, False)
         acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
         if not EARLY_REFILL:
             gl.thread_barrier()  # every warpgroup done with slot i (x read by the wgmma, words by the decode)
@@ -315,22 +228,8 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    # acc^T [BN, BM] -> token rows of y: threads along n (contiguous in y)
-    out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
-    out = gl.convert_layout(acc, out_layout)
-    otok = gl.load(sorted_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)))
-    row_ok = otok < num_valid
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
-    if MUL_ROUTED:
-        out = out * gl.expand_dims(gl.load(topk_w_ptr + otok, mask=row_ok, other=0.0), 0)
-    mask = gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_n < N, 1)
-    if REDUCE:
-        y_rows = (otok // out_div).to(gl.int64)
-        gl.atomic_add(y_ptr + gl.expand_dims(y_rows * stride_ym, 0) + gl.expand_dims(offs_n, 1), out, mask=mask,
-                      sem="relaxed")
-    else:
-        ptrs = y_ptr + gl.expand_dims(otok.to(gl.int64) * stride_ym, 0) + gl.expand_dims(offs_n, 1)
-        gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym, BLOCK_M, BLOCK_N,
+             MUL_ROUTED, REDUCE, num_warps)
 
 
 @gluon.jit
