@@ -38,7 +38,7 @@ INTS = ("num_valid", "a_div", "out_div", "N", "K", "stride_xm", "stride_ym", "nu
 
 
 def compile_tcgp(cfg: TcgConfig, reduce: bool):
-    fn = (moe_tcg._moe_tcgq_kernel if cfg.PERSIST else moe_tcg._moe_tcgp_kernel if cfg.SWAP == 2
+    fn = (moe_tcg._moe_tcgw_kernel if cfg.WS else moe_tcg._moe_tcgq_kernel if cfg.PERSIST else moe_tcg._moe_tcgp_kernel if cfg.SWAP == 2
           else moe_tcg._moe_tcgs_kernel if cfg.SWAP == 1 else moe_tcg._moe_tcg_kernel)
     names = fn.arg_names
     lay = gl.NVMMASharedLayout.get_default_for([16, cfg.BN], gl.int32)

@@ -50,6 +50,7 @@ class TcgConfig:
     # (a constant A operand), 2 skips the per-step wgmma (decode kept alive by a sum, one wgmma at the end): which of
     # decode and MMA bounds the loop
     PERSIST: int = 0  # SWAP 2: 1 = one program per SM walking its tiles through one load ring (_moe_tcgq_kernel)
+    WS: int = 0  # SWAP 2: 1 = a loader partition feeds the ring, mbarrier hand-over (_moe_tcgw_kernel)
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
 
     def as_dict(self) -> dict:
@@ -503,6 +504,93 @@ def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
         mbarrier.invalidate(bars.index(i))
 
 
+@gluon.jit
+def _ws_consume(x_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, L3: gl.constexpr,
+                mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """WS 1 consumer (the kernel's warps): the tcgp step without CTA barriers — wait for the slot's words (TMA) and
+    x rows (the loader's arrival), decode, wgmma, and release step i - 1's slot once its wgmma is done."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    sel, zb, s_offs = dense._swap_consts(L3, N, off_n, BLOCK_N, 8, False)
+    s_ok = s_offs < N
+    s_base = s_ptr + (expert * n_steps).to(gl.int64) * N + s_offs
+    s_next = gl.load(s_base, mask=s_ok, other=0.0)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(n_steps):
+        slot = i % STAGES
+        sraw = s_next.to(gl.bfloat16)
+        s_next = gl.load(s_base + gl.minimum(i + 1, n_steps - 1) * N, mask=s_ok, other=0.0)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
+        fence_async_shared()  # the loader's cp.async rows (generic proxy) -> the async-proxy wgmma
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        fence_async_shared()  # the word loads of the decode before the TMA refill of the slot
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
+
+
+@gluon.jit
+def _ws_load(q_desc, x_smem, q_smem, ready, empty, x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, qrow0,
+             off_n, n_steps, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
+             LOAD_WARPS: gl.constexpr):
+    """WS 1 loader (LOAD_WARPS warps): words by TMA, gathered x rows by cp.async; a slot's x arrival (its ready
+    barrier counts the TMA expect + this one) is made LAG steps later, once wait_group shows this partition's
+    copies of that step landed, so LAG + 1 steps of x are in flight."""
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, LOAD_WARPS)
+    for i in range(n_steps):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [qrow0 + i * R, off_n], ready.index(slot), q_smem.index(slot))
+        async_copy.async_copy_global_to_shared(x_smem.index(slot), x_ptrs + i * BK)
+        async_copy.commit_group()
+        async_copy.wait_group(LAG)  # this thread's rows of step i - LAG landed ...
+        gl.thread_barrier()  # ... and every loader thread's
+        mbarrier.arrive(ready.index((i + STAGES - LAG) % STAGES), pred=i >= LAG)
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    for j in gl.static_range(LAG):  # the last LAG steps' arrivals
+        i = n_steps - LAG + j
+        mbarrier.arrive(ready.index(i % STAGES), pred=i >= 0)
+
+
+@gluon.jit
+def _moe_tcgw_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
+                     out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr,
+                     REDUCE: gl.constexpr, num_warps: gl.constexpr):
+    """The tcgp loop warp-specialised (WS 1): a 4-warp loader partition issues the ring's TMA + cp.async loads, the
+    kernel's warps decode + wgmma, handing slots over by mbarriers (no CTA barrier per step; session 9 R1: the
+    persistent loop did not help, so the per-step barriers / load issue are the next suspect)."""
+    pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= gl.load(npost_ptr):
+        return
+    expert = gl.load(expert_ptr + pid_m)
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    gl.assume(n_steps > 0)
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=2)  # the TMA expect + the loader's x arrival
+        mbarrier.init(empty.index(i), count=1)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
+    acc, = gl.warp_specialize([
+        (_ws_consume, (x_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, L3, mma_layout, BLOCK_M,
+                       BLOCK_N, STAGES)),
+        (_ws_load, (q_desc, x_smem, q_smem, ready, empty, x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm,
+                    expert * (K // 8), off_n, n_steps, BLOCK_M, STAGES, STAGES - 2, 4)),
+    ], [4], [80])
+    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym, BLOCK_M, BLOCK_N,
+             MUL_ROUTED, REDUCE, num_warps)
+
+
 LAST_COMPILED = [None]  # the compiled kernel of the last launch (benches log its registers / spills / smem)
 
 
@@ -533,7 +621,7 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             # session 5 R1 (H200): the tcgp loop measured wrong with a 3-deep ring (err 0.07 on three shapes; cause
             # not found: the ring indexing reads right), right (same err as SWAP 1, 2.8e-3) and faster with 4
             and (cfg.SWAP != 2 or cfg.num_stages >= 4)
-            and (not cfg.PERSIST or cfg.SWAP == 2)
+            and (not cfg.PERSIST or cfg.SWAP == 2) and (not cfg.WS or (cfg.SWAP == 2 and not cfg.PERSIST))
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
@@ -558,6 +646,13 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
     grid = (blocks * -(-N // bn),)
     LAST_COMPILED[0] = None  # (a launch that fails to compile leaves no stale stats)
     reg = {"maxnreg": cfg.MAXNREG} if cfg.MAXNREG else {}
+    if cfg.WS:
+        LAST_COMPILED[0] = _moe_tcgw_kernel[grid](
+            x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
+            x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages,
+            GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps,
+            **reg)
+        return out
     if cfg.PERSIST:
         tiles = blocks * -(-N // bn)  # an upper bound: the kernel reads the real block count (num_post)
         grid = (min(tiles, _num_sms(x.device)),)
