@@ -644,35 +644,27 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
     s_desc = TensorDescriptor.from_tensor(w.scales.view(E * (K // BLOCK_K), N), [1, bn], lay([1, bn], gl.float32))
     tw = topk_weights if topk_weights is not None else out
     grid = (blocks * -(-N // bn),)
-    LAST_COMPILED[0] = None  # (a launch that fails to compile leaves no stale stats)
-    reg = {"maxnreg": cfg.MAXNREG} if cfg.MAXNREG else {}
+    # the kernels share one argument order: x, the weight operands (SWAP 0 / 1 also the scales' descriptor), then
+    # the routing / output tail, then (all but the persistent one) the allocated expert-block count
+    tail = (out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K, x.stride(0),
+            out.stride(0))
+    meta = dict(BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
+                MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps)
+    if cfg.MAXNREG:
+        meta["maxnreg"] = cfg.MAXNREG
     if cfg.WS:
-        LAST_COMPILED[0] = _moe_tcgw_kernel[grid](
-            x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
-            x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages,
-            GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps,
-            **reg)
-        return out
-    if cfg.PERSIST:
-        tiles = blocks * -(-N // bn)  # an upper bound: the kernel reads the real block count (num_post)
-        grid = (min(tiles, _num_sms(x.device)),)
-        LAST_COMPILED[0] = _moe_tcgq_kernel[grid](
-            x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
-            x.stride(0), out.stride(0), BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
-            MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps, **reg)
-        return out
-    if cfg.SWAP == 2:
-        LAST_COMPILED[0] = _moe_tcgp_kernel[grid](
-            x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
-            x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages,
-            GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, PROBE=cfg.PROBE,
-            num_warps=cfg.num_warps, **reg)
-        return out
-    kern, extra = (_moe_tcgs_kernel, (w.scales,)) if cfg.SWAP else (_moe_tcg_kernel, ())
-    kw = {"EARLY_REFILL": bool(cfg.REFILL), **reg} if cfg.SWAP else reg
-    LAST_COMPILED[0] = kern[grid](x, q_desc, s_desc, *extra, out, tw, sorted_ids, expert_ids, num_post, num_slots,
-                                  a_div, max(reduce_k, 1), N, K, x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM,
-                                  BLOCK_N=bn, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
-                                  MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0,
-                                  num_warps=cfg.num_warps, **kw)
+        kern, args = _moe_tcgw_kernel, (x, q_desc, w.scales, *tail, blocks)
+    elif cfg.PERSIST:  # the grid bound by the SMs; the kernel reads the real block count (num_post)
+        kern, args = _moe_tcgq_kernel, (x, q_desc, w.scales, *tail)
+        grid = (min(grid[0], _num_sms(x.device)),)
+    elif cfg.SWAP == 2:
+        kern, args = _moe_tcgp_kernel, (x, q_desc, w.scales, *tail, blocks)
+        meta["PROBE"] = cfg.PROBE
+    elif cfg.SWAP == 1:
+        kern, args = _moe_tcgs_kernel, (x, q_desc, s_desc, w.scales, *tail, blocks)
+        meta["EARLY_REFILL"] = bool(cfg.REFILL)
+    else:
+        kern, args = _moe_tcg_kernel, (x, q_desc, s_desc, *tail, blocks)
+    LAST_COMPILED[0] = None  # (a launch that fails to compile leaves no stale stats)
+    LAST_COMPILED[0] = kern[grid](*args, **meta)
     return out
