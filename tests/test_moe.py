@@ -248,3 +248,26 @@ def test_tcg_bm128_blocks_for_many_slots_per_expert(monkeypatch):
     tw, ti = moe.route(x)
     ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")
     assert _rel(moe(x, (tw, ti)), ref) < LAYER_TOL["bf16"]
+
+
+def test_tcg_default_warp_specialised_for_64_row_blocks_only(monkeypatch):
+    """KESTREL_MOE_TCG=5 (the default): the warp-specialised tcgp loop for expert blocks of up to 64 rows (Qwen3-
+    like routing), the plain tcgp loop for 128-row blocks (where WS measured slower on the H200); the layer stays
+    right (CPU: the tc fallback runs the config)."""
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    monkeypatch.setattr(moe_gemm, "USE_TCG", "5")
+    monkeypatch.setattr(moe_gemm, "TCG_BM", "128")
+    torch.manual_seed(8)
+    H, I, E, k = 128, 128, 2, 1
+    router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=128)
+    small = moe_configs(200, k, E, "bf16", moe.w13, moe.w2)  # 100 slots per expert: 64-row blocks
+    assert all((c.BM, c.BN, c.SWAP, c.WS, c.PERSIST) == (64, 256, 2, 1, 0) for c in small)
+    big = moe_configs(400, k, E, "bf16", moe.w13, moe.w2)  # 200 per expert: 128-row blocks
+    assert all((c.BM, c.SWAP, c.WS) == (128, 2, 0) for c in big)
+    x = torch.randn(200, H).to(torch.bfloat16)
+    tw, ti = moe.route(x)
+    ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")
+    assert _rel(moe(x, (tw, ti)), ref) < LAYER_TOL["bf16"]
