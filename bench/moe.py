@@ -48,7 +48,8 @@ FMT = {"bf16": ("bf16", "bf16", True, False), "fp8": ("fp8", "fp8", True, False)
 # int4tN = int4 with the layer's Gluon loop forced to KESTREL_MOE_TCG=N while it is called, int4t3b128 also with
 # KESTREL_MOE_TCG_BM=128 (moe_gemm's globals, set around each format's calls: the loops are timed side by side in
 # one process on the same quantized weights)
-TCG_MODES = {"int4t2": {"USE_TCG": "2"}, "int4t3": {"USE_TCG": "3"}, "int4t3b128": {"USE_TCG": "3", "TCG_BM": "128"}}
+TCG_MODES = {"int4t2": {"USE_TCG": "2"}, "int4t3": {"USE_TCG": "3"}, "int4t3b128": {"USE_TCG": "3", "TCG_BM": "128"},
+             "int4t3b64": {"USE_TCG": "3", "TCG_BM": ""}, "int4t4": {"USE_TCG": "4"}, "int4t5": {"USE_TCG": "5"}, "int4t4b64": {"USE_TCG": "4", "TCG_BM": ""}}
 FMT.update({f: FMT["int4"] for f in TCG_MODES})
 HUMMING = {"fp8": ({"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}),
            "int4": ({"dtype": "int4", "group_size": 128}, None)}
@@ -63,6 +64,21 @@ RATIOS = [(f"kestrel {f} vs {peer}{tag}", col, f"kestrel_{f}{suffix}_us")
           for peer, col in (("per-expert cuBLAS bf16 loop", "cublas_loop_us"),
                             (f"Humming {HUMMING_OF.get(f, f)}", f"humming_{HUMMING_OF.get(f, f)}_us"))
           for tag, suffix in ((" (both excl. sort/align)", "_noalign"), (" (kestrel incl. align)", ""))]
+
+
+class PerExpertDequant:
+    """fp32 expert e of quantized weights on demand (what ref_moe indexes): DeepSeek-V3's dequantized experts
+    would take 45 GB at once, one expert at a time stays small."""
+
+    def __init__(self, ew):
+        self.ew, self.shape = ew, ew.shape
+
+    def __getitem__(self, e):
+        from kestrel.kernels.moe_mv import PlanarW4
+        p = self.ew.planar
+        if p is None:
+            return self.ew.dequantize()[e]
+        return PlanarW4(p.qweight[e:e + 1], p.scales[e:e + 1], p.group).dequantize()[0]
 
 
 def cublas_loop(x, topk_w, topk_ids, w13, w2):
@@ -124,7 +140,7 @@ def humming_forward(layers, x, topk_w, topk_ids, E, top_k):
     return run
 
 
-def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256):
+def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256, check_max_weights=1.5e9):
     E, k, H, I = MODELS[name]
     log(f"== {name}: E={E} top{k} H={H} I={I}")
     w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -142,7 +158,7 @@ def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256):
         layers = humming_build(f"{h} MoE layers", lambda: humming_moe(h, w13, w2, E, k), budget)
         if layers is not None:
             hum[h] = layers
-    check = E * 2 * I * H < 1.5e9  # the fp32 reference loop needs the dequantized weights in memory
+    check = E * 2 * I * H < check_max_weights  # the fp32 reference loop is slow on big layers
     for M in ms:
         if past_deadline():
             break
@@ -164,7 +180,7 @@ def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256):
                                           moe_configs(M, k, E, moe.act, moe.w13, moe.w2)]
                 y = moe(x, (tw, ti))
                 if M <= check_max_m and check:  # the reference loop is slow at large M; correctness shown at small M
-                    ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), moe.act)
+                    ref = ref_moe(x, tw, ti, PerExpertDequant(moe.w13), PerExpertDequant(moe.w2), moe.act)
                     r[f"{f}_err_vs_dequant"] = rel(y, ref)
                 r[f"kestrel_{f}_us"] = safe_us([lambda moe=moe, xi=xi, rt=rt: moe(xi, rt) for xi, rt in zip(xs, rts)])
                 # sort/align outside the timed region, as Humming's and the loop's are
@@ -184,7 +200,7 @@ def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256):
                 try:
                     runs = [humming_forward(hum[h], xi, a, b, E, k) for xi, (a, b) in zip(xs, rts)]
                     if M <= check_max_m and check:
-                        r[f"humming_{h}_err_vs_bf16"] = rel(runs[0](), ref_moe(x, tw, ti, w13.float(), w2.float()))
+                        r[f"humming_{h}_err_vs_bf16"] = rel(runs[0](), ref_moe(x, tw, ti, w13, w2))
                     r[f"humming_{h}_cfgs"] = runs[0].cfgs  # its heuristic's tiles (up, down)
                     r[f"humming_{h}_us"] = safe_us(runs)
                 except Exception as ex:
@@ -207,6 +223,8 @@ def main():
                    help="models on which Humming runs too (its JIT costs ~10 s per layer and format)")
     p.add_argument("--routings", type=int, default=8, help="distinct token batches / routings timed in rotation")
     p.add_argument("--check-max-m", type=int, default=256, help="check vs the fp32 per-expert loop up to this M")
+    p.add_argument("--check-max-weights", type=float, default=1.5e9,
+                   help="check only layers of fewer up-projection weights (E x 2I x H) than this")
     add_run_args(p, budget_s=240)
     args = p.parse_args()
     meta = start_run(args, "bench/moe.py")
@@ -219,7 +237,8 @@ def main():
         if past_deadline():
             break
         try:
-            run_model(name, ms, fmts, rows, args.budget_s if name in hm else -1, args.routings, args.check_max_m)
+            run_model(name, ms, fmts, rows, args.budget_s if name in hm else -1, args.routings, args.check_max_m,
+                      args.check_max_weights)
         except Exception:
             traceback.print_exc()
         write_report(rows, args.out, meta, stem="moe", ratios=RATIOS)

@@ -114,6 +114,19 @@ def ref_rows_planar(x, P: PlanarW4, ids, slots, k):
     return torch.stack(out)
 
 
+def ref_all_planar(x, P: PlanarW4, ids, k):
+    """fp32 reference of every slot [T, N], one expert at a time (the sampled rows above miss most tiles: a
+    persistent kernel's later tiles need the whole output checked)."""
+    K = x.shape[1]
+    flat = ids.reshape(-1)
+    out = torch.zeros(flat.numel(), P.shape[1], device=x.device)
+    for e in torch.unique(flat).tolist():
+        sl = torch.nonzero(flat == e).squeeze(1)
+        we = (unpack_codes(P.qweight[e], 4, K) - 8).float() * P.scales[e].t().repeat_interleave(128, dim=1)
+        out[sl] = x[sl // k].float() @ we.t()
+    return out
+
+
 def routing(M, E, k, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     return torch.rand(M, E, device=DEV, generator=g).topk(k, dim=-1).indices.to(torch.int32)
@@ -195,15 +208,19 @@ def sweep_shape(name, ms, rows, args):
         aligns = {bm: [ma.moe_align(i, E, bm) for i in idss] for bm in bms}
         pcfgs = (PDECODE if T / E <= 16 else PLARGE)[:args.max_planar] if "planar" in kernels else []
         pref = ref_rows_planar(x, P, idss[0], slots, k)
+        full = ref_all_planar(x, P, idss[0], k) if gcfgs else None
         for bm in {c.BM for c in pcfgs + tcfgs + gcfgs} - set(aligns):
             aligns[bm] = [ma.moe_align(i, E, bm) for i in idss]
 
-        def measure(r, launch, want):
-            """Check launch(i, out) (routing i) against the float64 reference rows, then time it over the routings."""
+        def measure(r, launch, want, want_all=None):
+            """Check launch(i, out) (routing i) against the float64 reference rows (want_all: every slot), then time
+            it over the routings."""
             try:
-                outs = [torch.empty(T, N, device=DEV, dtype=torch.bfloat16) for _ in idss]
+                outs = [torch.full((T, N), float("nan"), device=DEV, dtype=torch.bfloat16) for _ in idss]
                 launch(0, outs[0])
                 r["err"] = ((outs[0][slots].float() - want).norm() / want.norm()).item()
+                if want_all is not None:  # nan-filled: a slot the kernel never wrote shows as nan
+                    r["err_all"] = ((outs[0].float() - want_all).norm() / want_all.norm()).item()
                 r["us"] = safe_us([lambda i=i: launch(i, outs[i]) for i in range(len(idss))])
                 if r["us"]:
                     r["GBps"] = round(nbytes / r["us"] / 1e3, 1)
@@ -220,7 +237,8 @@ def sweep_shape(name, ms, rows, args):
         for cfg in gcfgs:  # first: the new kernel's numbers are the ones a time-boxed run must return
             r = {"shape": name, "M": M, "E": E, "top_k": k, "N": N, "K": K, "kernel": "tcg", "cfg": cfg.as_dict(),
                  "touched_experts": touched, "supported": tcg_supports(x, P, cfg)}
-            measure(r, lambda i, out, cfg=cfg: grouped_gemm_planar_tcg(x, P, aligns[cfg.BM][i], T, k, out, cfg), pref)
+            measure(r, lambda i, out, cfg=cfg: grouped_gemm_planar_tcg(x, P, aligns[cfg.BM][i], T, k, out, cfg), pref,
+                    full)
             log("  tcg", cfg.as_dict(), tcg_stats())
             if time.time() - T0 > args.deadline_s:
                 log("deadline: stopping the tcg configs")

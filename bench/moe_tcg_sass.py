@@ -1,4 +1,4 @@
-"""Static check of the grouped Gluon int4 MoE kernel (moe_tcg.py, SWAP 2 loop) for Hopper without a GPU: compile
+"""Static check of the grouped Gluon int4 MoE kernels (moe_tcg.py: SWAP 0 / 1 / 2, PERSIST) for Hopper without a GPU: compile
 it for sm_90a with this machine's Triton and report registers, spills, shared memory and CTAs per SM, and the
 instruction mix of the K loop, per config. Catches Gluon compile errors and register blow-ups before GPU time.
 
@@ -38,17 +38,20 @@ INTS = ("num_valid", "a_div", "out_div", "N", "K", "stride_xm", "stride_ym", "nu
 
 
 def compile_tcgp(cfg: TcgConfig, reduce: bool):
-    fn = moe_tcg._moe_tcgp_kernel
+    fn = (moe_tcg._moe_tcgw_kernel if cfg.WS else moe_tcg._moe_tcgq_kernel if cfg.PERSIST else moe_tcg._moe_tcgp_kernel if cfg.SWAP == 2
+          else moe_tcg._moe_tcgs_kernel if cfg.SWAP == 1 else moe_tcg._moe_tcg_kernel)
     names = fn.arg_names
     lay = gl.NVMMASharedLayout.get_default_for([16, cfg.BN], gl.int32)
-    sig = dict(PTRS, q_desc=f"tensordesc<i32[16,{cfg.BN}],{lay!r}>", **{n: "i32" for n in INTS})
+    slay = gl.NVMMASharedLayout.get_default_for([1, cfg.BN], gl.float32)
+    sig = dict(PTRS, q_desc=f"tensordesc<i32[16,{cfg.BN}],{lay!r}>", s_desc=f"tensordesc<fp32[1,{cfg.BN}],{slay!r}>",
+               **{n: "i32" for n in INTS})
     if reduce:
         sig["y_ptr"] = "*fp32"
     const = dict(BLOCK_M=cfg.BM, BLOCK_N=cfg.BN, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M, MUL_ROUTED=reduce,
-                 REDUCE=reduce, PROBE=cfg.PROBE, num_warps=cfg.num_warps)
+                 REDUCE=reduce, PROBE=cfg.PROBE, EARLY_REFILL=bool(cfg.REFILL), num_warps=cfg.num_warps)
     extra = {n: "constexpr" for n in names if n not in sig}
     sig = {n: {**sig, **extra}[n] for n in names}
-    div = [n for n in PTRS] + ["N", "K", "stride_xm", "stride_ym"]
+    div = [n for n in PTRS if n in names] + ["N", "K", "stride_xm", "stride_ym"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items() if k in names},
                          attrs=attrs)
@@ -69,7 +72,7 @@ def analyse(kern) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("configs", nargs="+", help="BM:BN:warps:stages:GROUP_M:SWAP[:REFILL[:MAXNREG[:PROBE]]] (SWAP 2)")
+    p.add_argument("configs", nargs="+", help="BM:BN:warps:stages:GROUP_M:SWAP[:REFILL[:MAXNREG[:PROBE[:PERSIST]]]] (SWAP 2)")
     p.add_argument("--reduce", action="store_true", help="also the down projection's routed fp32-atomic epilogue")
     args = p.parse_args()
     for c in args.configs:

@@ -226,30 +226,6 @@ def test_tcg_config_falls_back_to_tc_off_hopper():
     assert torch.equal(out, tc)
 
 
-@pytest.mark.parametrize("bn,warps", [(128, 8), (256, 8), (64, 4), (128, 4)])
-def test_tcg_swapped_decode_layout_is_the_wgmma_a_fragment(bn, warps):
-    """moe_tcg's swapped kernel decodes [BN, 8 fields, 16 word rows] and reshapes it to the [BN, 128] wgmma A
-    operand: that reshape must land on Triton's own DotOperandLayout (same lanes / warps, registers permuted only,
-    so the convert is free) with the bf16x2 pair (register 0) on adjacent k (word rows r, r + 1)."""
-    gluon_ir = pytest.importorskip("triton._C.libtriton.gluon_ir")
-    from triton._C.libtriton import ir
-    from triton.experimental.gluon import language as gl
-    from kestrel.kernels import moe_gemm
-    if moe_gemm.moe_tcg is None:
-        pytest.skip("no Gluon in this Triton")
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    b = gluon_ir.GluonOpBuilder(ctx)
-    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, 64, 16])
-    want = b.to_linear_layout(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)._to_ir(b), [bn, 128])
-    got = moe_gemm.moe_tcg._rows_layout.fn(bn, warps)
-    flat = lambda bases: [[n, 16 * f + r] for n, f, r in bases]  # noqa: E731 (k = 16 f + r: the planar order)
-    assert flat(got.lane_bases) == [list(v) for v in want.lane_bases]
-    assert flat(got.warp_bases) == [list(v) for v in want.warp_bases]
-    assert sorted(flat(got.reg_bases)) == sorted(list(v) for v in want.reg_bases)
-    assert flat(got.reg_bases)[0] == [0, 1] == list(want.reg_bases[0])
-
-
 def test_tcg_bm128_blocks_for_many_slots_per_expert(monkeypatch):
     """KESTREL_MOE_TCG_BM=128 (moe_gemm.TCG_BM): above 192 slots per expert (Mixtral at M = 1024) both projections
     get 128-row blocks and a BN 128 tcgp config, below it the 64-row default; the layer stays right (CPU: the tc
@@ -269,6 +245,29 @@ def test_tcg_bm128_blocks_for_many_slots_per_expert(monkeypatch):
     assert all(isinstance(c, moe_gemm.TcgConfig) and (c.BM, c.BN, c.SWAP, c.num_stages) == (128, 128, 2, 4)
                for c in cfgs)
     x = torch.randn(400, H).to(torch.bfloat16)
+    tw, ti = moe.route(x)
+    ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")
+    assert _rel(moe(x, (tw, ti)), ref) < LAYER_TOL["bf16"]
+
+
+def test_tcg_default_warp_specialised_for_64_row_blocks_only(monkeypatch):
+    """KESTREL_MOE_TCG=5 (the default): the warp-specialised tcgp loop for expert blocks of up to 64 rows (Qwen3-
+    like routing), the plain tcgp loop for 128-row blocks (where WS measured slower on the H200); the layer stays
+    right (CPU: the tc fallback runs the config)."""
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    monkeypatch.setattr(moe_gemm, "USE_TCG", "5")
+    monkeypatch.setattr(moe_gemm, "TCG_BM", "128")
+    torch.manual_seed(8)
+    H, I, E, k = 128, 128, 2, 1
+    router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=128)
+    small = moe_configs(200, k, E, "bf16", moe.w13, moe.w2)  # 100 slots per expert: 64-row blocks
+    assert all((c.BM, c.BN, c.SWAP, c.WS, c.PERSIST) == (64, 256, 2, 1, 0) for c in small)
+    big = moe_configs(400, k, E, "bf16", moe.w13, moe.w2)  # 200 per expert: 128-row blocks
+    assert all((c.BM, c.SWAP, c.WS) == (128, 2, 0) for c in big)
+    x = torch.randn(200, H).to(torch.bfloat16)
     tw, ti = moe.route(x)
     ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")
     assert _rel(moe(x, (tw, ti)), ref) < LAYER_TOL["bf16"]

@@ -186,13 +186,17 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
         if USE_TCG and moe_tcg is not None and w.planar.group == 128:  # Gluon: decode overlapped with the wgmma
             # H200, M = 1024 (bench/results/moe_h200_run6.md, session 4 R1): swapped BN 256 204.7 / 132.5 / 1310 us
             # (Qwen3 up / down, Mixtral up) vs tc 225.7 / 147.8 / 1549; the unswapped tcg was slower than tc
-            swap = USE_TCG in ("2", "3")
+            swap = USE_TCG in ("2", "3", "4", "5")
             # session 5 R1: the tcgp loop (SWAP 2, 4-deep ring) 198.3 / 125.6 us on Qwen3 up / down (SWAP 1: 207.4
             # / 133.4, Humming 132.5 / 77.1)
-            tcgp = USE_TCG == "3"
+            tcgp = USE_TCG in ("3", "4", "5")  # 4: the tcgp loop persistent, 5: warp-specialised (session 9)
+            # session 9 R2 (same process, M = 1024): the warp-specialised loop 195.9 / 121.1 us vs 198.9 / 124.1 on
+            # Qwen3 up / down (64-row blocks), but 1283 vs 1254 on Mixtral up with 128-row blocks: =5 takes it
+            # for blocks of up to 64 rows only
+            ws = USE_TCG == "5" and bm <= 64
             # 128-row blocks: BN 128 keeps the fp32 accumulator at 64 registers a thread, as 64 x 256 does
             return TcgConfig(BM=bm, BN=256 if swap and bm <= 64 else 128, num_warps=8, num_stages=4 if tcgp else 3,
-                             GROUP_M=8, SWAP=2 if tcgp else int(swap))
+                             GROUP_M=8, SWAP=2 if tcgp else int(swap), PERSIST=int(USE_TCG == "4"), WS=int(ws))
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
@@ -200,11 +204,13 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
 
 # planar int4 expert blocks of at least this many rows run the tc kernel (moe_tc.py) by default, smaller ones mv
 TC_MIN_BM = 64
-# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=3 (default: W
-# decoded into the wgmma's register operand on the dense swap kernel's loop, one wgmma in flight; session 8 H200:
-# layer err 5.67e-3 as =2, Qwen3-30B-A3B M=1024 layer 350.6 vs 366.1 us, Mixtral 1989 vs 2067), 2 (session 4's
-# swapped loop), 1 (decoded W tile in shared memory), 0: off (the Triton tc kernel)
-USE_TCG = os.environ.get("KESTREL_MOE_TCG", "3")
+# ... the Gluon tcg kernel (moe_tcg.py) instead of tc where it runs (Hopper, g128): KESTREL_MOE_TCG=5 (default,
+# session 9: =3 with a warp-specialised loader for blocks of up to 64 rows; H200 R2: Qwen3-30B-A3B M=1024 layer
+# 341.2 us, err 5.67e-3 as =3), 3 (W decoded into the wgmma's register operand on the dense swap kernel's loop,
+# one wgmma in flight; session 8 H200: Qwen3 layer 350.6 vs 366.1 us for =2, Mixtral 1989 vs 2067), 2 (session 4's
+# swapped loop), 4 (=3 persistent: one program per SM; session 9 R1: right, 5-11 % slower per GEMM), 1 (decoded W
+# tile in shared memory), 0: off (the Triton tc kernel)
+USE_TCG = os.environ.get("KESTREL_MOE_TCG", "5")
 USE_TCG = "" if USE_TCG == "0" else USE_TCG
 
 
@@ -216,7 +222,7 @@ TCG_BM = os.environ.get("KESTREL_MOE_TCG_BM", "128")
 
 def _tcg_bm() -> int:
     """the expert-block rows asked for the swapped Gluon kernel, 0 for the default."""
-    return int(TCG_BM) if TCG_BM in ("32", "128") and USE_TCG in ("2", "3") and moe_tcg is not None else 0
+    return int(TCG_BM) if TCG_BM in ("32", "128") and USE_TCG in ("2", "3", "4", "5") and moe_tcg is not None else 0
 
 
 def _tc_fallback(cfg: "TcgConfig") -> TcConfig:

@@ -17,6 +17,7 @@ GPU only (no interpreter for Gluon): moe_gemm falls back to moe_tc where `suppor
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -28,15 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kestrel.kernels import gemm_wna16_tcg as dense
+# the dense kernel's planar block (16 word rows = 128 k), pair decode and wgmma layout: one copy for both
+from kestrel.kernels.gemm_wna16_tcg import BK, R, _ASM_PAIR, _mma_layout
 from kestrel.kernels.moe_mv import BLOCK_K, PlanarW4
-
-R = gl.constexpr(16)  # word rows per planar block (packing.PLANE_ROWS)
-BK = gl.constexpr(128)  # k per planar block of int4
-
-# as gemm_wna16_tcg._ASM_PAIR: fields j, j + 4 of one word -> bf16x2 ((c_j - 8) * s, (c_{j+4} - 8) * s)
-_ASM_PAIR = gl.constexpr("{ .reg .b32 t; shr.u32 t, $1, $3; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-                         "sub.rn.bf16x2 t, t, $5; mul.rn.bf16x2 $0, t, $6; }")
-
 
 @dataclass(frozen=True)
 class TcgConfig:
@@ -54,6 +49,8 @@ class TcgConfig:
     PROBE: int = 0  # SWAP 2 timing probe, WRONG results (benches only; `supports` refuses it): 1 skips the decode
     # (a constant A operand), 2 skips the per-step wgmma (decode kept alive by a sum, one wgmma at the end): which of
     # decode and MMA bounds the loop
+    PERSIST: int = 0  # SWAP 2: 1 = one program per SM walking its tiles through one load ring (_moe_tcgq_kernel)
+    WS: int = 0  # SWAP 2: 1 = a loader partition feeds the ring, mbarrier hand-over (_moe_tcgw_kernel)
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
 
     def as_dict(self) -> dict:
@@ -62,15 +59,6 @@ class TcgConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TcgConfig":
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
-
-
-@gluon.constexpr_function
-def _mma_layout(block_m, block_n, num_warps):
-    wm = 4  # 4-warp groups along M while M has rows for them, the rest along N
-    while wm * 2 <= num_warps and block_m >= 16 * wm * 2:
-        wm *= 2
-    wn = num_warps // wm
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, block_n // wn, 16])
 
 
 @gluon.jit
@@ -90,17 +78,7 @@ def _moe_tcg_kernel(x_ptr, q_desc, s_desc, y_ptr, topk_w_ptr, sorted_ptr, expert
                     out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
                     num_warps: gl.constexpr):
-    pid = gl.program_id(0)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    if GROUP_M > 0:  # tl.swizzle2d: GROUP_M expert blocks walk the N tiles together (weight tiles shared in L2)
-        width = GROUP_M * num_pid_n
-        first_m = (pid // width) * GROUP_M
-        size_m = gl.minimum(num_m_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
-    else:
-        pid_m = pid % num_m_blocks
-        pid_n = pid // num_m_blocks
+    pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(npost_ptr):  # padding blocks past the last expert's run
         return
     expert = gl.load(expert_ptr + pid_m)
@@ -110,13 +88,7 @@ def _moe_tcg_kernel(x_ptr, q_desc, s_desc, y_ptr, topk_w_ptr, sorted_ptr, expert
     qrow0 = expert * (K // 8)
     srow0 = expert * n_steps
 
-    # gathered x rows: a warp covers 2 rows x 128 k in 16-byte pieces (cp.async 16 B per thread and row piece)
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-    tok = gl.load(sorted_ptr + rows)
-    a_rows = gl.where(tok < num_valid, tok // a_div, 0).to(gl.int64)
-    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
-    x_ptrs = x_ptr + gl.expand_dims(a_rows * stride_xm, 1) + gl.expand_dims(kx, 0)
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
 
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
@@ -185,46 +157,6 @@ def _moe_tcg_kernel(x_ptr, q_desc, s_desc, y_ptr, topk_w_ptr, sorted_ptr, expert
         gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# swapped kernel: two words (rows r, r + 1: adjacent k of the wgmma A fragment) -> bf16x2 of field f of both:
-# prmt puts byte f // 2 of each at bytes 0 / 2, shr by 4 (f % 2) brings field f to bits 0 / 16, then as _ASM_PAIR
-_ASM_ROWS = gl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, $3; shr.u32 t, t, $5; "
-                         "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $7; mul.rn.bf16x2 $0, t, $8; }")
-
-
-@gluon.constexpr_function
-def _rows_layout(block_n, num_warps):
-    """[BN, 8 fields, 16 word rows] so that the reshape to [BN, 128] (k = 16 f + r, the planar order) is the wgmma A
-    fragment (DotOperandLayout k_width 2 of an MMA with all warps along BN; checked against Triton's linear layout
-    in tests): registers k0 (the bf16x2 pair: rows r, r + 1), n + 8, k + 8, then the fields, then further BN."""
-    reg = [[0, 0, 1], [8, 0, 0], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
-    r = 16 * num_warps
-    while r < block_n:
-        reg.append([r, 0, 0])
-        r *= 2
-    warp = []
-    w = 16
-    while w < 16 * num_warps:
-        warp.append([w, 0, 0])
-        w *= 2
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                                      warp_bases=warp, block_bases=[], shape=[block_n, 8, 16])
-
-
-@gluon.jit
-def _decode_rows(q_buf, s_ptrs, n_ok, sel, sh, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """one K step's [BN, 128] bf16 weight tile (k in planar order = natural order) in the wgmma A layout; the
-    step's group scales straight from global memory (L2), in the layout of the tile's rows."""
-    sc = gl.load(s_ptrs, mask=n_ok, other=0.0).to(gl.bfloat16)
-    q = q_buf.permute((1, 0)).load(gl.SliceLayout(1, L3))  # [BN, 16] words, each thread its rows' 4 word rows
-    shape: gl.constexpr = [BLOCK_N, 8, 16]
-    w = gl.inline_asm_elementwise(_ASM_ROWS, "=r,r,r,r,r,r,r,r,r",
-                                  [gl.expand_dims(q, 1).broadcast_to(shape), sel.broadcast_to(shape),
-                                   sh.broadcast_to(shape), gl.full(shape, 136, gl.bfloat16, L3),
-                                   gl.expand_dims(gl.expand_dims(sc, 1), 2).broadcast_to(shape)],
-                                  dtype=gl.bfloat16, is_pure=True, pack=2)
-    return gl.convert_layout(gl.reshape(w, [BLOCK_N, 128]), a_layout)
-
-
 @gluon.jit
 def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                      out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
@@ -232,17 +164,7 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
                      REDUCE: gl.constexpr, EARLY_REFILL: gl.constexpr, num_warps: gl.constexpr):
     """acc^T [BN, BM] = W tile (registers, decoded) @ x^T (shared): no shared store of the decoded weights, no
     fence / barrier between decode and MMA for them; the decode of step i + 1 runs while the wgmma of step i does."""
-    pid = gl.program_id(0)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    if GROUP_M > 0:
-        width = GROUP_M * num_pid_n
-        first_m = (pid // width) * GROUP_M
-        size_m = gl.minimum(num_m_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
-    else:
-        pid_m = pid % num_m_blocks
-        pid_n = pid // num_m_blocks
+    pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(npost_ptr):
         return
     expert = gl.load(expert_ptr + pid_m)
@@ -252,12 +174,7 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     qrow0 = expert * (K // 8)
     srow0 = expert * n_steps
 
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-    tok = gl.load(sorted_ptr + rows)
-    a_rows = gl.where(tok < num_valid, tok // a_div, 0).to(gl.int64)
-    kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
-    x_ptrs = x_ptr + gl.expand_dims(a_rows * stride_xm, 1) + gl.expand_dims(kx, 0)
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
 
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
@@ -273,16 +190,14 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    L3: gl.constexpr = _rows_layout(BLOCK_N, num_warps)
-    f = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)  # prmt: bytes f//2 of both words
-    sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
+    L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
+    sel, zb, s_offs = dense._swap_consts(L3, N, off_n, BLOCK_N, 8, False)  # (the dense swap kernel's decode)
+    s_ok = s_offs < N
+    s_base = s_ptr + srow0.to(gl.int64) * N + s_offs  # the step's scales straight from global memory (L2)
     acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-    offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    n_ok = offs_sn < N - off_n
-    s_ptrs = s_ptr + srow0.to(gl.int64) * N + off_n + offs_sn
     mbarrier.wait(bars.index(0), 0)
-    w = _decode_rows(q_smem.index(0), s_ptrs, n_ok, sel, sh, L3, a_layout, BLOCK_N)
+    w = dense._swap_a(q_smem.index(0), gl.load(s_base, mask=s_ok, other=0.0).to(gl.bfloat16), sel, zb, L3, a_layout,
+                      BLOCK_N, False)
     for i in range(n_steps):
         slot = i % STAGES
         if EARLY_REFILL:  # groups: STAGES (prologue) + one per earlier iteration; step i's is at most STAGES - 2 old
@@ -302,7 +217,8 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
         j = gl.minimum(i + 1, n_steps - 1)
         js = j % STAGES
         mbarrier.wait(bars.index(js), (j // STAGES) & 1)
-        w_next = _decode_rows(q_smem.index(js), s_ptrs + j * N, n_ok, sel, sh, L3, a_layout, BLOCK_N)
+        w_next = dense._swap_a(q_smem.index(js), gl.load(s_base + j * N, mask=s_ok, other=0.0).to(gl.bfloat16), sel,
+                               zb, L3, a_layout, BLOCK_N, False)
         acc, w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w))
         if not EARLY_REFILL:
             gl.thread_barrier()  # every warpgroup done with slot i (x read by the wgmma, words by the decode)
@@ -313,22 +229,8 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    # acc^T [BN, BM] -> token rows of y: threads along n (contiguous in y)
-    out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
-    out = gl.convert_layout(acc, out_layout)
-    otok = gl.load(sorted_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)))
-    row_ok = otok < num_valid
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
-    if MUL_ROUTED:
-        out = out * gl.expand_dims(gl.load(topk_w_ptr + otok, mask=row_ok, other=0.0), 0)
-    mask = gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_n < N, 1)
-    if REDUCE:
-        y_rows = (otok // out_div).to(gl.int64)
-        gl.atomic_add(y_ptr + gl.expand_dims(y_rows * stride_ym, 0) + gl.expand_dims(offs_n, 1), out, mask=mask,
-                      sem="relaxed")
-    else:
-        ptrs = y_ptr + gl.expand_dims(otok.to(gl.int64) * stride_ym, 0) + gl.expand_dims(offs_n, 1)
-        gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym, BLOCK_M, BLOCK_N,
+             MUL_ROUTED, REDUCE, num_warps)
 
 
 @gluon.jit
@@ -466,6 +368,229 @@ def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
              MUL_ROUTED, REDUCE, num_warps)
 
 
+@gluon.jit
+def _store_t_staged(acc, epi, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """_store_t through a shared staging tile epi [BN, BM] fp32, 16 slot rows at a time: the persistent loop keeps
+    its ring / tile state live across the epilogue, and the whole tile's 64 values + 64 addresses a thread at once
+    pushed it to 255 registers with spills (offline sm_90a compile)."""
+    MC: gl.constexpr = 16
+    epi.store(acc)
+    gl.thread_barrier()
+    out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    n_ok = gl.expand_dims(offs_n < N, 1)
+    for j in gl.static_range(BLOCK_M // MC):
+        out = epi.slice(j * MC, MC, dim=1).load(out_layout)
+        otok = gl.load(sorted_ptr + pid_m * BLOCK_M + j * MC + gl.arange(0, MC, layout=gl.SliceLayout(0, out_layout)))
+        row_ok = otok < num_valid
+        if MUL_ROUTED:
+            out = out * gl.expand_dims(gl.load(topk_w_ptr + otok, mask=row_ok, other=0.0), 0)
+        mask = gl.expand_dims(row_ok, 0) & n_ok
+        if REDUCE:
+            y_rows = (otok // out_div).to(gl.int64)
+            gl.atomic_add(y_ptr + gl.expand_dims(y_rows * stride_ym, 0) + gl.expand_dims(offs_n, 1), out, mask=mask,
+                          sem="relaxed")
+        else:
+            ptrs = y_ptr + gl.expand_dims(otok.to(gl.int64) * stride_ym, 0) + gl.expand_dims(offs_n, 1)
+            gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _tile_coords(t, pid, G, n_real, N, expert_ptr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(expert block, first column, expert) of this persistent program's tile t: its tiles are pid, pid + G,
+    pid + 2 G, ... (so the G programs walk the swizzled tile order together, as one wave of the plain grid does)."""
+    pid_m, pid_n = _block_of(pid + t * G, n_real, N, BLOCK_N, GROUP_M)
+    return pid_m, pid_n * BLOCK_N, gl.load(expert_ptr + pid_m)
+
+
+@gluon.jit
+def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
+                     out_div, N, K, stride_xm, stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """The tcgp loop made persistent (PERSIST 1): one program per SM walks its tiles as one flat sequence of
+    (tile, K step) steps through one load ring, so the loads of a tile's first steps are in flight while the tile
+    before finishes its last wgmmas and its epilogue (session 8 probes: the tcgp loop spends ~145 of 198.6 us
+    outside decode and MMA — loads, barriers, tile start / finish; Qwen3's down projection has 6 K steps a tile).
+    Step / tile positions are counters carried through the loop (no runtime division per step)."""
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    n_real = gl.cdiv(gl.load(npost_ptr), BLOCK_M)  # expert blocks holding slots (the rest is padding)
+    n_steps = K // BK
+    gl.assume(n_steps > 0)
+    n_tiles = n_real * gl.cdiv(N, BLOCK_N)
+    total = gl.maximum(gl.cdiv(n_tiles - pid, G), 0) * n_steps  # this program's (tile, K step) steps
+    if total == 0:
+        return
+
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    epi = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
+                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1]))
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    # producer: the tile (p_t) and K step in it (p_s) of the next step it issues
+    p_t = 0
+    p_s = 0
+    p_m, p_n, p_e = _tile_coords(0, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+    p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+    for i in gl.static_range(STAGES - 1):
+        _issue_xq(q_desc, bars.index(i), q_smem.index(i), x_smem.index(i), p_x, p_e * (K // 8), p_n, p_s,
+                  i < total)
+        p_s += 1
+        if p_s == n_steps:
+            p_s = 0
+            p_t += 1
+            if i + 1 < total:
+                p_m, p_n, p_e = _tile_coords(p_t, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+                p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
+    sel, zb, cols = dense._swap_consts(L3, N, 0, BLOCK_N, 8, False)  # cols: the tile's columns from 0 [BN, 1, 1]
+    # consumer: c_t / s the tile and K step it computes; c_m / c_n that tile's block and columns (the epilogue),
+    # n_n / n_e the columns and expert of the next step's tile (its scales are loaded a step ahead)
+    c_t = 0
+    s = 0
+    c_m, c_n, n_e = _tile_coords(0, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+    n_m = c_m
+    n_n = c_n
+    s_next = gl.load(s_ptr + (n_e * n_steps).to(gl.int64) * N + n_n + cols, mask=n_n + cols < N, other=0.0)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for c in range(total):
+        slot = c % STAGES
+        last = s == n_steps - 1  # the tile's last step: the next one starts the next tile
+        if last & (c + 1 < total):
+            n_m, n_n, n_e = _tile_coords(c_t + 1, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+        s1 = gl.where(last, 0, s + 1)
+        sraw = s_next.to(gl.bfloat16)
+        s_next = gl.load(s_ptr + (n_e * n_steps + s1).to(gl.int64) * N + n_n + cols,
+                         mask=(n_n + cols < N) & (c + 1 < total), other=0.0)
+        mbarrier.wait(bars.index(slot), (c // STAGES) & 1)
+        a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
+        async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step c landed (one group per step)
+        fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
+        gl.thread_barrier()  # ... from every thread
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, use_acc=s != 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step c - 1 done: its ring slot is free
+        gl.thread_barrier()  # ... in every warpgroup, before one thread refills it
+        nxt = c + STAGES - 1
+        ns = nxt % STAGES
+        _issue_xq(q_desc, bars.index(ns), q_smem.index(ns), x_smem.index(ns), p_x, p_e * (K // 8), p_n, p_s,
+                  nxt < total)
+        p_s += 1
+        if p_s == n_steps:
+            p_s = 0
+            p_t += 1
+            if nxt + 1 < total:
+                p_m, p_n, p_e = _tile_coords(p_t, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+                p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+        if last:  # its epilogue while the next tile's first loads are in flight
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _store_t_staged(acc, epi, y_ptr, topk_w_ptr, sorted_ptr, c_m, c_n, N, num_valid, out_div, stride_ym,
+                            BLOCK_M, BLOCK_N, MUL_ROUTED, REDUCE, num_warps)
+            c_m = n_m
+            c_n = n_n
+            c_t += 1
+        s = s1
+    async_copy.wait_group(0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _ws_consume(x_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, L3: gl.constexpr,
+                mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """WS 1 consumer (the kernel's warps): the tcgp step without CTA barriers — wait for the slot's words (TMA) and
+    x rows (the loader's arrival), decode, wgmma, and release step i - 1's slot once its wgmma is done."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    sel, zb, s_offs = dense._swap_consts(L3, N, off_n, BLOCK_N, 8, False)
+    s_ok = s_offs < N
+    s_base = s_ptr + (expert * n_steps).to(gl.int64) * N + s_offs
+    s_next = gl.load(s_base, mask=s_ok, other=0.0)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(n_steps):
+        slot = i % STAGES
+        sraw = s_next.to(gl.bfloat16)
+        s_next = gl.load(s_base + gl.minimum(i + 1, n_steps - 1) * N, mask=s_ok, other=0.0)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
+        fence_async_shared()  # the loader's cp.async rows (generic proxy) -> the async-proxy wgmma
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        fence_async_shared()  # the word loads of the decode before the TMA refill of the slot
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
+
+
+@gluon.jit
+def _ws_load(q_desc, x_smem, q_smem, ready, empty, x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, qrow0,
+             off_n, n_steps, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
+             LOAD_WARPS: gl.constexpr):
+    """WS 1 loader (LOAD_WARPS warps): words by TMA, gathered x rows by cp.async; a slot's x arrival (its ready
+    barrier counts the TMA expect + this one) is made LAG steps later, once wait_group shows this partition's
+    copies of that step landed, so LAG + 1 steps of x are in flight."""
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, LOAD_WARPS)
+    for i in range(n_steps):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [qrow0 + i * R, off_n], ready.index(slot), q_smem.index(slot))
+        async_copy.async_copy_global_to_shared(x_smem.index(slot), x_ptrs + i * BK)
+        async_copy.commit_group()
+        async_copy.wait_group(LAG)  # this thread's rows of step i - LAG landed ...
+        gl.thread_barrier()  # ... and every loader thread's
+        mbarrier.arrive(ready.index((i + STAGES - LAG) % STAGES), pred=i >= LAG)
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    for j in gl.static_range(LAG):  # the last LAG steps' arrivals
+        i = n_steps - LAG + j
+        mbarrier.arrive(ready.index(i % STAGES), pred=i >= 0)
+
+
+@gluon.jit
+def _moe_tcgw_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
+                     out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr,
+                     REDUCE: gl.constexpr, num_warps: gl.constexpr):
+    """The tcgp loop warp-specialised (WS 1): a 4-warp loader partition issues the ring's TMA + cp.async loads, the
+    kernel's warps decode + wgmma, handing slots over by mbarriers (no CTA barrier per step; session 9 R1: the
+    persistent loop did not help, so the per-step barriers / load issue are the next suspect)."""
+    pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= gl.load(npost_ptr):
+        return
+    expert = gl.load(expert_ptr + pid_m)
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    gl.assume(n_steps > 0)
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=2)  # the TMA expect + the loader's x arrival
+        mbarrier.init(empty.index(i), count=1)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
+    acc, = gl.warp_specialize([
+        (_ws_consume, (x_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, L3, mma_layout, BLOCK_M,
+                       BLOCK_N, STAGES)),
+        (_ws_load, (q_desc, x_smem, q_smem, ready, empty, x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm,
+                    expert * (K // 8), off_n, n_steps, BLOCK_M, STAGES, STAGES - 2, 4)),
+    ], [4], [80])
+    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym, BLOCK_M, BLOCK_N,
+             MUL_ROUTED, REDUCE, num_warps)
+
+
 LAST_COMPILED = [None]  # the compiled kernel of the last launch (benches log its registers / spills / smem)
 
 
@@ -475,6 +600,11 @@ def compiled_stats() -> dict:
     md = getattr(k, "metadata", None)
     return {"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
             "smem": getattr(md, "shared", None)}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
@@ -491,6 +621,7 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             # session 5 R1 (H200): the tcgp loop measured wrong with a 3-deep ring (err 0.07 on three shapes; cause
             # not found: the ring indexing reads right), right (same err as SWAP 1, 2.8e-3) and faster with 4
             and (cfg.SWAP != 2 or cfg.num_stages >= 4)
+            and (not cfg.PERSIST or cfg.SWAP == 2) and (not cfg.WS or (cfg.SWAP == 2 and not cfg.PERSIST))
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
@@ -513,20 +644,27 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
     s_desc = TensorDescriptor.from_tensor(w.scales.view(E * (K // BLOCK_K), N), [1, bn], lay([1, bn], gl.float32))
     tw = topk_weights if topk_weights is not None else out
     grid = (blocks * -(-N // bn),)
+    # the kernels share one argument order: x, the weight operands (SWAP 0 / 1 also the scales' descriptor), then
+    # the routing / output tail, then (all but the persistent one) the allocated expert-block count
+    tail = (out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K, x.stride(0),
+            out.stride(0))
+    meta = dict(BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
+                MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, num_warps=cfg.num_warps)
+    if cfg.MAXNREG:
+        meta["maxnreg"] = cfg.MAXNREG
+    if cfg.WS:
+        kern, args = _moe_tcgw_kernel, (x, q_desc, w.scales, *tail, blocks)
+    elif cfg.PERSIST:  # the grid bound by the SMs; the kernel reads the real block count (num_post)
+        kern, args = _moe_tcgq_kernel, (x, q_desc, w.scales, *tail)
+        grid = (min(grid[0], _num_sms(x.device)),)
+    elif cfg.SWAP == 2:
+        kern, args = _moe_tcgp_kernel, (x, q_desc, w.scales, *tail, blocks)
+        meta["PROBE"] = cfg.PROBE
+    elif cfg.SWAP == 1:
+        kern, args = _moe_tcgs_kernel, (x, q_desc, s_desc, w.scales, *tail, blocks)
+        meta["EARLY_REFILL"] = bool(cfg.REFILL)
+    else:
+        kern, args = _moe_tcg_kernel, (x, q_desc, s_desc, *tail, blocks)
     LAST_COMPILED[0] = None  # (a launch that fails to compile leaves no stale stats)
-    reg = {"maxnreg": cfg.MAXNREG} if cfg.MAXNREG else {}
-    if cfg.SWAP == 2:
-        LAST_COMPILED[0] = _moe_tcgp_kernel[grid](
-            x, q_desc, w.scales, out, tw, sorted_ids, expert_ids, num_post, num_slots, a_div, max(reduce_k, 1), N, K,
-            x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM, BLOCK_N=bn, STAGES=cfg.num_stages,
-            GROUP_M=cfg.GROUP_M, MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0, PROBE=cfg.PROBE,
-            num_warps=cfg.num_warps, **reg)
-        return out
-    kern, extra = (_moe_tcgs_kernel, (w.scales,)) if cfg.SWAP else (_moe_tcg_kernel, ())
-    kw = {"EARLY_REFILL": bool(cfg.REFILL), **reg} if cfg.SWAP else reg
-    LAST_COMPILED[0] = kern[grid](x, q_desc, s_desc, *extra, out, tw, sorted_ids, expert_ids, num_post, num_slots,
-                                  a_div, max(reduce_k, 1), N, K, x.stride(0), out.stride(0), blocks, BLOCK_M=cfg.BM,
-                                  BLOCK_N=bn, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M,
-                                  MUL_ROUTED=topk_weights is not None, REDUCE=reduce_k > 0,
-                                  num_warps=cfg.num_warps, **kw)
+    LAST_COMPILED[0] = kern[grid](*args, **meta)
     return out
