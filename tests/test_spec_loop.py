@@ -203,3 +203,27 @@ def test_loop_cost_model_batch_one_is_not_swung_by_single_outcomes():
             if K:
                 loop.observe([1 if i <= a else 0 for i in range(K + 1)], 1, K)
         assert chosen.count(best) >= 0.9 * len(chosen), (seed, {K: chosen.count(K) for K in costs})
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "confidence"])
+def test_loop_tree_identical_to_plain(tmp_path, plain, monkeypatch, schedule):
+    """Tree verification in the loop (tree=8-2-1: 40 nodes): greedy token-identical to plain decoding, with accepted
+    paths off the first branch (their K/V moved by KVCompactor) seen, and every KV block back at the end."""
+    from kestrel.spec.draft_head import DraftHead
+    from kestrel.spec.tree import KVCompactor
+
+    f = tmp_path / "head.safetensors"
+    torch.manual_seed(0)
+    DraftHead(SHAPE["hidden_size"], k=3, recurrent=True).save(str(f))
+    moves = []
+    call = KVCompactor.__call__
+    monkeypatch.setattr(KVCompactor, "__call__",
+                        lambda self, s, d: (moves.append(int(((s >= 0) & (s != d)).sum())), call(self, s, d))[1])
+    e = _engine(f"drafter=head,head={f},k=3,schedule={schedule},loop=on,tree=8-2-1", num_kv_blocks=400)
+    streamed, final, _ = _run(e, PROMPTS, GREEDY)
+    assert {r: o.output_token_ids for r, o in final.items()} == plain and streamed == plain
+    s = e.stats()
+    print(s["spec_loop_steps"], s["spec_num_accepted_tokens"], moves)
+    assert s["spec_loop_steps"].get(40, 0) > 5 and s["spec_num_accepted_tokens"] > 0
+    assert sum(moves) > 0  # some accepted path needed its K/V moved
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
