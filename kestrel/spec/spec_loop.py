@@ -312,6 +312,8 @@ class SpecLoop:
         untried = [K for K in reversed(self.cands) if self.gpu_n.get((bs, K), 0) < 2]
         if untried:
             return untried[0]
+        if self.kt and not self.tree_tokens:  # the tree's tokens per row not observed since attach: measure it
+            return self.kt
         # probe the largest K now and then to keep s_i current (and the tree, every other probe); 4x as often while
         # speculation is off, since an off step observes nothing (R2: survival that fell on a prompt's first tokens
         # came back too slowly)

@@ -42,8 +42,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr,
         q = tl.load(q_ptr + ((q_start + offs_m).to(tl.int64) * stride_qt + head * HEAD_DIM)[:, None] + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
 
+        bits = tl.zeros([BLOCK_M], tl.int64)
         if TREE:
-            bits = tl.load(tree_ptr + q_start + offs_m, mask=m_mask, other=0)
+            bits = tl.load(tree_ptr + q_start + offs_m, mask=m_mask, other=0).to(tl.int64)
         # keys this tile can see: [lo, hi)
         hi = tl.minimum(ctx + (mblk + 1) * BLOCK_M, seq_len)
         lo = tl.where(window > 0, tl.maximum(ctx + mblk * BLOCK_M - window + 1, 0), 0)
