@@ -67,10 +67,61 @@ def compact_check(dtype, dev, layers=30) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _graph_ms(fn, reps=200) -> float:
+    """Device ms of one replay of fn captured in a CUDA graph (as the loop runs it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / reps
+
+
+@torch.inference_mode()
+def time_parts(head_path: str, trees, V=49152, H=576) -> None:
+    """Where a tree step's time goes at batch 1 (timing only: random target embedding / lm_head of SmolLM2's shape,
+    the real head's weights): fused chain k=6 vs the PyTorch tree drafting, and the accept step."""
+    from kestrel.spec.draft_head import DraftHead
+    from kestrel.spec.head_fused import FusedGreedyDraft
+    from kestrel.spec.head_gemm import fused_slots
+    from kestrel.spec.tree import tree_accept
+
+    dev, dt = "cuda", torch.bfloat16
+    head = DraftHead.load(head_path, dev).to(dt)
+    embed = (torch.randn(V, H, device=dev) * 0.02).to(dt)
+    sub = head.subset_readout(embed, embed)
+    fused = FusedGreedyDraft(head, embed, embed, sub)
+    h = torch.randn(1, H, device=dev, dtype=dt)
+    x = torch.tensor([5], device=dev)
+    print(f"fused chain k=6 draft: {_graph_ms(lambda: head.draft_greedy(h, x, embed, embed, 6, False, fused)):.3f} ms")
+    print(f"fused backbone (fused_slots): {_graph_ms(lambda: fused_slots(head, h, x, embed)):.3f} ms")
+    for tr in trees:
+        t = TreeShape.parse(tr)
+        z = fused_slots(head, h, x, embed)
+        ms = _graph_ms(lambda: head.draft_tree(h, x, embed, embed, t.widths, readout=sub, nodes=True, z=z))
+        parent, depth, _, anc = t.tensors(dev)
+        tok = torch.randint(0, 50, (1, t.n + 1), device=dev)
+        top = torch.randint(0, 50, (1, t.n + 1), device=dev)
+        ms_a = _graph_ms(lambda: tree_accept(tok, top, t, parent, depth, anc))
+        print(f"tree {tr} ({t.n} nodes): draft levels (PyTorch, backbone given) {ms:.3f} ms, accept {ms_a:.3f} ms")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", nargs="+", default=["4-2-1-1-1-1", "2-1-1-1-1-1", "8-2-1-1"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--time-head", default=None, help="a draft head: also time the tree step's parts (CUDA graphs)")
     args = ap.parse_args()
     dev = args.device
     ok = True
@@ -83,6 +134,8 @@ def main() -> int:
         print(f"kv compaction {dtype}: Triton == torch: {c}")
         ok &= c
     print("ALL OK" if ok else "FAILURES")
+    if args.time_head:
+        time_parts(args.time_head, args.tree)
     return 0 if ok else 1
 
 

@@ -141,14 +141,15 @@ class DraftHead(nn.Module):
         return toks, torch.stack(confs, 1) if want_conf else None
 
     @torch.no_grad()
-    def draft_tree(self, h, x_next, embed, lm_head, widths, readout=None, nodes: bool = False):
+    def draft_tree(self, h, x_next, embed, lm_head, widths, readout=None, nodes: bool = False, z=None):
         """Greedy draft tree, for measuring what tree verification could accept (bench/draft_acceptance.py): slot i
         keeps the widths[i] most likely tokens under every branch of slot i-1, each branch refined with its own
         chain. Returns tokens [N, P, len(widths)], one row per root-to-leaf path (P = prod(widths)); widths of all
         ones is draft_greedy's chain. readout: subset_readout()'s tensors or None (full vocabulary). nodes: return
         the tree's nodes instead, [N, n] level by level (kestrel/spec/tree.py's TreeShape order: node c of level i is
-        child c % widths[i] of node c // widths[i] of level i-1), for tree verification in the device loop."""
-        z = self.slots(h, embed[x_next])
+        child c % widths[i] of node c // widths[i] of level i-1), for tree verification in the device loop. z: the
+        backbone's slot states if already computed (the loop's fused backbone, head_gemm.fused_slots)."""
+        z = self.slots(h, embed[x_next]) if z is None else z
         N = z.shape[0]
         if readout is not None:
             sub, emb_s, lm_s = readout

@@ -197,8 +197,12 @@ class SpecLoop:
         ctx = L - 1
         last = hist.gather(1, ctx[:, None])
         dr = self.drafter
+        z = None
+        if self.dev.type == "cuda" and bs <= 16:  # the backbone in 5 fused launches, not 15 (as the fused chain)
+            from kestrel.spec.head_gemm import fused_slots
+            z = fused_slots(dr.head, self.hidden[:bs], last[:, 0], dr.embed)
         nodes = dr.head.draft_tree(self.hidden[:bs], last[:, 0], dr.embed, dr.lm_head, t.widths,
-                                   readout=self.t_readout, nodes=True)
+                                   readout=self.t_readout, nodes=True, z=z)
         ids = torch.cat([last, nodes], 1)
         pos = ctx[:, None] + self.t_depth[None, :]  # RoPE by depth
         bsz = self.block_size

@@ -80,11 +80,11 @@ def tree_accept(tokens: torch.Tensor, top: torch.Tensor, shape: TreeShape, paren
     accepted, path [B, D+1] rows of the accepted path by depth (past a: the leaf), emitted [B, D+1] = top along
     the path, valid for the first a + 1). No host syncs (capturable)."""
     B, S = tokens.shape
-    ok = tokens == top.gather(1, parent[None, :].expand(B, S))  # node agrees with its parent's argmax
-    valid = torch.ones_like(ok)
-    for lo, hi in zip(shape.lo, shape.hi):  # a node is valid if its parent is (levels in order)
-        valid[:, lo:hi] = ok[:, lo:hi] & valid.gather(1, parent[lo:hi][None, :].expand(B, hi - lo))
     rows = torch.arange(S, device=tokens.device)
+    # node agrees with its parent's argmax (the root always "agrees"); valid = all of its path agrees: one gather
+    # over anc_at (a row's entries past its depth repeat the row itself) instead of a pass per level (fewer launches)
+    ok = (tokens == top.gather(1, parent[None, :].expand(B, S))) | (rows == 0)[None, :]
+    valid = ok.gather(1, anc_at.reshape(1, -1).expand(B, -1)).view(B, S, -1).all(-1)
     score = torch.where(valid, depth[None, :] * S + (S - 1 - rows)[None, :], -1)
     leaf = score.argmax(1)
     a = depth[leaf]
