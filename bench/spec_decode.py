@@ -31,7 +31,10 @@ from kestrel.spec.factory import build_drafter, spec_loop, verify_graphs  # noqa
 from kestrel.spec.train_cli import DEFAULT_PROMPTS  # noqa: E402
 
 MODES = {"nospec": None, "k1": "schedule=fixed,k=1", "k4": "schedule=fixed,k=4", "k6": "schedule=fixed,k=6",
-         "k8": "schedule=fixed,k=8", "conf": "schedule=confidence,k={kmax}"}
+         "k8": "schedule=fixed,k=8", "conf": "schedule=confidence,k={kmax}",
+         # draft-tree verification (kestrel/spec/tree.py; head drafters): always the tree / the cost model's pick of
+         # tree, chain or off per step
+         "tree": "schedule=fixed,k={kmax},tree={tree}", "tree-conf": "schedule=confidence,k={kmax},tree={tree}"}
 
 _PASSAGES = [
     "The city council met on Tuesday to discuss the new park. Residents asked for more trees, a playground and "
@@ -167,6 +170,8 @@ def main(argv=None):
                          "hybrid: head_fused=0) in this process")
     ap.add_argument("--head", default=None, help="draft head safetensors (for --drafter head)")
     ap.add_argument("--kmax", type=int, default=4, help="most draft tokens for the confidence scheduler")
+    ap.add_argument("--tree", nargs="+", default=["4-2-1-1-1-1"],
+                    help="draft-tree widths per level for the tree modes (several: one mode each, named by the widths)")
     ap.add_argument("--token-budget", type=int, default=None, help="confidence scheduler budget (default: config's)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -231,13 +236,18 @@ def build_modes(engine, args) -> dict:
     # the draft head is loaded (and its graphs captured) once for the head and hybrid drafters, once more for the
     # fused ones (another drafter object: the loop cache keys on it, so the two variants get their own graphs)
     heads = {}
-    runs = [(m, lp) for lp in args.loop for m in args.modes if MODES[m] is not None]
+    runs = [(m, lp) for lp in args.loop for m in args.modes if MODES[m] is not None and
+            not (m.startswith("tree") and (lp == "off" or args.drafter == ["ngram"]))]
     runs += [(m, "off") for m in args.sync_modes if "off" not in args.loop]
     for d in args.drafter:
         base, fused = d.removesuffix("-fused"), d.endswith("-fused")
-        for m, lp in runs:
+        for m0, lp in [(m + (f"@{w}" if len(args.tree) > 1 else ""), lp) if m.startswith("tree") else (m, lp)
+                       for m, lp in runs for w in (args.tree if m.startswith("tree") else [None])]:
+            m, tree = m0.split("@")[0], m0.split("@")[1] if "@" in m0 else args.tree[0]
+            if d == "ngram" and m.startswith("tree"):
+                continue
             extra = (",hybrid_ngram=2" if base == "hybrid" else "") + (",head_fused=1" if fused else ",head_fused=0")
-            cfg = parse_speculative(MODES[m].format(kmax=args.kmax) + f",drafter={'ngram' if d == 'ngram' else 'head'}"
+            cfg = parse_speculative(MODES[m].format(kmax=args.kmax, tree=tree) + f",drafter={'ngram' if d == 'ngram' else 'head'}"
                                     + budget + f",loop={lp}" + extra + (f",{args.spec_args}" if args.spec_args else "")
                                     + (f",head={args.head}" if d != "ngram" else ""))
             if d != "ngram" and fused not in heads:
@@ -250,7 +260,7 @@ def build_modes(engine, args) -> dict:
                     dec.loop = spec_loop(engine, cfg, dec.drafter)
                 return dec
             make()  # capture now, not inside a timed run
-            name = f"{d}-{m}" if len(args.drafter) > 1 or d != "ngram" else m
+            name = f"{d}-{m0}" if len(args.drafter) > 1 or d != "ngram" else m0
             modes[name + ("-sync" if lp == "off" and (len(args.loop) > 1 or lp not in args.loop) else "")] = make
     return modes
 

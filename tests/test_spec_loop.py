@@ -100,6 +100,7 @@ def test_loop_cost_model_picks_k():
     loop = SpecLoop.__new__(SpecLoop)
     loop.schedule, loop.k, loop.ks, loop.bs, loop.probe_every, loop.num_steps = "confidence", 4, [0, 1, 2, 4], 8, 16, 1
     loop.host_ms, loop.last_k = 0.5, None
+    loop.cands, loop.kt, loop.kchain, loop._probe = loop.ks, None, loop.ks[-1], 0  # chains only
     loop.surv = [1.0, 0.8, 0.6, 0.4, 0.3]
     loop.gpu_ms = {(8, 0): 1.0, (8, 1): 1.05, (8, 2): 1.1, (8, 4): 1.2}  # verification nearly free: verify most
     loop.gpu_n = {key: 2 for key in loop.gpu_ms}  # two samples each: the cold first replay is already replaced
@@ -189,6 +190,7 @@ def test_loop_cost_model_batch_one_is_not_swung_by_single_outcomes():
         loop = SpecLoop.__new__(SpecLoop)
         loop.schedule, loop.k, loop.ks, loop.bs, loop.probe_every, loop.num_steps = "confidence", 6, sorted(costs), 1, 16, 1
         loop.host_ms, loop.last_k = 0.11, None
+        loop.cands, loop.kt, loop.kchain, loop._probe = loop.ks, None, loop.ks[-1], 0
         loop.surv = [1.0] + [0.5 ** i for i in range(1, 7)]
         loop.gpu_ms = {(1, K): c for K, c in costs.items()}
         loop.gpu_n = {key: 2 for key in loop.gpu_ms}
@@ -203,3 +205,27 @@ def test_loop_cost_model_batch_one_is_not_swung_by_single_outcomes():
             if K:
                 loop.observe([1 if i <= a else 0 for i in range(K + 1)], 1, K)
         assert chosen.count(best) >= 0.9 * len(chosen), (seed, {K: chosen.count(K) for K in costs})
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "confidence"])
+def test_loop_tree_identical_to_plain(tmp_path, plain, monkeypatch, schedule):
+    """Tree verification in the loop (tree=8-2-1: 40 nodes): greedy token-identical to plain decoding, with accepted
+    paths off the first branch (their K/V moved by KVCompactor) seen, and every KV block back at the end."""
+    from kestrel.spec.draft_head import DraftHead
+    from kestrel.spec.tree import KVCompactor
+
+    f = tmp_path / "head.safetensors"
+    torch.manual_seed(0)
+    DraftHead(SHAPE["hidden_size"], k=3, recurrent=True).save(str(f))
+    moves = []
+    call = KVCompactor.__call__
+    monkeypatch.setattr(KVCompactor, "__call__",
+                        lambda self, s, d: (moves.append(int(((s >= 0) & (s != d)).sum())), call(self, s, d))[1])
+    e = _engine(f"drafter=head,head={f},k=3,schedule={schedule},loop=on,tree=8-2-1", num_kv_blocks=400)
+    streamed, final, _ = _run(e, PROMPTS, GREEDY)
+    assert {r: o.output_token_ids for r, o in final.items()} == plain and streamed == plain
+    s = e.stats()
+    # fixed: every loop step is the tree; confidence: measured (twice per batch bucket) and then picked by cost
+    assert s["spec_loop_steps"].get(40, 0) > (5 if schedule == "fixed" else 1) and s["spec_num_accepted_tokens"] > 0
+    assert sum(moves) > 0  # some accepted path needed its K/V moved
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]

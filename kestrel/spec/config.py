@@ -30,6 +30,10 @@ class SpeculativeConfig:
     # or as the KESTREL_HEAD_FUSED environment variable says (-1; on unless it is 0); a field so that one process can
     # run both side by side (bench/spec_decode.py --drafter hybrid hybrid-fused)
     head_fused: int = -1
+    # drafter=head inside the loop: also verify a greedy draft tree of these widths per level, e.g. '4-2-1-1-1-1'
+    # (top 4 first tokens, top 2 under each, then chains; kestrel/spec/tree.py); '' = chains only. schedule=fixed
+    # then always runs the tree, confidence picks tree / chain / off per step by cost
+    tree: str = ""
 
     def __post_init__(self):
         self.validate()
@@ -45,6 +49,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative hybrid_ngram must be >= 0 (0 = head only), got {self.hybrid_ngram}")
         if self.head_fused not in (-1, 0, 1):
             raise ValueError(f"speculative head_fused must be -1 (environment), 0 or 1, got {self.head_fused}")
+        if self.tree:
+            if self.drafter != "head":
+                raise ValueError("speculative tree needs drafter=head")
+            from kestrel.spec.tree import TreeShape
+            TreeShape.parse(self.tree)  # raises on bad widths / too many nodes
         if not (1 <= self.k <= 16):
             raise ValueError(f"speculative k must be in [1, 16], got {self.k}")
         if self.token_budget is not None and self.token_budget < 1:

@@ -32,6 +32,11 @@ def _rms(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
 
 
+def _repeat_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x.repeat_interleave(n, 0) through a view: no host sync, so a draft tree can be captured in a CUDA graph."""
+    return x[:, None].expand(x.shape[0], n, *x.shape[1:]).reshape(x.shape[0] * n, *x.shape[1:])
+
+
 class _MLPBlock(nn.Module):
     def __init__(self, H: int, mult: int):
         super().__init__()
@@ -136,25 +141,34 @@ class DraftHead(nn.Module):
         return toks, torch.stack(confs, 1) if want_conf else None
 
     @torch.no_grad()
-    def draft_tree(self, h, x_next, embed, lm_head, widths, readout=None):
+    def draft_tree(self, h, x_next, embed, lm_head, widths, readout=None, nodes: bool = False, z=None):
         """Greedy draft tree, for measuring what tree verification could accept (bench/draft_acceptance.py): slot i
         keeps the widths[i] most likely tokens under every branch of slot i-1, each branch refined with its own
         chain. Returns tokens [N, P, len(widths)], one row per root-to-leaf path (P = prod(widths)); widths of all
-        ones is draft_greedy's chain. readout: subset_readout()'s tensors or None (full vocabulary)."""
-        z = self.slots(h, embed[x_next])
+        ones is draft_greedy's chain. readout: subset_readout()'s tensors or None (full vocabulary). nodes: return
+        the tree's nodes instead, [N, n] level by level (kestrel/spec/tree.py's TreeShape order: node c of level i is
+        child c % widths[i] of node c // widths[i] of level i-1), for tree verification in the device loop. z: the
+        backbone's slot states if already computed (the loop's fused backbone, head_gemm.fused_slots)."""
+        z = self.slots(h, embed[x_next]) if z is None else z
         N = z.shape[0]
         if readout is not None:
             sub, emb_s, lm_s = readout
-        paths, zi, e, P = None, None, None, 1
+        paths, zi, e, P, levels = None, None, None, 1, []
         for i, w in enumerate(widths[:self.k]):
-            zi = z[:, 0] if i == 0 else self.refine(z[:, i].repeat_interleave(P, 0), e, zi)
+            zi = z[:, 0] if i == 0 else self.refine(_repeat_rows(z[:, i], P), e, zi)
             logits = zi @ lm_s.t() if readout is not None else _rms(self.out_norm, zi) @ lm_head.t()
             top = logits.float().topk(w, -1).indices  # [N * P, w]: parent p's children at p * w + c
-            zi = zi.repeat_interleave(w, 0)
+            zi = _repeat_rows(zi, w)
             e = (emb_s if readout is not None else embed)[top.reshape(-1)]
             col = top.view(N, P * w, 1)
-            paths = col if paths is None else torch.cat([paths.repeat_interleave(w, 1), col], -1)
             P *= w
+            if nodes:
+                levels.append(top.view(N, P))
+                continue
+            paths = col if paths is None else torch.cat([paths.repeat_interleave(w, 1), col], -1)
+        if nodes:
+            out = torch.cat(levels, 1)
+            return sub[out] if readout is not None else out
         return sub[paths] if readout is not None else paths
 
     @torch.no_grad()

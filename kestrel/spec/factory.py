@@ -84,8 +84,8 @@ def spec_loop(engine, cfg: SpeculativeConfig, drafter):
     if isinstance(drafter, NgramDrafter):
         key, kind, kmax = ("ngram", cfg.ngram_max, cfg.ngram_min), "ngram", max(cfg.k, 4)
     elif isinstance(drafter, HeadDrafter):
-        key, kind, kmax = ("head", id(drafter.head), cfg.ngram_max, cfg.ngram_min, cfg.hybrid_ngram), "head", \
-            min(max(cfg.k, 4), drafter.head.k)
+        key, kind, kmax = ("head", id(drafter.head), cfg.ngram_max, cfg.ngram_min, cfg.hybrid_ngram, cfg.tree), \
+            "head", min(max(cfg.k, 4), drafter.head.k)
     else:
         return None
     ks = tuple(default_k_buckets(kmax))
@@ -94,8 +94,10 @@ def spec_loop(engine, cfg: SpeculativeConfig, drafter):
         from kestrel.engine.cuda_graphs import default_batch_buckets
         sizes = graphs.batch_sizes if graphs is not None else default_batch_buckets(engine.config.max_num_seqs)
         try:
+            from kestrel.spec.tree import TreeShape
+            tree = TreeShape.parse(cfg.tree) if cfg.tree and kind == "head" else None
             loop = SpecLoop(runner, drafter, kind, list(ks), sizes, engine.max_model_len, cfg.schedule, cfg.k,
-                            ngram=(cfg.ngram_max, cfg.ngram_min), hybrid_ngram=cfg.hybrid_ngram)
+                            ngram=(cfg.ngram_max, cfg.ngram_min), hybrid_ngram=cfg.hybrid_ngram, tree=tree)
             loop.capture()
         except Exception:  # keep serving through the synchronous step, and say why
             if cfg.loop == "on":

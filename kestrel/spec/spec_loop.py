@@ -32,6 +32,13 @@ wall clock). The loop picks the K of most tokens per second, so it verifies more
 free (small batches: the forward is launch-bound) and turns speculation off (K = 0) when the verify costs more
 than it gains (large batches), probing the largest K now and then to keep s_i current. schedule=fixed uses k.
 
+Tree verification (tree=TreeShape, drafter=head; kestrel/spec/tree.py): one more candidate step besides the chains,
+keyed K = the tree's node count. The head drafts a greedy tree (top widths[i] tokens under each branch), one verify
+pass scores all its nodes under a tree attention mask, the deepest node whose whole path the target agrees with is
+accepted and its path's K/V are moved to their sequence positions. Its expected tokens per row is a running mean
+of its own steps (not the chains' s_i); the cost model weighs it like a chain, so at large batches, where its wide
+verify costs real time, the loop falls back to chains or K = 0.
+
 The loop runs while the batch is all-greedy decode without logprobs or penalties and nothing waits to be admitted;
 otherwise (and on a new request) it drains and the synchronous step (decoder.py) takes over.
 """
@@ -44,6 +51,7 @@ import torch
 
 from kestrel.engine.attention import to_device
 from kestrel.spec.ngram import ngram_draft_device
+from kestrel.spec.tree import KVCompactor, tree_accept
 from kestrel.spec.verify_graph import _VerifyCtx, capture_graphs, pad_rows
 
 
@@ -72,7 +80,7 @@ def loop_eligible(seq) -> bool:
 class SpecLoop:
     def __init__(self, runner, drafter, kind: str, k_sizes: list[int], batch_sizes: list[int], max_model_len: int,
                  schedule: str = "confidence", k: int = 4, capture: bool = True, probe_every: int = 16,
-                 ngram: tuple[int, int] = (3, 1), hybrid_ngram: int = 0):
+                 ngram: tuple[int, int] = (3, 1), hybrid_ngram: int = 0, tree=None):
         self.model, b = runner.model, runner.backend
         self.k_caches, self.v_caches = b.k_cache, b.v_cache
         self.dev = dev = self.k_caches[0].device
@@ -83,9 +91,21 @@ class SpecLoop:
         self.kind, self.drafter = kind, drafter
         self.ngram, self.hybrid_ngram = ngram, hybrid_ngram
         self.ks = sorted({0, *k_sizes})
+        self.tree, self.kt = tree, None
+        if tree is not None:
+            if kind != "head" or tree.D > drafter.head.k:
+                raise ValueError(f"tree verification needs the draft head, {tree.D} levels <= its k={drafter.head.k}")
+            self.kt = tree.n
+            if self.kt in self.ks:
+                raise ValueError(f"a tree of {tree.n} nodes collides with the chain K={tree.n}")
+            self.t_parent, self.t_depth, self.t_bits, self.t_anc = tree.tensors(dev)
+            self.t_readout = drafter.head.subset_readout(drafter.embed, drafter.lm_head)
+            self.compact = KVCompactor(self.k_caches, self.v_caches)
+        self.cands = self.ks + ([self.kt] if self.kt else [])  # the steps the cost model picks from
         self.schedule, self.k, self.probe_every = schedule, k, probe_every
         self.batch_sizes = sorted(batch_sizes)
-        Kmax, B = self.ks[-1], self.batch_sizes[-1]
+        Kmax, B = max(self.cands), self.batch_sizes[-1]
+        self.kchain = self.ks[-1]
         self.max_model_len = max_model_len
         self.Lm = max_model_len + 2 * (Kmax + 1)  # history: room for the writes of two steps past the context
         self.W = -(-self.Lm // self.block_size) + 4  # + the blocks taken ahead (step(): 2 blocks)
@@ -96,13 +116,17 @@ class SpecLoop:
         self.block_tables = torch.zeros(B, self.W, dtype=torch.int32, device=dev)
         self.active = torch.zeros(B, dtype=torch.bool, device=dev)
         self.out = torch.zeros(B, Kmax + 4, dtype=torch.long, device=dev)  # n, accepted, drafted, tokens[K+1]
-        self.cu_q = {K: (torch.arange(B + 1, dtype=torch.int32) * (K + 1)).to(dev) for K in self.ks}
+        self.cu_q = {K: (torch.arange(B + 1, dtype=torch.int32) * (K + 1)).to(dev) for K in self.cands}
+        if self.kt:  # the tree's mask words for every row of the largest batch
+            self.t_mask = self.t_bits.repeat(B)
         pin = dev.type == "cuda"
         self.host = [torch.zeros(B, Kmax + 4, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         # running estimates for the K choice
-        self.surv = [1.0] + [0.5 ** i for i in range(1, Kmax + 1)]  # s_i = P(first i drafts accepted)
+        self.surv = [1.0] + [0.5 ** i for i in range(1, self.kchain + 1)]  # s_i = P(first i drafts accepted)
+        self.tree_tokens = 0.0  # running tokens per row of the tree steps (0: not observed yet)
+        self._probe = 0
         self.gpu_ms: dict[tuple[int, int], float] = {}
         self.gpu_n: dict[tuple[int, int], int] = {}  # samples behind gpu_ms (the first replay of a graph is cold)
         self.host_ms = 0.0
@@ -122,6 +146,8 @@ class SpecLoop:
 
     # ---- the device step ----
     def _step(self, bs: int, K: int):
+        if K == self.kt and K:
+            return self._step_tree(bs)
         S = K + 1
         L, hist, act = self.length[:bs], self.hist[:bs], self.active[:bs]
         ctx = L - 1
@@ -164,12 +190,59 @@ class SpecLoop:
         o[:, 2] = has.long()
         o[:, 3:3 + S] = top
 
+    def _step_tree(self, bs: int):
+        t = self.tree
+        S, D = t.n + 1, t.D
+        L, hist, act = self.length[:bs], self.hist[:bs], self.active[:bs]
+        ctx = L - 1
+        last = hist.gather(1, ctx[:, None])
+        dr = self.drafter
+        z = None
+        if self.dev.type == "cuda" and bs <= 16:  # the backbone in 5 fused launches, not 15 (as the fused chain)
+            from kestrel.spec.head_gemm import fused_slots
+            z = fused_slots(dr.head, self.hidden[:bs], last[:, 0], dr.embed)
+        nodes = dr.head.draft_tree(self.hidden[:bs], last[:, 0], dr.embed, dr.lm_head, t.widths,
+                                   readout=self.t_readout, nodes=True, z=z)
+        ids = torch.cat([last, nodes], 1)
+        pos = ctx[:, None] + self.t_depth[None, :]  # RoPE by depth
+        bsz = self.block_size
+
+        def slot(p):  # cache slot of sequence position p [bs, m]
+            blk = self.block_tables[:bs].gather(1, (p // bsz).clamp(max=self.W - 1)).long()
+            return blk * bsz + p % bsz
+        rows = ctx[:, None] + torch.arange(S, device=self.dev)[None, :]  # chunk row j is stored at ctx + j
+        slots = torch.where(act[:, None], slot(rows), -1)
+        seq_lens = torch.where(act, ctx + S, 0).to(torch.int32)
+        vctx = _VerifyCtx(self.k_caches, self.v_caches, self.window, self.scale, slots.reshape(-1),
+                          self.block_tables[:bs], self.cu_q[t.n][:bs + 1], seq_lens, S, tree_mask=self.t_mask[:bs * S])
+        h = self.model(ids.reshape(-1), pos.reshape(-1), vctx)
+        top = self.model.compute_logits(h).argmax(-1).view(bs, S)
+        a, path, emitted, leaf = tree_accept(ids, top, t, self.t_parent, self.t_depth, self.t_anc)
+        n = torch.where(act, a + 1, 0)
+        j = torch.arange(D + 1, device=self.dev)[None, :]
+        wpos = (L[:, None] + j).clamp(max=self.Lm - 1)
+        hist.scatter_(1, wpos, torch.where(act[:, None], emitted, hist.gather(1, wpos)))
+        # the accepted nodes' K/V: chunk row path[d] -> position ctx + d (d = 1..a)
+        d = j[:, 1:]
+        move = act[:, None] & (d <= a[:, None]) & (path[:, 1:] != d)
+        src = torch.where(move, slot(ctx[:, None] + path[:, 1:]), -1)
+        dst = torch.where(move, slot(ctx[:, None] + d), -1)
+        self.compact(src, dst)
+        L += n
+        H = h.shape[-1]
+        self.hidden[:bs].copy_(h.view(bs, S, H).gather(1, leaf[:, None, None].expand(bs, 1, H))[:, 0])
+        o = self.out[:bs]
+        o[:, 0] = n
+        o[:, 1] = a
+        o[:, 2] = 1
+        o[:, 3:4 + D] = emitted
+
     @torch.inference_mode()
     def capture(self) -> None:
         if not self.use_graphs:
             return
         self.active.zero_()  # warm-up and capture with every row off: nothing stored, no state moves
-        graphs, _, self.pool = capture_graphs(self._step, self.batch_sizes, self.ks, self.pool)
+        graphs, _, self.pool = capture_graphs(self._step, self.batch_sizes, self.cands, self.pool)
         self.graphs.update(graphs)
 
     # ---- entering / leaving ----
@@ -179,14 +252,14 @@ class SpecLoop:
         if self.owner is not decoder:
             self.owner, self.inflight, self.active_loop = decoder, None, False
             self.schedule, self.k = decoder.cfg.schedule, decoder.cfg.k
-            self.surv = [1.0] + [0.5 ** i for i in range(1, self.ks[-1] + 1)]
-            self.num_steps, self.last_k = 0, None
+            self.surv = [1.0] + [0.5 ** i for i in range(1, self.kchain + 1)]
+            self.num_steps, self.last_k, self.tree_tokens = 0, None, 0.0
 
     def can_enter(self, engine, batch, hidden: dict) -> bool:
         seqs, ns = batch.seqs, batch.num_new_tokens
         if engine.scheduler.waiting or not seqs or len(seqs) > self.batch_sizes[-1]:
             return False
-        room = 3 * (self.ks[-1] + 1)
+        room = 3 * (max(self.cands) + 1)
         for s, n in zip(seqs, ns):
             if n != 1 or s.num_computed_tokens != s.num_tokens - 1 or not loop_eligible(s) or \
                     s.num_tokens + room > self.max_model_len:
@@ -237,21 +310,27 @@ class SpecLoop:
 
     # ---- one engine step inside the loop ----
     def choose_k(self) -> int:
-        if self.schedule == "fixed":
-            return next((x for x in self.ks if x >= self.k), self.ks[-1])
+        if self.schedule == "fixed":  # with a tree: always the tree
+            return self.kt or next((x for x in self.ks if x >= self.k), self.ks[-1])
         bs = self.bs
-        untried = [K for K in reversed(self.ks) if self.gpu_n.get((bs, K), 0) < 2]
+        untried = [K for K in reversed(self.cands) if self.gpu_n.get((bs, K), 0) < 2]
         if untried:
             return untried[0]
-        # probe the largest K now and then to keep s_i current; 4x as often while speculation is off, since an off
-        # step observes nothing (R2: survival that fell on a prompt's first tokens came back too slowly)
+        if self.kt and not self.tree_tokens:  # the tree's tokens per row not observed since attach: measure it
+            return self.kt
+        # probe the largest K now and then to keep s_i current (and the tree, every other probe); 4x as often while
+        # speculation is off, since an off step observes nothing (R2: survival that fell on a prompt's first tokens
+        # came back too slowly)
         if self.num_steps % (self.probe_every // 4 if self.last_k == 0 else self.probe_every) == 0:
-            return self.ks[-1]
+            self._probe ^= 1
+            return self.kt if self.kt and self._probe else self.kchain
         host = self.host_ms
 
         def rate(K):
-            return (1 + sum(self.surv[1:K + 1])) / max(self.gpu_ms[(bs, K)], host, 1e-6)
-        self.last_k = max(self.ks, key=rate)
+            tokens = (self.tree_tokens or 1 + sum(self.surv[1:self.tree.D + 1])) if K == self.kt \
+                else 1 + sum(self.surv[1:K + 1])
+            return tokens / max(self.gpu_ms[(bs, K)], host, 1e-6)
+        self.last_k = max(self.cands, key=rate)
         return self.last_k
 
     @torch.inference_mode()
@@ -360,7 +439,11 @@ class SpecLoop:
             decoder.num_verifies += len(spec)
             decoder.num_draft_tokens += K * len(spec)
             decoder.num_accepted_tokens += sum(acc)
-        if K and live:
+        if K and live and K == self.kt:  # the tree's own running tokens per row
+            w = survival_weight(live)
+            mean = 1 + float(sum(acc)) / live
+            self.tree_tokens = mean if not self.tree_tokens else (1 - w) * self.tree_tokens + w * mean
+        elif K and live:
             self.observe(reach, live, K)
         return outputs
 

@@ -101,8 +101,10 @@ def _pack_lists(rows, K: int, bs: int, block_size: int):
 class _VerifyCtx:
     """The model's attention context inside a verify step: store the chunk's K/V, then varlen paged attention."""
 
-    def __init__(self, k_caches, v_caches, window, scale, slot_mapping, block_tables, cu_q, seq_lens, max_q):
+    def __init__(self, k_caches, v_caches, window, scale, slot_mapping, block_tables, cu_q, seq_lens, max_q,
+                 tree_mask=None):
         self.k_caches, self.v_caches, self.window, self.scale = k_caches, v_caches, window, scale
+        self.tree_mask = tree_mask  # [T] int64 ancestor bits (draft-tree verify, kestrel/spec/tree.py) or None
         self.slot_mapping, self.block_tables, self.cu_q, self.seq_lens, self.max_q = \
             slot_mapping, block_tables, cu_q, seq_lens, max_q
 
@@ -110,7 +112,7 @@ class _VerifyCtx:
         kc, vc = self.k_caches[layer], self.v_caches[layer]
         store_kvcache(k, v, kc, vc, self.slot_mapping)
         out = paged_prefill_attention(q, kc, vc, self.block_tables, self.cu_q, self.seq_lens, self.scale,
-                                      max_q_len=self.max_q, window=self.window)
+                                      max_q_len=self.max_q, window=self.window, tree_mask=self.tree_mask)
         return out.view(q.shape[0], -1)
 
 

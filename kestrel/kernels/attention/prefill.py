@@ -4,6 +4,10 @@ The new tokens' K/V are written into the paged cache first (store_kvcache), so o
 prefill and resumes whose earlier tokens came from the prefix cache: query i of sequence b sits at position
 (seq_len_b - q_len_b + i) and attends every cached key at or before it (and within `window`, when set).
 Grid: (sequence, query head, query tile).
+
+Tree verification (speculative decoding, kestrel/spec/tree.py): with `tree_mask` [T] int64, the chunk is a draft
+tree, not a sequence: chunk token j is stored at position ctx + j and sees every cached key before the chunk plus
+the chunk tokens i whose bit i is set in tree_mask[j] (its ancestors and itself), so at most 64 tokens per chunk.
 """
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ from .paged_tile import load_kv_tile
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
-                    scale, window, stride_bt, stride_qt,
-                    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    scale, window, stride_bt, stride_qt, tree_ptr,
+                    TREE: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -38,6 +42,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr,
         q = tl.load(q_ptr + ((q_start + offs_m).to(tl.int64) * stride_qt + head * HEAD_DIM)[:, None] + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
 
+        bits = tl.zeros([BLOCK_M], tl.int64)
+        if TREE:
+            bits = tl.load(tree_ptr + q_start + offs_m, mask=m_mask, other=0).to(tl.int64)
         # keys this tile can see: [lo, hi)
         hi = tl.minimum(ctx + (mblk + 1) * BLOCK_M, seq_len)
         lo = tl.where(window > 0, tl.maximum(ctx + mblk * BLOCK_M - window + 1, 0), 0)
@@ -53,6 +60,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr,
                                 offs_d, d_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k)) * scale
             visible = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if TREE:  # chunk keys: only the query's ancestors (bit k_pos - ctx of its mask word)
+                rel = tl.maximum(k_pos - ctx, 0).to(tl.int64)
+                anc = ((bits[:, None] >> rel[None, :]) & 1) != 0
+                visible = visible & ((k_pos[None, :] < ctx) | anc)
             visible = visible & ((window <= 0) | (q_pos[:, None] - k_pos[None, :] < window))
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -71,9 +82,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float, max_q_len: int, window: int = 0,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D] packed queries; cu_seqlens_q: [B+1] int32 offsets into T; seq_lens: [B] total tokens per
-    sequence (cached context + this chunk), all already in the cache. Returns [T, Hq, D]."""
+    sequence (cached context + this chunk), all already in the cache. tree_mask: [T] int64 ancestor bits of each
+    chunk token (module docstring), None = causal. Returns [T, Hq, D]."""
     T, Hq, D = q.shape
     _, block_size, Hkv, Dk = k_cache.shape
     if Dk != D or Hq % Hkv:
@@ -87,9 +99,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m, block_n = (64, 64) if q.is_cuda else (16, 16)
     if q.is_cuda and D > 128:
         block_m, block_n = 64, 32  # keep the tiles inside shared memory
+    if tree_mask is not None and (window > 0 or max_q_len > 64):
+        raise ValueError("tree attention: chunks of at most 64 tokens, no sliding window")
     grid = (B, Hq, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale, window,
-                          block_tables.stride(0), q.stride(0), NUM_Q_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D,
+                          block_tables.stride(0), q.stride(0),
+                          tree_mask if tree_mask is not None else seq_lens, TREE=tree_mask is not None, NUM_Q_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D,
                           BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size, BLOCK_M=block_m,
                           BLOCK_N=block_n)
     return out
