@@ -61,6 +61,9 @@ class ComputeConfig:
     # with a single partial). A grid of 1.2 waves should run ~1.25 waves long instead of 2 without split-K's
     # zeroed fp32 y, atomics and cast on every tile. Not yet timed or checked on a GPU (session 8): opt-in only
     tail: int = 0
+    # "tcg" swap, ws 0: 1 = stream-K schedule (gemm_wna16_tcg_streamk.py: one CTA per SM, whole waves of tiles
+    # data-parallel, the leftover tiles' K steps spread evenly over every CTA; split_k unused)
+    streamk: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,7 +97,8 @@ class ComputeConfig:
                     and not (self.swap and self.block_m > 128 and (self.num_stages > 2 or self.ws))
                     # reduce: the in-kernel split-K sum of the swap kernel without the loader warp
                     and (not self.reduce or (self.swap and self.ws == 0 and self.split_k > 1))
-                    and (not self.tail or self.reduce))
+                    and (not self.tail or self.reduce)
+                    and (not self.streamk or (self.swap and self.ws == 0 and not self.tail and self.split_k == 1)))
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):
