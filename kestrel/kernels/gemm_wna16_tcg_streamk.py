@@ -42,12 +42,20 @@ def plan(tiles: int, steps: int, num_sms: int) -> tuple[int, int, int, int]:
 @gluon.jit
 def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, sel, zb, s_offs,
              L3: gl.constexpr, a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP4: gl.constexpr):
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP4: gl.constexpr, REINIT: gl.constexpr):
     """acc[BN, BM] over K steps [s0, s0 + cnt) of one tile. g: K steps this program consumed before (the ring's
-    slot and mbarrier phase continue from it across tiles)."""
+    slot and mbarrier phase continue from it across tiles). REINIT (cfg.streamk 2, a diagnostic of the 128x128
+    NaN of session 9 R1): fresh mbarriers per tile and g = 0 instead."""
     gl.assume(cnt > 0)
     fence_async_shared()  # the last tile's generic word loads / wgmma reads of the ring are done in every warp
     gl.thread_barrier()  # ... before one thread refills the ring
+    if REINIT:
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        g = 0
     nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
     for i in gl.static_range(STAGES - 1):
         sl = (g + i) % STAGES
@@ -80,7 +88,7 @@ def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, c
 @gluon.jit
 def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, ws_ptr, cnt_ptr, max_parts,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
-                  FP4: gl.constexpr, num_warps: gl.constexpr):
+                  FP4: gl.constexpr, num_warps: gl.constexpr, REINIT: gl.constexpr = False):
     """Persistent swap-AB kernel (see the module doc): data-parallel tiles, then this program's stream-K range."""
     p = gl.program_id(0)
     P = gl.num_programs(0)
@@ -102,7 +110,7 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
         off_n = (t // num_pid_m) * BLOCK_N
         sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
         acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, 0, S, g, sel, zb, s_offs, L3,
-                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4)
+                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, REINIT)
         g += S
         _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, False, FP4, num_warps)
     T = (n_tiles - n_dp) * S  # stream-K steps
@@ -118,7 +126,7 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
         off_n = (t // num_pid_m) * BLOCK_N
         sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
         acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, a0 - u * S, a1 - a0, g, sel,
-                       zb, s_offs, L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4)
+                       zb, s_offs, L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, REINIT)
         g += a1 - a0
         if parts == 1:
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, False, FP4, num_warps)
@@ -143,5 +151,5 @@ def launch(x_desc, q_desc, qw, x2: torch.Tensor, cfg, num_sms: int) -> torch.Ten
     _tcgsk_kernel[(progs, )](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), n_dp, per, wsp,
                              _split_counters(x2.device, max(1, n_sk)), max_parts, BLOCK_M=bm, BLOCK_N=bn,
                              STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
-                             FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps)
+                             FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REINIT=cfg.streamk == 2)
     return y
