@@ -3,7 +3,7 @@
 For the 128x128 NaN of session 9 R1 (128x256 was right on every point).
 
   python bench/wna16_streamk_diag.py --format int4 --shape 10240,8192 --m 256 --configs 128,128,8,4,1 128,256,8,3,1
-config: block_m,block_n,num_warps,num_stages,streamk (1 = carried ring phases, 2 = fresh mbarriers per tile)
+config: block_m,block_n,num_warps,num_stages,streamk (1 = carried ring phases, 2 = fresh mbarriers per tile, 3 = fp32 atomics instead of the ticketed sum)
 """
 from __future__ import annotations
 

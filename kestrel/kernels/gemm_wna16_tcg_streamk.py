@@ -88,8 +88,11 @@ def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, c
 @gluon.jit
 def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, ws_ptr, cnt_ptr, max_parts,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
-                  FP4: gl.constexpr, num_warps: gl.constexpr, REINIT: gl.constexpr = False):
-    """Persistent swap-AB kernel (see the module doc): data-parallel tiles, then this program's stream-K range."""
+                  FP4: gl.constexpr, num_warps: gl.constexpr, REINIT: gl.constexpr = False,
+                  ATOMIC: gl.constexpr = False):
+    """Persistent swap-AB kernel (see the module doc): data-parallel tiles, then this program's stream-K range.
+    ATOMIC (cfg.streamk 3, a diagnostic): every tile's partial goes by fp32 atomics into a zeroed y instead of the
+    ticketed reduction."""
     p = gl.program_id(0)
     P = gl.num_programs(0)
     S = K // BK
@@ -112,7 +115,7 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
         acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, 0, S, g, sel, zb, s_offs, L3,
                        a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, REINIT)
         g += S
-        _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, False, FP4, num_warps)
+        _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps)
     T = (n_tiles - n_dp) * S  # stream-K steps
     lo = gl.minimum(p * per, T)
     hi = gl.minimum(lo + per, T)
@@ -128,7 +131,9 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
         acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, a0 - u * S, a1 - a0, g, sel,
                        zb, s_offs, L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, REINIT)
         g += a1 - a0
-        if parts == 1:
+        if ATOMIC:
+            _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, True, FP4, num_warps)
+        elif parts == 1:
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, False, FP4, num_warps)
         else:  # slab (part, u) of max_parts x n_sk; counter u
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, False, FP4, num_warps, True,
@@ -146,10 +151,13 @@ def launch(x_desc, q_desc, qw, x2: torch.Tensor, cfg, num_sms: int) -> torch.Ten
     tiles = -(-m // bm) * (n // bn)
     progs, n_dp, per, max_parts = plan(tiles, k // BK.value, num_sms)
     n_sk = tiles - n_dp
-    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    atomic = cfg.streamk == 3
+    y = torch.zeros((m, n), device=x2.device, dtype=torch.float32) if atomic else torch.empty(
+        (m, n), device=x2.device, dtype=x2.dtype)
     wsp = torch.empty(max(1, max_parts * n_sk * bm * bn), device=x2.device, dtype=torch.float32)
     _tcgsk_kernel[(progs, )](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), n_dp, per, wsp,
                              _split_counters(x2.device, max(1, n_sk)), max_parts, BLOCK_M=bm, BLOCK_N=bn,
                              STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
-                             FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REINIT=cfg.streamk == 2)
-    return y
+                             FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REINIT=cfg.streamk == 2,
+                             ATOMIC=atomic)
+    return y.to(x2.dtype) if atomic else y
