@@ -3,7 +3,8 @@
 For the 128x128 NaN of session 9 R1 (128x256 was right on every point).
 
   python bench/wna16_streamk_diag.py --format int4 --shape 10240,8192 --m 256 --configs 128,128,8,4,1 128,256,8,3,1
-config: block_m,block_n,num_warps,num_stages,streamk (1 = carried ring phases, 2 = fresh mbarriers per tile, 3 = fp32 atomics instead of the ticketed sum)
+config: block_m,block_n,num_warps,num_stages,streamk (1 = ticketed sum, 2 = fp32 atomics; session 9 R2 ran
+an extra 'fresh mbarriers per tile' form as 2 and the atomics as 3)
 """
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import collections
 import torch
 
 from kestrel.kernels.configs import ComputeConfig, LayerConfig
-from kestrel.kernels.gemm_wna16 import gemm_wna16
-from kestrel.kernels.gemm_wna16_tcg import _num_sms
+from kestrel.kernels.gemm_wna16_tcg import _num_sms, gemm_wna16_tcg
 from kestrel.kernels.gemm_wna16_tcg_streamk import plan
 from kestrel.kernels.tuning import FORMATS, make_weights
 from kestrel.quant import dequantize
@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--shape", default="10240,8192")
     ap.add_argument("--m", type=int, default=256)
     ap.add_argument("--configs", nargs="+", default=["128,128,8,4,1"])
+    ap.add_argument("--unchecked", action="store_true", help="also run configs valid_for rejects (the wrong ones)")
     a = ap.parse_args()
     n, k = (int(v) for v in a.shape.split(","))
     layer = LayerConfig(FORMATS[a.format], n, k)
@@ -44,13 +45,13 @@ def main():
     for c in a.configs:
         bm, bn, nw, st, sk = (int(v) for v in c.split(","))
         cfg = ComputeConfig("tcg", bm, bn, 0, 1, nw, st, swap=True, streamk=sk)
-        if not cfg.valid_for(layer):
+        if not cfg.valid_for(layer) and not a.unchecked:
             print(f"DIAG {a.format} {n}x{k} M={a.m} {c}: not valid")
             continue
         nm = -(-a.m // bm)
         role = roles(nm * (n // bn), k // 128, _num_sms(x.device))
         for rep in range(2):
-            y = gemm_wna16(x, w, cfg).float()
+            y = gemm_wna16_tcg(x, w, cfg).float()  # not gemm_wna16: it refuses what valid_for rejects
             bad = collections.Counter()
             tot = collections.Counter(role)
             first = []

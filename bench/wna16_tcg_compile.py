@@ -53,7 +53,7 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, reinit: bool = False, atomic: bool = False):
+def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False):
     """The stream-K persistent kernel (gemm_wna16_tcg_streamk._tcgsk_kernel)."""
     from kestrel.kernels import gemm_wna16_tcg_streamk as sk
     lay = gl.NVMMASharedLayout.get_default_for
@@ -67,7 +67,7 @@ def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, reinit: 
            "n_dp": "i32", "per": "i32",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "max_parts": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4, num_warps=warps,
-                  REINIT=reinit, ATOMIC=atomic)
+                  ATOMIC=atomic)
     signature = {n: sig.get(n, "constexpr") for n in names}
     src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})

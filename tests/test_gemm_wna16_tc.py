@@ -442,17 +442,21 @@ def test_streamk_plan_spreads_the_leftover_tiles_k_steps():
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
-@pytest.mark.parametrize("bn", [128, 256])
+@pytest.mark.parametrize("tile", [(128, 8, 2), (256, 8, 1), (128, 4, 1)])  # (block_n, num_warps, streamk)
 @pytest.mark.parametrize("sms", [3, 4, 5])
-def test_gluon_tcg_swap_streamk(fmt, bn, sms, monkeypatch):
+def test_gluon_tcg_swap_streamk(fmt, tile, sms, monkeypatch):
     # cfg.streamk on a pretend GPU of 3 / 4 / 5 SMs, 6 tiles of 6 K steps: 3 -> 2 data-parallel tiles per CTA (the
     # ring's phase carried over tiles); 4 -> 4 data-parallel + 2 tiles in 2 ranges each; 5 -> all stream-K, ranges
-    # of 8 steps crossing tile boundaries. Two calls (the reduction's counters must be back at zero)
+    # of 8 steps crossing tile boundaries. Two calls (the reduction's counters must be back at zero). The tiles are
+    # those found right on the H200 (session 9 R2); streamk 1 with 128x128 8 warps was wrong there (valid_for)
     from kestrel.kernels import gemm_wna16_tcg as tcg
     monkeypatch.setattr(tcg, "_num_sms", lambda device: sms)
-    cfg = ComputeConfig("tcg", 128, bn, 0, 1, 8, 4 if bn == 128 else 3, swap=True, streamk=1)
+    bn, nw, sk = tile
+    cfg = ComputeConfig("tcg", 128, bn, 0, 1, nw, 4 if bn == 128 else 3, swap=True, streamk=sk)
     qw = _weight(FORMATS[fmt], n=384 if bn == 128 else 512, k=768, seed=16)
-    assert cfg.valid_for(LayerConfig(qw.spec, *qw.shape))
+    lay = LayerConfig(qw.spec, *qw.shape)
+    assert cfg.valid_for(lay)
+    assert not ComputeConfig("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=1).valid_for(lay)
     x = torch.randn(200 if bn == 128 else 300, 768, generator=torch.Generator().manual_seed(6)).bfloat16()
     ref = x.double() @ dequantize(qw).double().t()
     for _ in range(2):

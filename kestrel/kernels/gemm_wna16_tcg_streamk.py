@@ -42,20 +42,13 @@ def plan(tiles: int, steps: int, num_sms: int) -> tuple[int, int, int, int]:
 @gluon.jit
 def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, sel, zb, s_offs,
              L3: gl.constexpr, a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP4: gl.constexpr, REINIT: gl.constexpr):
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP4: gl.constexpr):
     """acc[BN, BM] over K steps [s0, s0 + cnt) of one tile. g: K steps this program consumed before (the ring's
-    slot and mbarrier phase continue from it across tiles). REINIT (cfg.streamk 2, a diagnostic of the 128x128
-    NaN of session 9 R1): fresh mbarriers per tile and g = 0 instead."""
+    slot and mbarrier phase continue from it across tiles; fresh mbarriers per tile made no difference to the
+    128x128 NaN, session 9 R2)."""
     gl.assume(cnt > 0)
     fence_async_shared()  # the last tile's generic word loads / wgmma reads of the ring are done in every warp
     gl.thread_barrier()  # ... before one thread refills the ring
-    if REINIT:
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
-        g = 0
     nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
     for i in gl.static_range(STAGES - 1):
         sl = (g + i) % STAGES
@@ -88,11 +81,10 @@ def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, c
 @gluon.jit
 def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, ws_ptr, cnt_ptr, max_parts,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
-                  FP4: gl.constexpr, num_warps: gl.constexpr, REINIT: gl.constexpr = False,
-                  ATOMIC: gl.constexpr = False):
+                  FP4: gl.constexpr, num_warps: gl.constexpr, ATOMIC: gl.constexpr = False):
     """Persistent swap-AB kernel (see the module doc): data-parallel tiles, then this program's stream-K range.
-    ATOMIC (cfg.streamk 3, a diagnostic): every tile's partial goes by fp32 atomics into a zeroed y instead of the
-    ticketed reduction."""
+    ATOMIC (cfg.streamk 2): every tile's partial goes by fp32 atomics into a zeroed y (cast after) instead of the
+    ticketed reduction / direct store: the only form correct with the 128x128 8-warp tile (see configs.valid_for)."""
     p = gl.program_id(0)
     P = gl.num_programs(0)
     S = K // BK
@@ -113,7 +105,7 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
         off_n = (t // num_pid_m) * BLOCK_N
         sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
         acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, 0, S, g, sel, zb, s_offs, L3,
-                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, REINIT)
+                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4)
         g += S
         _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps)
     T = (n_tiles - n_dp) * S  # stream-K steps
@@ -129,7 +121,7 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
         off_n = (t // num_pid_m) * BLOCK_N
         sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
         acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, a0 - u * S, a1 - a0, g, sel,
-                       zb, s_offs, L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, REINIT)
+                       zb, s_offs, L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4)
         g += a1 - a0
         if ATOMIC:
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, True, FP4, num_warps)
@@ -151,13 +143,12 @@ def launch(x_desc, q_desc, qw, x2: torch.Tensor, cfg, num_sms: int) -> torch.Ten
     tiles = -(-m // bm) * (n // bn)
     progs, n_dp, per, max_parts = plan(tiles, k // BK.value, num_sms)
     n_sk = tiles - n_dp
-    atomic = cfg.streamk == 3
+    atomic = cfg.streamk == 2
     y = torch.zeros((m, n), device=x2.device, dtype=torch.float32) if atomic else torch.empty(
         (m, n), device=x2.device, dtype=x2.dtype)
     wsp = torch.empty(max(1, max_parts * n_sk * bm * bn), device=x2.device, dtype=torch.float32)
     _tcgsk_kernel[(progs, )](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), n_dp, per, wsp,
                              _split_counters(x2.device, max(1, n_sk)), max_parts, BLOCK_M=bm, BLOCK_N=bn,
                              STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
-                             FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REINIT=cfg.streamk == 2,
-                             ATOMIC=atomic)
+                             FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, ATOMIC=atomic)
     return y.to(x2.dtype) if atomic else y
