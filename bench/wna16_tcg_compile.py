@@ -2,7 +2,7 @@
 catches Gluon front-end / layout / ptxas errors of a change before a GPU round, and prints registers, spills and
 shared memory per variant. Not a correctness check (Gluon kernels run only on a Hopper GPU).
 
-  python bench/wna16_tcg_compile.py          # int4 + MXFP4 x (plain, split atomics, reduce, tail)
+  python bench/wna16_tcg_compile.py          # int4 + MXFP4 x (plain, split atomics, reduce, tail, streamk)
 """
 from __future__ import annotations
 
@@ -53,15 +53,36 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
+def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False):
+    """The stream-K persistent kernel (gemm_wna16_tcg_streamk._tcgsk_kernel)."""
+    from kestrel.kernels import gemm_wna16_tcg_streamk as sk
+    lay = gl.NVMMASharedLayout.get_default_for
+    x_desc = TensorDescriptor.from_tensor(torch.empty(256, 512, dtype=torch.bfloat16), [bm, 128],
+                                          lay([bm, 128], gl.bfloat16))
+    q_desc = TensorDescriptor.from_tensor(torch.empty(64, 512, dtype=torch.int32), [16, bn], lay([16, bn], gl.int32))
+    fn = sk._tcgsk_kernel
+    names = fn.arg_names
+    sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "s_ptr": "*u8" if fp4 else "*bf16",
+           "y_ptr": "*fp32" if atomic else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
+           "n_dp": "i32", "per": "i32",
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "max_parts": "i32"}
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4, num_warps=warps,
+                  ATOMIC=atomic)
+    signature = {n: sig.get(n, "constexpr") for n in names}
+    src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
 def main():
     variants = {"plain": {}, "atomic": dict(ATOMIC=True), "reduce": dict(REDUCE=True),
-                "tail": dict(REDUCE=True, TAIL=True)}
+                "tail": dict(REDUCE=True, TAIL=True), "streamk": None}
     ok = True
     for fp4 in (False, True):
         for (bm, bn, st) in ((128, 128, 4), (128, 256, 3)):
             for name, c in variants.items():
                 try:
-                    k = compile_tcgs(bm, bn, st, 8, fp4, **c)
+                    k = (compile_tcgsk(bm, bn, st, 8, fp4) if c is None else
+                         compile_tcgs(bm, bn, st, 8, fp4, **c))
                     loop, regs, stack = sass_loop(k)
                     print(f"{'mxfp4' if fp4 else 'int4'} {bm}x{bn} s{st} {name}: regs {regs} stack {stack} shared "
                           f"{k.metadata.shared} K-loop SASS {len(loop)} ({sum('GMMA' in t for t in loop)} HGMMA)",

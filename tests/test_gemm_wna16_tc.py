@@ -342,13 +342,13 @@ def test_configs_valid_for_llama_shapes():
 
 
 def test_tuner_local_search_reaches_the_measured_winners():
-    # `kestrel tune --max-candidates 16` measures the heuristic, then the wave-quantization picks (wave_candidates),
-    # then the candidates nearest the heuristic. At 8B down M = 256 the heuristic is the H200 probe winner (swap tcg
-    # 128x128 split 2 s4, 57.2 us, session 4 R1) and the first config of each other path (tc, dequant + cuBLAS)
-    # must be among the 16; split-K neighbours (x2, /2) come first
+    # `kestrel tune --max-candidates 17` measures the heuristic, then the wave-quantization picks (wave_candidates,
+    # the stream-K config among them since session 9), then the candidates nearest the heuristic. At 8B down M = 256
+    # the heuristic is the H200 probe winner (swap tcg 128x128 split 2 s4, 57.2 us, session 4 R1) and the first
+    # config of each other path (tc, dequant + cuBLAS) must be among the 17; split-K neighbours (x2, /2) come first
     from kestrel.kernels.tuning import compile_key, config_distance, wave_candidates
     lay = LayerConfig(FORMATS["int4"], 4096, 14336)
-    first = candidates(lay, 256)[:16]
+    first = candidates(lay, 256)[:17]
     assert first[0] == ComputeConfig("tcg", 128, 128, 0, 2, 8, 4, swap=True)
     assert {(c.kernel, c.swap) for c in first} == {("tcg", True), ("tcg", False), ("tc", False),
                                                     ("dequant_mm", False)}
@@ -424,6 +424,40 @@ def test_gluon_tcg_swap_tail(fmt, bn, monkeypatch):
     assert cfg.valid_for(LayerConfig(qw.spec, *qw.shape))
     assert not ComputeConfig("tcg", 128, bn, 0, 3, 8, 4, swap=True, tail=1).valid_for(LayerConfig(qw.spec, *qw.shape))
     x = torch.randn(200 if bn == 128 else 300, 768, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ref = x.double() @ dequantize(qw).double().t()
+    for _ in range(2):
+        y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+        assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
+
+
+def test_streamk_plan_spreads_the_leftover_tiles_k_steps():
+    from kestrel.kernels.gemm_wna16_tcg_streamk import plan
+    # 70B qkv M = 256, 128x128: 160 tiles of 64 K steps on 132 SMs, leftover 28 <= a third of a wave -> all 160
+    # stream-K, 78 steps per CTA (at most 2 ranges on a tile)
+    assert plan(160, 64, 132) == (132, 0, 78, 2)
+    assert plan(320, 64, 132) == (132, 264, 28, 4)  # 70B qkv M = 1024, 128x256: 2 whole waves + 56 tiles
+    assert plan(264, 64, 132)[:2] == (132, 264)  # whole waves: all data-parallel
+    assert plan(6, 6, 4) == (4, 4, 3, 3)
+    assert plan(6, 6, 5) == (5, 0, 8, 2)  # ranges of 8 over tiles of 6: cross tile boundaries
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("tile", [(128, 8, 2), (256, 8, 1), (128, 4, 1)])  # (block_n, num_warps, streamk)
+@pytest.mark.parametrize("sms", [3, 4, 5])
+def test_gluon_tcg_swap_streamk(fmt, tile, sms, monkeypatch):
+    # cfg.streamk on a pretend GPU of 3 / 4 / 5 SMs, 6 tiles of 6 K steps: 3 -> 2 data-parallel tiles per CTA (the
+    # ring's phase carried over tiles); 4 -> 4 data-parallel + 2 tiles in 2 ranges each; 5 -> all stream-K, ranges
+    # of 8 steps crossing tile boundaries. Two calls (the reduction's counters must be back at zero). The tiles are
+    # those found right on the H200 (session 9 R2); streamk 1 with 128x128 8 warps was wrong there (valid_for)
+    from kestrel.kernels import gemm_wna16_tcg as tcg
+    monkeypatch.setattr(tcg, "_num_sms", lambda device: sms)
+    bn, nw, sk = tile
+    cfg = ComputeConfig("tcg", 128, bn, 0, 1, nw, 4 if bn == 128 else 3, swap=True, streamk=sk)
+    qw = _weight(FORMATS[fmt], n=384 if bn == 128 else 512, k=768, seed=16)
+    lay = LayerConfig(qw.spec, *qw.shape)
+    assert cfg.valid_for(lay)
+    assert not ComputeConfig("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=1).valid_for(lay)
+    x = torch.randn(200 if bn == 128 else 300, 768, generator=torch.Generator().manual_seed(6)).bfloat16()
     ref = x.double() @ dequantize(qw).double().t()
     for _ in range(2):
         y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()

@@ -61,6 +61,11 @@ class ComputeConfig:
     # with a single partial). A grid of 1.2 waves should run ~1.25 waves long instead of 2 without split-K's
     # zeroed fp32 y, atomics and cast on every tile. Not yet timed or checked on a GPU (session 8): opt-in only
     tail: int = 0
+    # "tcg" swap, ws 0: stream-K schedule (gemm_wna16_tcg_streamk.py: one CTA per SM, whole waves of tiles
+    # data-parallel, the leftover tiles' K steps spread evenly over every CTA; split_k unused). 1: tiles shared by
+    # several CTAs summed by the ticketed in-kernel reduction, the others stored directly; 2: every partial by fp32
+    # atomics into a zeroed y (cast after)
+    streamk: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,7 +99,15 @@ class ComputeConfig:
                     and not (self.swap and self.block_m > 128 and (self.num_stages > 2 or self.ws))
                     # reduce: the in-kernel split-K sum of the swap kernel without the loader warp
                     and (not self.reduce or (self.swap and self.ws == 0 and self.split_k > 1))
-                    and (not self.tail or self.reduce))
+                    and (not self.tail or self.reduce)
+                    and (not self.streamk or (self.swap and self.ws == 0 and not self.tail and self.split_k == 1
+                                              and self.streamk in (1, 2)))
+                    # streamk 1 (ticketed sum / direct store) is wrong (inf / NaN on every tile) with the 128x128
+                    # 8-warp tile at 2-4 stages, right with 128x256 8 warps, 128x128 4 warps, 64x128 8 warps and as
+                    # streamk 2 (atomics) with 128x128 8 warps (H200 session 9 R2, bench/wna16_streamk_diag.py);
+                    # cause not found: 1 only on the checked tiles
+                    and (self.streamk != 1 or (self.block_m, self.block_n, self.num_warps) in (
+                        (128, 256, 8), (128, 128, 4), (64, 128, 8))))
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):

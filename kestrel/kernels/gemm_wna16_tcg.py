@@ -494,6 +494,9 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], lay([bm, bk], gl.bfloat16))
     q_desc = TensorDescriptor.from_tensor(qw.qweight, [r, bn], lay([r, bn], gl.int32))
     grid = (-(-m // bm) * (n // bn), split)
+    if cfg.swap and cfg.ws == 0 and cfg.streamk:  # persistent stream-K schedule
+        from kestrel.kernels.gemm_wna16_tcg_streamk import launch
+        return launch(x_desc, q_desc, qw, x2, cfg, _num_sms(x2.device))
     if cfg.swap and cfg.ws == 0 and cfg.tail:  # split only the last partial wave's tiles
         n_full, n_tail, tail_split = tail_plan(grid[0], split, k // bk, _num_sms(x2.device))
         if tail_split > 1:
