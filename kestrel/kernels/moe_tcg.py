@@ -286,9 +286,18 @@ def _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out
     otok = gl.load(sorted_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)))
     row_ok = otok < num_valid
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    _put_slots(out, otok, row_ok, offs_n, gl.expand_dims(offs_n < N, 1), y_ptr, topk_w_ptr, out_div, stride_ym,
+               MUL_ROUTED, REDUCE)
+
+
+@gluon.jit
+def _put_slots(out, otok, row_ok, offs_n, n_ok, y_ptr, topk_w_ptr, out_div, stride_ym, MUL_ROUTED: gl.constexpr,
+               REDUCE: gl.constexpr):
+    """out^T [BN, rows] of the slots otok -> y: routing weight applied if MUL_ROUTED; REDUCE adds each slot into its
+    token's row (relaxed fp32 atomics), else a bf16 store to the slot's row."""
     if MUL_ROUTED:
         out = out * gl.expand_dims(gl.load(topk_w_ptr + otok, mask=row_ok, other=0.0), 0)
-    mask = gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_n < N, 1)
+    mask = gl.expand_dims(row_ok, 0) & n_ok
     if REDUCE:
         y_rows = (otok // out_div).to(gl.int64)
         gl.atomic_add(y_ptr + gl.expand_dims(y_rows * stride_ym, 0) + gl.expand_dims(offs_n, 1), out, mask=mask,
@@ -384,17 +393,8 @@ def _store_t_staged(acc, epi, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, nu
     for j in gl.static_range(BLOCK_M // MC):
         out = epi.slice(j * MC, MC, dim=1).load(out_layout)
         otok = gl.load(sorted_ptr + pid_m * BLOCK_M + j * MC + gl.arange(0, MC, layout=gl.SliceLayout(0, out_layout)))
-        row_ok = otok < num_valid
-        if MUL_ROUTED:
-            out = out * gl.expand_dims(gl.load(topk_w_ptr + otok, mask=row_ok, other=0.0), 0)
-        mask = gl.expand_dims(row_ok, 0) & n_ok
-        if REDUCE:
-            y_rows = (otok // out_div).to(gl.int64)
-            gl.atomic_add(y_ptr + gl.expand_dims(y_rows * stride_ym, 0) + gl.expand_dims(offs_n, 1), out, mask=mask,
-                          sem="relaxed")
-        else:
-            ptrs = y_ptr + gl.expand_dims(otok.to(gl.int64) * stride_ym, 0) + gl.expand_dims(offs_n, 1)
-            gl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+        _put_slots(out, otok, otok < num_valid, offs_n, n_ok, y_ptr, topk_w_ptr, out_div, stride_ym, MUL_ROUTED,
+                   REDUCE)
 
 
 @gluon.jit
