@@ -167,15 +167,7 @@ class SpecLoop:
         else:
             ids, has = last, torch.zeros_like(act)
         j = torch.arange(S, device=self.dev)[None, :]
-        pos = ctx[:, None] + j
-        bsz = self.block_size
-        blk = self.block_tables[:bs].gather(1, (pos // bsz).clamp(max=self.W - 1)).long()
-        slots = torch.where(act[:, None], blk * bsz + pos % bsz, -1)
-        seq_lens = torch.where(act, ctx + S, 0).to(torch.int32)
-        vctx = _VerifyCtx(self.k_caches, self.v_caches, self.window, self.scale, slots.reshape(-1),
-                          self.block_tables[:bs], self.cu_q[K][:bs + 1], seq_lens, S)
-        h = self.model(ids.reshape(-1), pos.reshape(-1), vctx)
-        top = self.model.compute_logits(h).argmax(-1).view(bs, S)
+        h, top = self._verify(bs, K, ids, ctx[:, None] + j, ctx, act)
         a = (d == top[:, :K]).long().cumprod(1).sum(1) if K else torch.zeros_like(L)
         n = torch.where(act, a + 1, 0)
         wpos = (L[:, None] + j).clamp(max=self.Lm - 1)
@@ -189,6 +181,24 @@ class SpecLoop:
         o[:, 1] = a
         o[:, 2] = has.long()
         o[:, 3:3 + S] = top
+
+    def _cache_slots(self, bs: int, p: torch.Tensor) -> torch.Tensor:
+        """paged-cache slot of sequence position p [bs, m] of the first bs rows."""
+        bsz = self.block_size
+        blk = self.block_tables[:bs].gather(1, (p // bsz).clamp(max=self.W - 1)).long()
+        return blk * bsz + p % bsz
+
+    def _verify(self, bs: int, K: int, ids, pos, ctx, act, tree_mask=None):
+        """one target pass over the chunk ids [bs, S] (row j stored at position ctx + j, RoPE at pos): its hidden
+        states and greedy tokens [bs, S]; tree_mask: the draft tree's ancestor words (chains: causal)."""
+        S = ids.shape[1]
+        rows = ctx[:, None] + torch.arange(S, device=self.dev)
+        slots = torch.where(act[:, None], self._cache_slots(bs, rows), -1)
+        seq_lens = torch.where(act, ctx + S, 0).to(torch.int32)
+        vctx = _VerifyCtx(self.k_caches, self.v_caches, self.window, self.scale, slots.reshape(-1),
+                          self.block_tables[:bs], self.cu_q[K][:bs + 1], seq_lens, S, tree_mask=tree_mask)
+        h = self.model(ids.reshape(-1), pos.reshape(-1), vctx)
+        return h, self.model.compute_logits(h).argmax(-1).view(bs, S)
 
     def _step_tree(self, bs: int):
         t = self.tree
@@ -205,18 +215,7 @@ class SpecLoop:
                                    readout=self.t_readout, nodes=True, z=z)
         ids = torch.cat([last, nodes], 1)
         pos = ctx[:, None] + self.t_depth[None, :]  # RoPE by depth
-        bsz = self.block_size
-
-        def slot(p):  # cache slot of sequence position p [bs, m]
-            blk = self.block_tables[:bs].gather(1, (p // bsz).clamp(max=self.W - 1)).long()
-            return blk * bsz + p % bsz
-        rows = ctx[:, None] + torch.arange(S, device=self.dev)[None, :]  # chunk row j is stored at ctx + j
-        slots = torch.where(act[:, None], slot(rows), -1)
-        seq_lens = torch.where(act, ctx + S, 0).to(torch.int32)
-        vctx = _VerifyCtx(self.k_caches, self.v_caches, self.window, self.scale, slots.reshape(-1),
-                          self.block_tables[:bs], self.cu_q[t.n][:bs + 1], seq_lens, S, tree_mask=self.t_mask[:bs * S])
-        h = self.model(ids.reshape(-1), pos.reshape(-1), vctx)
-        top = self.model.compute_logits(h).argmax(-1).view(bs, S)
+        h, top = self._verify(bs, t.n, ids, pos, ctx, act, tree_mask=self.t_mask[:bs * S])
         a, path, emitted, leaf = tree_accept(ids, top, t, self.t_parent, self.t_depth, self.t_anc)
         n = torch.where(act, a + 1, 0)
         j = torch.arange(D + 1, device=self.dev)[None, :]
@@ -225,8 +224,8 @@ class SpecLoop:
         # the accepted nodes' K/V: chunk row path[d] -> position ctx + d (d = 1..a)
         d = j[:, 1:]
         move = act[:, None] & (d <= a[:, None]) & (path[:, 1:] != d)
-        src = torch.where(move, slot(ctx[:, None] + path[:, 1:]), -1)
-        dst = torch.where(move, slot(ctx[:, None] + d), -1)
+        src = torch.where(move, self._cache_slots(bs, ctx[:, None] + path[:, 1:]), -1)
+        dst = torch.where(move, self._cache_slots(bs, ctx[:, None] + d), -1)
         self.compact(src, dst)
         L += n
         H = h.shape[-1]

@@ -104,7 +104,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (B, Hq, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale, window,
                           block_tables.stride(0), q.stride(0),
-                          tree_mask if tree_mask is not None else seq_lens, TREE=tree_mask is not None, NUM_Q_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D,
+                          tree_mask if tree_mask is not None else seq_lens,  # (any pointer when TREE is off)
+                          TREE=tree_mask is not None, NUM_Q_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D,
                           BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=block_size, BLOCK_M=block_m,
                           BLOCK_N=block_n)
     return out
