@@ -406,6 +406,23 @@ def _tile_coords(t, pid, G, n_real, N, expert_ptr, BLOCK_N: gl.constexpr, GROUP_
 
 
 @gluon.jit
+def _issue_step(q_desc, bar, q_slot, x_slot, i, total, p_t, p_s, p_n, p_e, p_x, pid, G, n_real, N, K, n_steps,
+                expert_ptr, x_ptr, sorted_ptr, num_valid, a_div, stride_xm, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    """the persistent producer: issue flat step i (K step p_s of tile p_t, if i < total) into one ring slot, then
+    advance to the next step, rolling over to the next tile's columns / expert / gathered rows."""
+    _issue_xq(q_desc, bar, q_slot, x_slot, p_x, p_e * (K // 8), p_n, p_s, i < total)
+    p_s += 1
+    if p_s == n_steps:
+        p_s = 0
+        p_t += 1
+        if i + 1 < total:
+            p_m, p_n, p_e = _tile_coords(p_t, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
+            p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+    return p_t, p_s, p_n, p_e, p_x
+
+
+@gluon.jit
 def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                      out_div, N, K, stride_xm, stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
@@ -439,15 +456,10 @@ def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     p_m, p_n, p_e = _tile_coords(0, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
     p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
     for i in gl.static_range(STAGES - 1):
-        _issue_xq(q_desc, bars.index(i), q_smem.index(i), x_smem.index(i), p_x, p_e * (K // 8), p_n, p_s,
-                  i < total)
-        p_s += 1
-        if p_s == n_steps:
-            p_s = 0
-            p_t += 1
-            if i + 1 < total:
-                p_m, p_n, p_e = _tile_coords(p_t, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
-                p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+        p_t, p_s, p_n, p_e, p_x = _issue_step(q_desc, bars.index(i), q_smem.index(i), x_smem.index(i), i, total,
+                                              p_t, p_s, p_n, p_e, p_x, pid, G, n_real, N, K, n_steps, expert_ptr,
+                                              x_ptr, sorted_ptr, num_valid, a_div, stride_xm, BLOCK_M, BLOCK_N,
+                                              GROUP_M, num_warps)
 
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
@@ -482,15 +494,10 @@ def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
         gl.thread_barrier()  # ... in every warpgroup, before one thread refills it
         nxt = c + STAGES - 1
         ns = nxt % STAGES
-        _issue_xq(q_desc, bars.index(ns), q_smem.index(ns), x_smem.index(ns), p_x, p_e * (K // 8), p_n, p_s,
-                  nxt < total)
-        p_s += 1
-        if p_s == n_steps:
-            p_s = 0
-            p_t += 1
-            if nxt + 1 < total:
-                p_m, p_n, p_e = _tile_coords(p_t, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
-                p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+        p_t, p_s, p_n, p_e, p_x = _issue_step(q_desc, bars.index(ns), q_smem.index(ns), x_smem.index(ns), nxt,
+                                              total, p_t, p_s, p_n, p_e, p_x, pid, G, n_real, N, K, n_steps,
+                                              expert_ptr, x_ptr, sorted_ptr, num_valid, a_div, stride_xm, BLOCK_M,
+                                              BLOCK_N, GROUP_M, num_warps)
         if last:  # its epilogue while the next tile's first loads are in flight
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             _store_t_staged(acc, epi, y_ptr, topk_w_ptr, sorted_ptr, c_m, c_n, N, num_valid, out_div, stride_ym,
