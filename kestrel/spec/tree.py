@@ -18,8 +18,6 @@ nodes' K/V then move from ctx + row to ctx + depth (kv_compact), so the cache ho
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +28,7 @@ class TreeShape:
         self.widths = tuple(int(w) for w in widths)
         if not self.widths or min(self.widths) < 1:
             raise ValueError(f"tree widths must be positive, got {widths}")
-        parent, depth, first = [-1], [0], 0  # row 0: the root
+        parent, depth = [-1], [0]  # row 0: the root
         prev = [0]
         for i, w in enumerate(self.widths):
             level = []
@@ -56,10 +54,6 @@ class TreeShape:
             anc_at.append([chain[min(d, len(chain) - 1)] for d in range(self.D + 1)])
         self.bits = [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # int64 two's complement
         self.anc_at = anc_at
-        # level slices of the rows: level i (depth i + 1) is rows lo[i]:hi[i]
-        sizes = [math.prod(self.widths[:i + 1]) for i in range(self.D)]
-        self.lo = [1 + sum(sizes[:i]) for i in range(self.D)]
-        self.hi = [lo + s for lo, s in zip(self.lo, sizes)]
 
     @staticmethod
     def parse(text: str) -> "TreeShape":
