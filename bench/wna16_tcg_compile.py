@@ -39,7 +39,7 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
            "stride_ym": "i32", "split_k": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "n_full": "i32",
            "n_tiles": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=False, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, WS=False,
-                  FP4=fp4, num_warps=warps, REDUCE=False, TAIL=False)
+                  FP4=fp4, num_warps=warps, REDUCE=False, TAIL=False, PAIRED=True)
     consts.update(const)
     if not consts["REDUCE"]:
         consts.update(ws_ptr=None, cnt_ptr=None)
@@ -53,7 +53,7 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False):
+def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False, PAIRED=True):
     """The stream-K persistent kernel (gemm_wna16_tcg_streamk._tcgsk_kernel)."""
     from kestrel.kernels import gemm_wna16_tcg_streamk as sk
     lay = gl.NVMMASharedLayout.get_default_for
@@ -67,7 +67,7 @@ def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: 
            "n_dp": "i32", "per": "i32",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "max_parts": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4, num_warps=warps,
-                  ATOMIC=atomic)
+                  ATOMIC=atomic, PAIRED=PAIRED)
     signature = {n: sig.get(n, "constexpr") for n in names}
     src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})

@@ -31,6 +31,9 @@ from kestrel.quant.weight import QuantizedWeight
 
 R = gl.constexpr(16)  # word rows per planar block (packing.PLANE_ROWS)
 BK = gl.constexpr(128)  # k per planar block of int4 (R * 8 fields)
+# the swap kernels' K loop (_swap_kloop): True = two A register sets (correct); False = the racy loop of sessions
+# 4-9, kept only so a bench can time one against the other in one process
+SWAP_PAIRED = True
 
 
 # two elements (fields j, j + 4 of one word: same word and shift in both operand slots) -> (c - offset) * s as
@@ -241,6 +244,83 @@ def _swap_a(q_slot, sraw, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr, BLO
     return gl.convert_layout(gl.reshape(w, (BLOCK_N, BK)), a_layout)  # a register renaming (same linear layout)
 
 
+# The async wgmma reads its A operand from registers until a wait retires it (PTX ISA, wgmma.mma_async: touching
+# them before that is undefined). A loop of one decode + one wgmma per step with one wgmma left in flight rewrites
+# the A registers of step i - 1's wgmma with step i's decode while that wgmma may still read them: the PTX names
+# the same registers every iteration. That race is what made the 128x128 8-warp stream-K kernel wrong on every
+# tile (session 9: raw code bits as bf16 -> inf / NaN; whether a compile loses it depends on ptxas' schedule, so
+# 4-warp / 128x256 / atomic-store compiles of the same loop came out right). PAIRED: two steps per iteration, each
+# with its own A registers, and each wait keeps the A of the wgmma it retires alive (deps), so an A register set is
+# rewritten only after the wait that retired its wgmma (what CUTLASS's register-A mainloops do with one fragment
+# per k block; Triton's own pipeliner refuses to leave such a wgmma in flight at all).
+@gluon.jit
+def _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, i, s_next, acc, a_prev,
+               sel, zb, s_offs, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, FP4: gl.constexpr, KEEP: gl.constexpr = True):
+    """K step i of [s0, s0 + cnt): decode into A, async wgmma, retire step i - 1's wgmma (KEEP: a_prev, its A,
+    kept alive up to that wait), refill its ring slot with step i + STAGES - 1. g: ring steps consumed before (the
+    slot and mbarrier phase go on from it). -> (acc, the next step's scales, A)."""
+    SPS: gl.constexpr = 4 if FP4 else 1  # scale rows per K step
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    slot = (g + i) % STAGES
+    sraw = s_next
+    s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)  # prefetched a step ahead
+    mbarrier.wait(bars.index(slot), ((g + i) // STAGES) & 1)
+    a = _swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, FP4)
+    acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+    if KEEP:
+        acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))  # step i - 1 done: slot + A free
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
+    gl.thread_barrier()  # ... in every warpgroup, before one thread refills them
+    nxt = i + STAGES - 1
+    ns = (g + nxt) % STAGES
+    mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
+    tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
+                                    pred=nxt < cnt)
+    tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
+                                    pred=nxt < cnt)
+    return acc, s_next, a
+
+
+@gluon.jit
+def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, sel, zb, s_offs,
+                L3: gl.constexpr, a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP4: gl.constexpr, PAIRED: gl.constexpr = True):
+    """acc[BN, BM] (all wgmma retired) over K steps [s0, s0 + cnt) of one tile (cnt > 0): the TMA ring's prologue
+    and the K loop of the swap kernels without a loader warp (plain and stream-K), ring slots from g on."""
+    SPS: gl.constexpr = 4 if FP4 else 1
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    for i in gl.static_range(STAGES - 1):
+        sl = (g + i) % STAGES
+        mbarrier.expect(bars.index(sl), nbytes, pred=i < cnt)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(sl), x_smem.index(sl), pred=i < cnt)
+        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(sl), q_smem.index(sl), pred=i < cnt)
+    s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)  # a K step's scales, prefetched a step ahead
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    a_odd = gl.zeros((BLOCK_N, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's A": nothing in flight
+    if PAIRED:
+        for j in range(cnt // 2):
+            acc, s_next, a_even = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g,
+                                             2 * j, s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout, BLOCK_N,
+                                             STAGES, FP4)
+            acc, s_next, a_odd = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g,
+                                            2 * j + 1, s_next, acc, a_even, sel, zb, s_offs, L3, a_layout, BLOCK_N,
+                                            STAGES, FP4)
+        if cnt % 2:
+            acc, s_next, a_odd = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g,
+                                            cnt - 1, s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout, BLOCK_N,
+                                            STAGES, FP4)
+        acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
+    else:  # the racy one-register-set loop of sessions 4-9: A/B timing only
+        for i in range(cnt):
+            acc, s_next, a = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, i,
+                                        s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout, BLOCK_N, STAGES, FP4, False)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return acc
+
+
 @gluon.jit
 def _swap_consume(x_smem, q_smem, ready, empty, s_ptr, N, off_n, s0, cnt, L3: gl.constexpr,
                   mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -281,12 +361,13 @@ def _swap_load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, c
 def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                  WS: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
-                 ws_ptr=None, cnt_ptr=None, TAIL: gl.constexpr = False, n_full=0, n_tiles=0):
+                 ws_ptr=None, cnt_ptr=None, TAIL: gl.constexpr = False, n_full=0, n_tiles=0,
+                 PAIRED: gl.constexpr = True):
     """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier.
     REDUCE: split-K summed in the kernel (_swap_store) instead of fp32 atomics into a zeroed y.
     FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128.
     TAIL (with REDUCE, cfg.tail): only the tiles after the n_full of the whole waves are split (in split_k), see
-    _tail_tile_and_split."""
+    _tail_tile_and_split. PAIRED: the K loop of _swap_kloop (False: the old one-register-set loop, for A/B only)."""
     if TAIL:
         pid, pid_k, off_m, off_n, s0, cnt, my_split = _tail_tile_and_split(M, K, n_full, split_k, BLOCK_M, BLOCK_N)
         n_red = n_tiles
@@ -316,35 +397,9 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
             (_swap_load, (x_desc, q_desc, x_smem, q_smem, bars, empty, off_m, off_n, s0, cnt, STAGES)),
         ], [1], [40])
     else:
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
-        for i in gl.static_range(STAGES - 1):
-            mbarrier.expect(bars.index(i), nbytes, pred=i < cnt)
-            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(i), x_smem.index(i),
-                                            pred=i < cnt)
-            tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(i), q_smem.index(i),
-                                            pred=i < cnt)
-        SPS: gl.constexpr = 4 if FP4 else 1  # scale rows per K step
         sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
-        s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)  # a K step's scales, prefetched a step ahead
-        acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-        for i in range(cnt):
-            slot = i % STAGES
-            sraw = s_next
-            s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
-            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-            a = _swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, FP4)
-            acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its slots are free
-            fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
-            gl.thread_barrier()  # ... in every warpgroup, before one thread refills them
-            nxt = i + STAGES - 1
-            ns = nxt % STAGES
-            mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
-            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
-                                            pred=nxt < cnt)
-            tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
-                                            pred=nxt < cnt)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, 0, sel, zb, s_offs,
+                          L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, PAIRED)
 
     _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps, REDUCE,
                 ws_ptr, cnt_ptr, pid, n_red, pid_k, my_split)
@@ -508,7 +563,8 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
                 x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), tail_split, BLOCK_M=bm, BLOCK_N=bn,
                 ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
                 FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True, ws_ptr=wsp,
-                cnt_ptr=_split_counters(x2.device, grid[0]), TAIL=True, n_full=n_full, n_tiles=grid[0])
+                cnt_ptr=_split_counters(x2.device, grid[0]), TAIL=True, n_full=n_full, n_tiles=grid[0],
+                PAIRED=SWAP_PAIRED)
             return y
         split, grid = 1, (grid[0], 1)  # whole waves (or a tail too wide to split): the plain launch
     if cfg.swap and cfg.ws == 0 and cfg.reduce and split > 1:  # in-kernel split-K sum: one launch
@@ -518,7 +574,7 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
         _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                            ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
                            FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True,
-                           ws_ptr=wsp, cnt_ptr=_split_counters(x2.device, grid[0]))
+                           ws_ptr=wsp, cnt_ptr=_split_counters(x2.device, grid[0]), PAIRED=SWAP_PAIRED)
         return y
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
@@ -532,7 +588,8 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
         ws = bool(cfg.ws)
         _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                            ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
-                           WS=ws, FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps)
+                           WS=ws, FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps,
+                           PAIRED=SWAP_PAIRED)
         return y.to(x2.dtype) if split > 1 else y
     s_desc = TensorDescriptor.from_tensor(qw.scales, [1, bn], lay([1, bn], gl.bfloat16))
     _tcg_kernel[grid](x_desc, q_desc, s_desc, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
