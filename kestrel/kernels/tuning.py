@@ -96,9 +96,10 @@ def wave_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[Comp
                 out.append(C("tcg", bm, bn, 0, sk, 8, st, swap=True, reduce=int(sk > 1)))
     # the stream-K schedule (gemm_wna16_tcg_streamk.py: Humming's way round wave quantization) on the tile of
     # each M's first wave pick (one config: more would push the other kernels out of --max-candidates); 128x128
-    # with atomics (streamk 2: the ticketed form is wrong on that tile). H200 session 9 R2, int4 70B qkv M = 256:
-    # 93.2 us vs the tuned 94.2 (128x256 split 3); M = 1024 128x256 299.0 vs dequant + cuBLAS 268.0
-    out.append(C("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=2) if m <= 256 else
+    # with the ticketed sum at M <= 256 (H200 session 9 R2, int4 70B qkv M = 256: 78-81 us, wrong then through the
+    # K loop's register-A race, fixed in session 10; the tuned default 94.2, Humming 66.2); M = 1024 128x256
+    # (299.0 vs dequant + cuBLAS 268.0)
+    out.append(C("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=1) if m <= 256 else
                C("tcg", 128, 256, 0, 1, 8, 3, swap=True, streamk=1))
     return [c for c in out if c.valid_for(layer)]
 
