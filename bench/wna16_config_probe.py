@@ -41,6 +41,11 @@ def parse_config(s: str) -> tuple[ComputeConfig, int | None, dict]:
     return ComputeConfig(f[0], *(int(v) for v in f[1:7]), **extra), int(at) if at else None, kw
 
 
+def _old_loop():
+    """warm_compile worker initializer: compile the tcg swap kernels with the old K loop."""
+    tcg.SWAP_PAIRED = False
+
+
 def run(x, w, cfg, kw):
     if kw.get("unpaired"):
         tcg.SWAP_PAIRED = False
@@ -71,8 +76,23 @@ def main():
     cfgs = [parse_config(c) for c in args.configs]
     if args.jobs:  # the acq_rel A/B variants compile in the timing process (warm_compile calls gemm_wna16)
         layers = [LayerConfig(FORMATS[args.format], *(int(v) for v in sh.split(","))) for sh in args.shapes.split(";")]
-        warm_compile([(lay, m, c) for lay in layers for m in (int(v) for v in args.ms.split(","))
-                      for c, at, kw in cfgs if not kw and c.valid_for(lay) and at in (None, m)], args.jobs)
+        ms = [int(v) for v in args.ms.split(",")]
+        jobs = [(lay, m, c) for lay in layers for m in ms for c, at, kw in cfgs
+                if not kw and c.valid_for(lay) and at in (None, m)]
+        jobs += [(lay, m, TuningConfig(gpu).lookup(lay, m)) for lay in layers for m in ms]  # the defaults too
+        old = [(lay, m, c) for lay in layers for m in ms for c, at, kw in cfgs if kw.get("unpaired")
+               and c.valid_for(lay) and at in (None, m)]
+        if args.ab_default:
+            old += [(lay, m, TuningConfig(gpu).lookup(lay, m)) for lay in layers for m in ms]
+        old = [j for j in old if j[2].kernel == "tcg" and j[2].swap]
+        if old:  # the old-loop variants in their own workers, beside the others
+            import threading
+            th = threading.Thread(target=warm_compile, args=(old, max(1, args.jobs // 2)),
+                                  kwargs={"init": _old_loop}, daemon=True)
+            th.start()
+        warm_compile(jobs, args.jobs)
+        if old:
+            th.join()
         # (configs valid_for rejects compile in the timing process: warm_compile goes through gemm_wna16)
     for shape in args.shapes.split(";"):
         if time.time() - t0 > args.budget_s:

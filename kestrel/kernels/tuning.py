@@ -308,15 +308,16 @@ def _warm_one(job) -> tuple:
         return cfg, time.time() - t0, repr(ex)[:200]
 
 
-def warm_compile(jobs: list[tuple], workers: int, log=print) -> None:
+def warm_compile(jobs: list[tuple], workers: int, log=print, init=None) -> None:
     """JIT-compile the (layer, M, config) calls of `jobs` in `workers` processes (one per distinct compile_key):
     Triton's compiles (5-30 s each on the H200 host) are CPU-bound and single-threaded, so the timing process
-    then only loads cubins from the shared cache instead of compiling one candidate after the other."""
+    then only loads cubins from the shared cache instead of compiling one candidate after the other. init: a
+    picklable worker initializer (a bench's module switch, e.g. the old tcg swap K loop)."""
     import multiprocessing as mp
     import time
     uniq = list({compile_key(*j): j for j in jobs}.values())
     t0 = time.time()
-    with mp.get_context("spawn").Pool(max(1, min(workers, len(uniq)))) as pool:
+    with mp.get_context("spawn").Pool(max(1, min(workers, len(uniq))), initializer=init) as pool:
         errors = [err for _, _, err in pool.imap_unordered(_warm_one, uniq) if err]
     log(f"warm-up: {len(uniq)} distinct compiles of {len(jobs)} calls in {time.time() - t0:.1f}s"
         f" with {workers} workers, {len(errors)} failed")
