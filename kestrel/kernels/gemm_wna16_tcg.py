@@ -285,11 +285,41 @@ def _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0,
 
 
 @gluon.jit
-def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, sel, zb, s_offs,
-                L3: gl.constexpr, a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP4: gl.constexpr, PAIRED: gl.constexpr = True):
+def _swap_half_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0, s_next1, acc0, acc1, a1_prev, sel, zb,
+                    s_offs, L3: gl.constexpr, a_layout: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
+                    FP4: gl.constexpr):
+    """K step i as two wgmma on the tile's two row halves (HALVES): half 0 is decoded while step i - 1's half 1 is
+    in flight and half 1 while half 0 is, each into its own A registers, each rewritten only after the wait that
+    retired the wgmma reading it. No more registers than one full-tile A (where two full-tile A do not fit: the
+    128x256 tile, ptxas then serialises every wgmma, C7511)."""
+    SPS: gl.constexpr = 4 if FP4 else 1
+    slot = (g + i) % STAGES
+    sraw0 = s_next0
+    sraw1 = s_next1
+    s_row = s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N  # the next step's scales of both halves
+    s_next0 = gl.load(s_row + s_offs)
+    s_next1 = gl.load(s_row + HN + s_offs)
+    mbarrier.wait(bars.index(slot), ((g + i) // STAGES) & 1)
+    xs = x_smem.index(slot).permute((1, 0))
+    q = q_smem.index(slot)
+    a0 = _swap_a(q.slice(0, HN, dim=1), sraw0, sel, zb, L3, a_layout, HN, FP4)
+    acc0 = warpgroup_mma(a0, xs, acc0, is_async=True)
+    acc1, a1_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc1, a1_prev))  # step i - 1 done
+    a1 = _swap_a(q.slice(HN, HN, dim=1), sraw1, sel, zb, L3, a_layout, HN, FP4)
+    acc1 = warpgroup_mma(a1, xs, acc1, is_async=True)
+    acc0, acc1, a0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, acc1, a0))  # half 0 done
+    return acc0, acc1, s_next0, s_next1, a1
+
+
+@gluon.jit
+def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, L3: gl.constexpr,
+                a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr, FP4: gl.constexpr, HALVES: gl.constexpr,
+                PAIRED: gl.constexpr = True):
     """acc[BN, BM] (all wgmma retired) over K steps [s0, s0 + cnt) of one tile (cnt > 0): the TMA ring's prologue
-    and the K loop of the swap kernels without a loader warp (plain and stream-K), ring slots from g on."""
+    and the K loop of the swap kernels without a loader warp (plain and stream-K), ring slots from g on.
+    HALVES (the tile has two 16-row slices per warp, e.g. 128x256 with 8 warps): _swap_half_step; otherwise two
+    K steps per iteration (_swap_step)."""
     SPS: gl.constexpr = 4 if FP4 else 1
     nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
     for i in gl.static_range(STAGES - 1):
@@ -297,6 +327,33 @@ def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0
         mbarrier.expect(bars.index(sl), nbytes, pred=i < cnt)
         tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(sl), x_smem.index(sl), pred=i < cnt)
         tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(sl), q_smem.index(sl), pred=i < cnt)
+    if HALVES and PAIRED:
+        HN: gl.constexpr = BLOCK_N // 2
+        L3h: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
+        sel, zb, s_offs = _swap_consts(L3h, N, off_n, HN, CODE_OFFSET, FP4)
+        s_next0 = gl.load(s_ptr + s0 * SPS * N + s_offs)
+        s_next1 = gl.load(s_ptr + s0 * SPS * N + HN + s_offs)
+        acc0 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        acc1 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        a1 = gl.zeros((HN, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's half 1": nothing in flight
+        for i in range(cnt):
+            acc0, acc1, s_next0, s_next1, a1 = _swap_half_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0,
+                                                               s_next1, acc0, acc1, a1, sel, zb, s_offs, L3h,
+                                                               a_layout, HN, STAGES, FP4)
+            fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
+            gl.thread_barrier()  # ... in every warpgroup, before one thread refills step i - 1's slot (retired)
+            nxt = i + STAGES - 1
+            ns = (g + nxt) % STAGES
+            mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
+                                            pred=nxt < cnt)
+            tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
+                                            pred=nxt < cnt)
+        acc1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1))
+        # rows h * HN + r of the tile: the full tile's wgmma layout up to the order of registers
+        return gl.convert_layout(gl.reshape(gl.permute(gl.join(acc0, acc1), (2, 0, 1)), (BLOCK_N, BLOCK_M)),
+                                 mma_layout)
+    sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
     s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)  # a K step's scales, prefetched a step ahead
     acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
     a_odd = gl.zeros((BLOCK_N, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's A": nothing in flight
@@ -397,9 +454,8 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
             (_swap_load, (x_desc, q_desc, x_smem, q_smem, bars, empty, off_m, off_n, s0, cnt, STAGES)),
         ], [1], [40])
     else:
-        sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
-        acc = _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, 0, sel, zb, s_offs,
-                          L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, PAIRED)
+        acc = _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, 0, L3, a_layout,
+                          mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, BLOCK_N == 32 * num_warps, PAIRED)
 
     _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps, REDUCE,
                 ws_ptr, cnt_ptr, pid, n_red, pid_k, my_split)

@@ -20,7 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from kestrel.kernels.gemm_wna16_tcg import BK, R, _decode_layout, _swap_consts, _swap_kloop, _swap_store
+from kestrel.kernels.gemm_wna16_tcg import BK, R, _decode_layout, _swap_kloop, _swap_store
 
 
 def plan(tiles: int, steps: int, num_sms: int) -> tuple[int, int, int, int]:
@@ -39,16 +39,17 @@ def plan(tiles: int, steps: int, num_sms: int) -> tuple[int, int, int, int]:
 
 
 @gluon.jit
-def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, sel, zb, s_offs,
-             L3: gl.constexpr, a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP4: gl.constexpr, PAIRED: gl.constexpr):
+def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, L3: gl.constexpr,
+             a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr,
+             PAIRED: gl.constexpr):
     """acc[BN, BM] over K steps [s0, s0 + cnt) of one tile. g: K steps this program consumed before (the ring's
     slot and mbarrier phase continue from it across tiles)."""
     gl.assume(cnt > 0)
     fence_async_shared()  # the last tile's generic word loads / wgmma reads of the ring are done in every warp
     gl.thread_barrier()  # ... before one thread refills the ring
-    return _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, sel, zb, s_offs, L3,
-                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, PAIRED)
+    return _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, L3, a_layout,
+                       mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, BLOCK_N == 32 * num_warps, PAIRED)
 
 
 @gluon.jit
@@ -78,9 +79,8 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
     for t in range(p, n_dp, P):  # data-parallel: whole tiles
         off_m = (t % num_pid_m) * BLOCK_M
         off_n = (t // num_pid_m) * BLOCK_N
-        sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
-        acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, 0, S, g, sel, zb, s_offs, L3,
-                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, PAIRED)
+        acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, 0, S, g, L3, a_layout,
+                       mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, PAIRED)
         g += S
         _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps)
     T = (n_tiles - n_dp) * S  # stream-K steps
@@ -94,9 +94,8 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
         t = n_dp + u
         off_m = (t % num_pid_m) * BLOCK_M
         off_n = (t // num_pid_m) * BLOCK_N
-        sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
-        acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, a0 - u * S, a1 - a0, g, sel,
-                       zb, s_offs, L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4, PAIRED)
+        acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, a0 - u * S, a1 - a0, g, L3,
+                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, PAIRED)
         g += a1 - a0
         if ATOMIC:
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, True, FP4, num_warps)
