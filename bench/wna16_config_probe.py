@@ -6,11 +6,11 @@ bench/gemm_wna16.py and `kestrel tune`. For quick GPU-round questions such as "d
 
   python bench/wna16_config_probe.py --shapes 8192,8192 --ms 64 \
       --configs "tc,64,128,0,4,8,3,swap" "tc,64,128,0,4,8,4,swap"
-Config: kernel,block_m,block_n,block_k,split_k,num_warps,num_stages[,swap][,field=N][,acq_rel][,unpaired][@M]:
+Config: kernel,block_m,block_n,block_k,split_k,num_warps,num_stages[,swap][,field=N][,acq_rel][,loop=N][@M]:
 field=N sets any other ComputeConfig field (chunks, reduce, maxnreg), "acq_rel" runs a tc split-K config with the
-old acq_rel atomics (gemm_wna16_tc's atomic_sem, for A/B against the relaxed default), "unpaired" a tcg swap config
-with the old one-register-set K loop (gemm_wna16_tcg.SWAP_PAIRED = False), "@M" probes it at that M only.
---ab-default also times the default with the old loop; --unchecked also probes configs valid_for rejects.
+old acq_rel atomics (gemm_wna16_tc's atomic_sem, for A/B against the relaxed default), "loop=N" a tcg swap config
+with another K loop (gemm_wna16_tcg.SWAP_LOOP: 0 the old racy one, 1 paired K steps), "@M" probes it at that M only.
+--ab-default also times the default with loops 0 and 1; --unchecked also probes configs valid_for rejects.
 """
 from __future__ import annotations
 
@@ -36,23 +36,27 @@ def parse_config(s: str) -> tuple[ComputeConfig, int | None, dict]:
     extra = {"swap": "swap" in f[7:]}
     extra.update({k: int(v) for k, v in (t.split("=") for t in f[7:] if "=" in t)})
     kw = {"atomic_sem": "acq_rel"} if "acq_rel" in f[7:] else {}
-    if "unpaired" in f[7:]:
-        kw["unpaired"] = 1
+    if "loop" in extra:
+        kw["loop"] = extra.pop("loop")
     return ComputeConfig(f[0], *(int(v) for v in f[1:7]), **extra), int(at) if at else None, kw
 
 
-def _old_loop():
-    """warm_compile worker initializer: compile the tcg swap kernels with the old K loop."""
-    tcg.SWAP_PAIRED = False
+def _loop0():
+    """warm_compile worker initializers: compile the tcg swap kernels with another K loop."""
+    tcg.SWAP_LOOP = 0
+
+
+def _loop1():
+    tcg.SWAP_LOOP = 1
 
 
 def run(x, w, cfg, kw):
-    if kw.get("unpaired"):
-        tcg.SWAP_PAIRED = False
+    if "loop" in kw:
+        default, tcg.SWAP_LOOP = tcg.SWAP_LOOP, kw["loop"]
         try:
             return gemm_wna16_tcg(x, w, cfg)  # not gemm_wna16: --unchecked configs are refused there
         finally:
-            tcg.SWAP_PAIRED = True
+            tcg.SWAP_LOOP = default
     if not kw:
         return gemm_wna16_tcg(x, w, cfg) if cfg.kernel == "tcg" and not cfg.valid_for(
             LayerConfig(w.spec, *w.shape)) else gemm_wna16(x, w, cfg)
@@ -80,18 +84,20 @@ def main():
         jobs = [(lay, m, c) for lay in layers for m in ms for c, at, kw in cfgs
                 if not kw and c.valid_for(lay) and at in (None, m)]
         jobs += [(lay, m, TuningConfig(gpu).lookup(lay, m)) for lay in layers for m in ms]  # the defaults too
-        old = [(lay, m, c) for lay in layers for m in ms for c, at, kw in cfgs if kw.get("unpaired")
-               and c.valid_for(lay) and at in (None, m)]
-        if args.ab_default:
-            old += [(lay, m, TuningConfig(gpu).lookup(lay, m)) for lay in layers for m in ms]
-        old = [j for j in old if j[2].kernel == "tcg" and j[2].swap]
-        if old:  # the old-loop variants in their own workers, beside the others
-            import threading
-            th = threading.Thread(target=warm_compile, args=(old, max(1, args.jobs // 2)),
-                                  kwargs={"init": _old_loop}, daemon=True)
-            th.start()
+        threads = []
+        for loop, init in ((0, _loop0), (1, _loop1)):  # the other-loop variants in their own workers, beside
+            other = [(lay, m, c) for lay in layers for m in ms for c, at, kw in cfgs if kw.get("loop") == loop
+                     and c.valid_for(lay) and at in (None, m)]
+            if args.ab_default:
+                other += [(lay, m, TuningConfig(gpu).lookup(lay, m)) for lay in layers for m in ms]
+            other = [j for j in other if j[2].kernel == "tcg" and j[2].swap]
+            if other:
+                import threading
+                threads.append(threading.Thread(target=warm_compile, args=(other, max(1, args.jobs // 3)),
+                                                kwargs={"init": init}, daemon=True))
+                threads[-1].start()
         warm_compile(jobs, args.jobs)
-        if old:
+        for th in threads:
             th.join()
         # (configs valid_for rejects compile in the timing process: warm_compile goes through gemm_wna16)
     for shape in args.shapes.split(";"):
@@ -106,7 +112,7 @@ def main():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ deq.t()
             default = TuningConfig(gpu).lookup(layer, m)
-            ab = [("default", default, {"unpaired": 1})] if args.ab_default and default.kernel == "tcg" else []
+            ab = [("default", default, {"loop": lp}) for lp in (0, 1)] if args.ab_default and default.swap else []
             for name, cfg, kw in [("default", default, {})] + ab + [("probe", c, kw) for c, at, kw in cfgs
                                                                       if ok(c, layer) and at in (None, m)]:
                 row = {"fmt": args.format, "N": n, "K": k, "M": m, "which": name, "config": cfg.to_dict(), **kw}

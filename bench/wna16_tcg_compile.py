@@ -89,7 +89,7 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
            "stride_ym": "i32", "split_k": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "n_full": "i32",
            "n_tiles": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=False, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, WS=False,
-                  FP4=fp4, num_warps=warps, REDUCE=False, TAIL=False, PAIRED=True)
+                  FP4=fp4, num_warps=warps, REDUCE=False, TAIL=False, LOOP=2)
     consts.update(const)
     if not consts["REDUCE"]:
         consts.update(ws_ptr=None, cnt_ptr=None)
@@ -103,7 +103,7 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False, PAIRED=True):
+def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False, LOOP=2):
     """The stream-K persistent kernel (gemm_wna16_tcg_streamk._tcgsk_kernel)."""
     from kestrel.kernels import gemm_wna16_tcg_streamk as sk
     lay = gl.NVMMASharedLayout.get_default_for
@@ -117,7 +117,7 @@ def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: 
            "n_dp": "i32", "per": "i32",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "max_parts": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4, num_warps=warps,
-                  ATOMIC=atomic, PAIRED=PAIRED)
+                  ATOMIC=atomic, LOOP=LOOP)
     signature = {n: sig.get(n, "constexpr") for n in names}
     src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -125,7 +125,8 @@ def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: 
 
 def main():
     variants = {"plain": {}, "atomic": dict(ATOMIC=True), "reduce": dict(REDUCE=True),
-                "tail": dict(REDUCE=True, TAIL=True), "streamk": None, "plain-unpaired": dict(PAIRED=False)}
+                "tail": dict(REDUCE=True, TAIL=True), "streamk": None, "plain-loop1": dict(LOOP=1),
+                "plain-loop0": dict(LOOP=0)}
     ok = True
     for fp4 in (False, True):
         for (bm, bn, st) in ((128, 128, 4), (128, 256, 3)):

@@ -42,25 +42,24 @@ def plan(tiles: int, steps: int, num_sms: int) -> tuple[int, int, int, int]:
 def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, L3: gl.constexpr,
              a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr,
-             PAIRED: gl.constexpr):
+             LOOP: gl.constexpr):
     """acc[BN, BM] over K steps [s0, s0 + cnt) of one tile. g: K steps this program consumed before (the ring's
     slot and mbarrier phase continue from it across tiles)."""
     gl.assume(cnt > 0)
     fence_async_shared()  # the last tile's generic word loads / wgmma reads of the ring are done in every warp
     gl.thread_barrier()  # ... before one thread refills the ring
     return _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, L3, a_layout,
-                       mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, BLOCK_N == 32 * num_warps, PAIRED)
+                       mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, LOOP)
 
 
 @gluon.jit
 def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, ws_ptr, cnt_ptr, max_parts,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                   FP4: gl.constexpr, num_warps: gl.constexpr, ATOMIC: gl.constexpr = False,
-                  PAIRED: gl.constexpr = True):
+                  LOOP: gl.constexpr = 2):
     """Persistent swap-AB kernel (see the module doc): data-parallel tiles, then this program's stream-K range.
     ATOMIC (cfg.streamk 2): every tile's partial goes by fp32 atomics into a zeroed y (cast after) instead of the
-    ticketed reduction / direct store. PAIRED: gemm_wna16_tcg._swap_kloop's K loop (False: the old racy one, A/B
-    only)."""
+    ticketed reduction / direct store. LOOP: gemm_wna16_tcg._swap_kloop's K loop (SWAP_LOOP)."""
     p = gl.program_id(0)
     P = gl.num_programs(0)
     S = K // BK
@@ -80,7 +79,7 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
         off_m = (t % num_pid_m) * BLOCK_M
         off_n = (t // num_pid_m) * BLOCK_N
         acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, 0, S, g, L3, a_layout,
-                       mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, PAIRED)
+                       mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, LOOP)
         g += S
         _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps)
     T = (n_tiles - n_dp) * S  # stream-K steps
@@ -95,7 +94,7 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
         off_m = (t % num_pid_m) * BLOCK_M
         off_n = (t // num_pid_m) * BLOCK_N
         acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, a0 - u * S, a1 - a0, g, L3,
-                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, PAIRED)
+                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, LOOP)
         g += a1 - a0
         if ATOMIC:
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, True, FP4, num_warps)
@@ -126,5 +125,5 @@ def launch(x_desc, q_desc, qw, x2: torch.Tensor, cfg, num_sms: int) -> torch.Ten
                              _split_counters(x2.device, max(1, n_sk)), max_parts, BLOCK_M=bm, BLOCK_N=bn,
                              STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
                              FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, ATOMIC=atomic,
-                             PAIRED=tcg.SWAP_PAIRED)
+                             LOOP=tcg.SWAP_LOOP)
     return y.to(x2.dtype) if atomic else y
