@@ -112,7 +112,8 @@ def main():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ deq.t()
             default = TuningConfig(gpu).lookup(layer, m)
-            ab = [("default", default, {"loop": lp}) for lp in (0, 1)] if args.ab_default and default.swap else []
+            ab = ([("default", default, {"loop": lp}) for lp in (0, 1)]
+                  if args.ab_default and default.kernel == "tcg" and default.swap else [])
             for name, cfg, kw in [("default", default, {})] + ab + [("probe", c, kw) for c, at, kw in cfgs
                                                                       if ok(c, layer) and at in (None, m)]:
                 row = {"fmt": args.format, "N": n, "K": k, "M": m, "which": name, "config": cfg.to_dict(), **kw}
