@@ -95,7 +95,9 @@ class ComputeConfig:
                     # ws 1: loader warp; ws 2: also the two warpgroups in their own partitions (half a tile each)
                     and (self.ws == 0 or self.swap) and (self.ws != 2 or (self.num_warps == 8 and self.block_n >= 128))
                     # swap with 256 x rows (wgmma N = 256): correct at 2 stages (147 KB of shared memory), NaN in
-                    # ~9-57 % of y at 3 stages (209-221 KB; bench/wna16_tcg_diag.py, H200 session 5 R1): 2 only
+                    # ~9-57 % of y at 3 stages (209-221 KB; bench/wna16_tcg_diag.py, H200 session 5 R1): 2 only.
+                    # Measured with the K loop's register-A race (fixed in session 10), likely the same cause:
+                    # not re-checked on the GPU yet
                     and not (self.swap and self.block_m > 128 and (self.num_stages > 2 or self.ws))
                     # reduce: the in-kernel split-K sum of the swap kernel without the loader warp
                     and (not self.reduce or (self.swap and self.ws == 0 and self.split_k > 1))
