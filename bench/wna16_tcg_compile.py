@@ -77,6 +77,17 @@ def inflight_a_writes(kern) -> int:
     return len(bad)
 
 
+def wgmma_serialised(kern) -> bool:
+    """ptxas' C7511 (wgmma serialised for want of registers: one wgmma at a time, no decode / MMA overlap) on the
+    kernel's PTX, re-assembled with Triton's bundled ptxas (Triton does not show its warnings)."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        open(src, "w").write(kern.asm["ptx"])
+        res = subprocess.run([f"{BIN}/ptxas", "-arch=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    return "C7511" in res.stdout + res.stderr
+
+
 def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
     lay = gl.NVMMASharedLayout.get_default_for
     x_desc = TensorDescriptor.from_tensor(torch.empty(256, 512, dtype=torch.bfloat16), [bm, 128],
@@ -129,7 +140,7 @@ def main():
                 "plain-loop0": dict(LOOP=0)}
     ok = True
     for fp4 in (False, True):
-        for (bm, bn, st) in ((128, 128, 4), (128, 256, 3)):
+        for (bm, bn, st) in ((128, 128, 4), (128, 256, 3), (64, 128, 4)):
             for name, c in variants.items():
                 try:
                     k = (compile_tcgsk(bm, bn, st, 8, fp4) if c is None else
@@ -137,7 +148,8 @@ def main():
                     loop, regs, stack = sass_loop(k)
                     print(f"{'mxfp4' if fp4 else 'int4'} {bm}x{bn} s{st} {name}: regs {regs} stack {stack} shared "
                           f"{k.metadata.shared} K-loop SASS {len(loop)} ({sum('GMMA' in t for t in loop)} HGMMA), "
-                          f"writes to in-flight wgmma A registers {inflight_a_writes(k)}",
+                          f"writes to in-flight wgmma A registers {inflight_a_writes(k)}"
+                          f"{', wgmma SERIALISED (C7511)' if wgmma_serialised(k) else ''}",
                           flush=True)
                 except Exception as ex:  # report every variant, fail at the end
                     ok = False
