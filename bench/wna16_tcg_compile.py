@@ -3,11 +3,16 @@ catches Gluon front-end / layout / ptxas errors of a change before a GPU round, 
 shared memory per variant. Not a correctness check (Gluon kernels run only on a Hopper GPU).
 
   python bench/wna16_tcg_compile.py          # int4 + MXFP4 x (plain, split atomics, reduce, tail, streamk)
+  PYTHONPATH=<triton 3.6 install> python bench/wna16_tcg_compile.py   # with the GPU's Triton (pip --target)
+Also counts the K loops' writes to registers an in-flight wgmma may still read (session 10's race: must be 0).
 """
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -19,12 +24,68 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kestrel.kernels import gemm_wna16_tcg as tcg  # noqa: E402
-from wna16_tc_sass import sass_loop  # noqa: E402
+from wna16_tc_sass import BIN, sass_loop  # noqa: E402
 
+if not hasattr(TensorDescriptor, "__mangle__"):  # Triton 3.6 (the GPU's): the signature string from mangle_type
+    from triton.runtime.jit import mangle_type
+    TensorDescriptor.__mangle__ = lambda self: mangle_type(self)
 if tuple(int(v) for v in triton.__version__.split(".")[:2]) > (3, 6):  # newer local Triton: the GPU's 3.6 name
     tcg.tma.async_copy_global_to_shared = tcg.tma.async_load  # is a stub that raises
     if not hasattr(gl, "thread_barrier"):
         gl.thread_barrier = gl.barrier
+
+
+_NO_DEST = ("ST", "BRA", "BAR", "ISETP", "SYNCS", "UTMA", "WARPGROUP", "MEMBAR", "FENCE", "RED", "ELECT", "VOTEU",
+            "UISETP", "PLOP3", "FSETP", "BSSY", "BSYNC", "EXIT", "DEPBAR", "R2UR", "WARPSYNC", "CCTL", "ERRBAR",
+            "CGAERRBAR", "NOP")
+
+
+def inflight_a_writes(kern) -> int:
+    """Instructions in the K loops that write a register of the A operand of a wgmma group still in flight (issued,
+    not yet retired by a WARPGROUP.DEPBAR): PTX leaves that undefined, the async wgmma may still read it. The loop
+    bodies are replayed three times to catch writes in the next iteration."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kern.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    bad = set()
+    for addr, text in ins:
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if not (m and int(m.group(1), 16) < addr):
+            continue
+        body = [(a, t) for a, t in ins if int(m.group(1), 16) <= a <= addr]
+        if not any("HGMMA" in t for _, t in body):
+            continue
+        inflight, cur = [], set()
+        for rep in range(3):
+            for a, t in body:
+                op, _, rest = re.sub(r"^@!?U?P\w+\s+", "", t).partition(" ")
+                if op.startswith("HGMMA"):
+                    r = int(re.search(r"R\d+, R(\d+),", t).group(1))
+                    cur |= set(range(r, r + 4))
+                    if "gsb0" in t:
+                        inflight, cur = inflight + [cur], set()
+                elif op.startswith("WARPGROUP.DEPBAR"):
+                    n = int(re.search(r"0x(\d+)", rest).group(1))
+                    inflight = inflight[len(inflight) - n:] if n else []
+                elif rep and not op.startswith(_NO_DEST):
+                    d = re.match(r"\s*R(\d+)\b", rest)
+                    w = 4 if ".128" in op else 2 if (".64" in op or op.startswith(("CS2R", "IMAD.WIDE"))) else 1
+                    if d and any(set(range(int(d.group(1)), int(d.group(1)) + w)) & g for g in inflight):
+                        bad.add(a)
+    return len(bad)
+
+
+def wgmma_serialised(kern) -> bool:
+    """ptxas' C7511 (wgmma serialised for want of registers: one wgmma at a time, no decode / MMA overlap) on the
+    kernel's PTX, re-assembled with Triton's bundled ptxas (Triton does not show its warnings)."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        open(src, "w").write(kern.asm["ptx"])
+        res = subprocess.run([f"{BIN}/ptxas", "-arch=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    return "C7511" in res.stdout + res.stderr
 
 
 def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
@@ -39,7 +100,7 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
            "stride_ym": "i32", "split_k": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "n_full": "i32",
            "n_tiles": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=False, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, WS=False,
-                  FP4=fp4, num_warps=warps, REDUCE=False, TAIL=False)
+                  FP4=fp4, num_warps=warps, REDUCE=False, TAIL=False, LOOP=2)
     consts.update(const)
     if not consts["REDUCE"]:
         consts.update(ws_ptr=None, cnt_ptr=None)
@@ -53,7 +114,7 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False):
+def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False, LOOP=2):
     """The stream-K persistent kernel (gemm_wna16_tcg_streamk._tcgsk_kernel)."""
     from kestrel.kernels import gemm_wna16_tcg_streamk as sk
     lay = gl.NVMMASharedLayout.get_default_for
@@ -67,7 +128,7 @@ def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: 
            "n_dp": "i32", "per": "i32",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "max_parts": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4, num_warps=warps,
-                  ATOMIC=atomic)
+                  ATOMIC=atomic, LOOP=LOOP)
     signature = {n: sig.get(n, "constexpr") for n in names}
     src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -75,17 +136,20 @@ def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: 
 
 def main():
     variants = {"plain": {}, "atomic": dict(ATOMIC=True), "reduce": dict(REDUCE=True),
-                "tail": dict(REDUCE=True, TAIL=True), "streamk": None}
+                "tail": dict(REDUCE=True, TAIL=True), "streamk": None, "plain-loop1": dict(LOOP=1),
+                "plain-loop0": dict(LOOP=0)}
     ok = True
     for fp4 in (False, True):
-        for (bm, bn, st) in ((128, 128, 4), (128, 256, 3)):
+        for (bm, bn, st) in ((128, 128, 4), (128, 256, 3), (64, 128, 4)):
             for name, c in variants.items():
                 try:
                     k = (compile_tcgsk(bm, bn, st, 8, fp4) if c is None else
                          compile_tcgs(bm, bn, st, 8, fp4, **c))
                     loop, regs, stack = sass_loop(k)
                     print(f"{'mxfp4' if fp4 else 'int4'} {bm}x{bn} s{st} {name}: regs {regs} stack {stack} shared "
-                          f"{k.metadata.shared} K-loop SASS {len(loop)} ({sum('GMMA' in t for t in loop)} HGMMA)",
+                          f"{k.metadata.shared} K-loop SASS {len(loop)} ({sum('GMMA' in t for t in loop)} HGMMA), "
+                          f"writes to in-flight wgmma A registers {inflight_a_writes(k)}"
+                          f"{', wgmma SERIALISED (C7511)' if wgmma_serialised(k) else ''}",
                           flush=True)
                 except Exception as ex:  # report every variant, fail at the end
                     ok = False

@@ -95,19 +95,17 @@ class ComputeConfig:
                     # ws 1: loader warp; ws 2: also the two warpgroups in their own partitions (half a tile each)
                     and (self.ws == 0 or self.swap) and (self.ws != 2 or (self.num_warps == 8 and self.block_n >= 128))
                     # swap with 256 x rows (wgmma N = 256): correct at 2 stages (147 KB of shared memory), NaN in
-                    # ~9-57 % of y at 3 stages (209-221 KB; bench/wna16_tcg_diag.py, H200 session 5 R1): 2 only
+                    # ~9-57 % of y at 3 stages (209-221 KB; bench/wna16_tcg_diag.py, H200 session 5 R1): 2 only.
+                    # Measured with the K loop's register-A race (fixed in session 10), likely the same cause:
+                    # not re-checked on the GPU yet
                     and not (self.swap and self.block_m > 128 and (self.num_stages > 2 or self.ws))
                     # reduce: the in-kernel split-K sum of the swap kernel without the loader warp
                     and (not self.reduce or (self.swap and self.ws == 0 and self.split_k > 1))
                     and (not self.tail or self.reduce)
+                    # streamk 1 with the 128x128 8-warp tile was wrong on every tile in session 9: the K loop's
+                    # register-A race (gemm_wna16_tcg._swap_kloop), fixed in session 10
                     and (not self.streamk or (self.swap and self.ws == 0 and not self.tail and self.split_k == 1
-                                              and self.streamk in (1, 2)))
-                    # streamk 1 (ticketed sum / direct store) is wrong (inf / NaN on every tile) with the 128x128
-                    # 8-warp tile at 2-4 stages, right with 128x256 8 warps, 128x128 4 warps, 64x128 8 warps and as
-                    # streamk 2 (atomics) with 128x128 8 warps (H200 session 9 R2, bench/wna16_streamk_diag.py);
-                    # cause not found: 1 only on the checked tiles
-                    and (self.streamk != 1 or (self.block_m, self.block_n, self.num_warps) in (
-                        (128, 256, 8), (128, 128, 4), (64, 128, 8))))
+                                              and self.streamk in (1, 2))))
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):

@@ -31,6 +31,10 @@ from kestrel.quant.weight import QuantizedWeight
 
 R = gl.constexpr(16)  # word rows per planar block (packing.PLANE_ROWS)
 BK = gl.constexpr(128)  # k per planar block of int4 (R * 8 fields)
+# the swap kernels' K loop (_swap_kloop): 2 = each step as two wgmma on two halves, each with its own A registers
+# (the default); 1 = two K steps per iteration, each with its own A registers; 0 = the racy loop of sessions 4-9,
+# kept only so a bench can time the forms against each other in one process
+SWAP_LOOP = 2
 
 
 # two elements (fields j, j + 4 of one word: same word and shift in both operand slots) -> (c - offset) * s as
@@ -194,7 +198,7 @@ FP4_TILE_EXP = gl.constexpr(64)
 
 @gluon.constexpr_function
 def _decode_layout(a_ll):
-    """The [BN, 8, 16] (n, field, word row) layout whose reshape to [BN, 128] (k = 16 field + row) is the wgmma A
+    """The [BN, F, 16] (n, field, word row) layout whose reshape to [BN, 16 F] (k = 16 field + row) is the wgmma A
     fragment a_ll (a DistributedLinearLayout of [BN, 128]), registers ordered (row bit 0, field bit 0, ...) so one
     pack-4 asm call gets both words of a k pair and two fields of the same byte."""
     conv = lambda b: [b[0], b[1] // 16, b[1] % 16]
@@ -202,19 +206,20 @@ def _decode_layout(a_ll):
     first = [[0, 0, 1], [0, 1, 0]]
     regs = first + [b for b in regs if b not in first]
     return gl.DistributedLinearLayout(regs, [conv(b) for b in a_ll.lane_bases], [conv(b) for b in a_ll.warp_bases],
-                                      [], [a_ll.shape[0], 8, 16])
+                                      [], [a_ll.shape[0], a_ll.shape[1] // 16, 16])
 
 
 @gluon.jit
-def _swap_consts(L3: gl.constexpr, N, off_n, BLOCK_N: gl.constexpr, CODE_OFFSET: gl.constexpr, FP4: gl.constexpr):
-    """Loop constants of the decode: the prmt selector of byte j = field // 2 ([1, 8, 1]), the code offset (int4)
-    and the offsets of a K step's scales: int4 g128 one per column ([BN, 1, 1]); MXFP4 g32 one per (column,
-    byte) ([BN, 8, 1]: group 4 s + field // 2)."""
-    fi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) // 2
+def _swap_consts(L3: gl.constexpr, N, off_n, BLOCK_N: gl.constexpr, CODE_OFFSET: gl.constexpr, FP4: gl.constexpr,
+                 NF: gl.constexpr = 8, F0: gl.constexpr = 0):
+    """Loop constants of the decode of fields F0 .. F0 + NF - 1 (all 8: the whole K step): the prmt selector of
+    byte j = field // 2 ([1, NF, 1]), the code offset (int4) and the offsets of a K step's scales: int4 g128 one
+    per column ([BN, 1, 1]); MXFP4 g32 one per (column, byte) ([BN, NF, 1]: group 4 s + field // 2)."""
+    fi = (gl.arange(0, NF, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) + F0) // 2
     sel = gl.expand_dims(gl.expand_dims(fi | ((fi + 4) << 8), 0), 2)
     offs_n = gl.expand_dims(gl.expand_dims(off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(
         2, L3))), 1), 2)
-    zb = gl.full([BLOCK_N, 8, R], 128 + CODE_OFFSET, gl.bfloat16, L3)
+    zb = gl.full([BLOCK_N, NF, R], 128 + CODE_OFFSET, gl.bfloat16, L3)
     if FP4:
         s_offs = offs_n + gl.expand_dims(gl.expand_dims(fi, 0), 2) * N
     else:
@@ -228,7 +233,15 @@ def _swap_a(q_slot, sraw, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr, BLO
     """The decoded W tile of one K step as the wgmma A operand [BN, 128] (registers), from its [16, BN] words in
     shared memory and its raw scales (bf16, or e8m0 codes for MXFP4)."""
     q = gl.expand_dims(q_slot.permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [BN, 1, 16]
-    shape: gl.constexpr = [BLOCK_N, 8, R]
+    return _swap_dec(q, sraw, sel, zb, L3, a_layout, BLOCK_N, 8, FP4)
+
+
+@gluon.jit
+def _swap_dec(q, sraw, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr, NF: gl.constexpr,
+              FP4: gl.constexpr):
+    """Fields sel selects (NF of them, _swap_consts) of a K step's words q [BN, 1, 16] as the wgmma A operand
+    [BN, 16 NF]."""
+    shape: gl.constexpr = [BLOCK_N, NF, R]
     if FP4:  # bf16 bits of 2^(e - 127 + 126 - 64): exponent field e + 62 (e <= 192: block scales up to 2^65)
         sc = ((sraw.to(gl.int32) + (62 + 64 - FP4_TILE_EXP)) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
         w = gl.inline_asm_elementwise(_ASM_QUAD_FP4, "=r,=r,r,r,r,r,r,r,r,r,r,r",
@@ -238,7 +251,191 @@ def _swap_a(q_slot, sraw, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr, BLO
         w = gl.inline_asm_elementwise(_ASM_QUAD, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
                                       [q.broadcast_to(shape), sel.broadcast_to(shape), zb,
                                        sraw.broadcast_to(shape)], dtype=gl.bfloat16, is_pure=True, pack=4)
-    return gl.convert_layout(gl.reshape(w, (BLOCK_N, BK)), a_layout)  # a register renaming (same linear layout)
+    return gl.convert_layout(gl.reshape(w, (BLOCK_N, NF * R)), a_layout)  # a register renaming (same linear layout)
+
+
+# The async wgmma reads its A operand from registers until a wait retires it (PTX ISA, wgmma.mma_async: touching
+# them before that is undefined). A loop of one decode + one wgmma per step with one wgmma left in flight rewrites
+# the A registers of step i - 1's wgmma with step i's decode while that wgmma may still read them: the PTX names
+# the same registers every iteration. That race is what made the 128x128 8-warp stream-K kernel wrong on every
+# tile (session 9: raw code bits as bf16 -> inf / NaN; whether a compile loses it depends on ptxas' schedule, so
+# 4-warp / 128x256 / atomic-store compiles of the same loop came out right). Now each A register set is rewritten
+# only after the wait that retired its wgmma, and each wait keeps the A of the wgmma it retires alive (deps): two
+# wgmma per step on halves of the tile (_swap_half_step, _swap_khalf_step) or two K steps per iteration
+# (_swap_step) - what CUTLASS's register-A mainloops do with one fragment per k block; Triton's own pipeliner
+# refuses to leave such a wgmma in flight at all.
+@gluon.jit
+def _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, i, s_next, acc, a_prev,
+               sel, zb, s_offs, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, FP4: gl.constexpr, KEEP: gl.constexpr = True):
+    """K step i of [s0, s0 + cnt): decode into A, async wgmma, retire step i - 1's wgmma (KEEP: a_prev, its A,
+    kept alive up to that wait), refill its ring slot with step i + STAGES - 1. g: ring steps consumed before (the
+    slot and mbarrier phase go on from it). -> (acc, the next step's scales, A)."""
+    SPS: gl.constexpr = 4 if FP4 else 1  # scale rows per K step
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    slot = (g + i) % STAGES
+    sraw = s_next
+    s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)  # prefetched a step ahead
+    mbarrier.wait(bars.index(slot), ((g + i) // STAGES) & 1)
+    a = _swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, FP4)
+    acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+    if KEEP:
+        acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))  # step i - 1 done: slot + A free
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
+    gl.thread_barrier()  # ... in every warpgroup, before one thread refills them
+    nxt = i + STAGES - 1
+    ns = (g + nxt) % STAGES
+    mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
+    tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
+                                    pred=nxt < cnt)
+    tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
+                                    pred=nxt < cnt)
+    return acc, s_next, a
+
+
+@gluon.jit
+def _swap_half_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0, s_next1, acc0, acc1, a1_prev, sel, zb,
+                    s_offs, L3: gl.constexpr, a_layout: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
+                    FP4: gl.constexpr):
+    """K step i as two wgmma on the tile's two row halves (HALVES): half 0 is decoded while step i - 1's half 1 is
+    in flight and half 1 while half 0 is, each into its own A registers, each rewritten only after the wait that
+    retired the wgmma reading it. No more registers than one full-tile A (where two full-tile A do not fit: the
+    128x256 tile, ptxas then serialises every wgmma, C7511)."""
+    SPS: gl.constexpr = 4 if FP4 else 1
+    slot = (g + i) % STAGES
+    sraw0 = s_next0
+    sraw1 = s_next1
+    s_row = s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N  # the next step's scales of both halves
+    s_next0 = gl.load(s_row + s_offs)
+    s_next1 = gl.load(s_row + HN + s_offs)
+    mbarrier.wait(bars.index(slot), ((g + i) // STAGES) & 1)
+    xs = x_smem.index(slot).permute((1, 0))
+    q = q_smem.index(slot)
+    a0 = _swap_a(q.slice(0, HN, dim=1), sraw0, sel, zb, L3, a_layout, HN, FP4)
+    acc0 = warpgroup_mma(a0, xs, acc0, is_async=True)
+    acc1, a1_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc1, a1_prev))  # step i - 1 done
+    a1 = _swap_a(q.slice(HN, HN, dim=1), sraw1, sel, zb, L3, a_layout, HN, FP4)
+    acc1 = warpgroup_mma(a1, xs, acc1, is_async=True)
+    acc0, acc1, a0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, acc1, a0))  # half 0 done
+    return acc0, acc1, s_next0, s_next1, a1
+
+
+@gluon.jit
+def _swap_khalf_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0, s_next1, acc, a1_prev, sel0, sel1, zb,
+                     s_offs0, s_offs1, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, FP4: gl.constexpr):
+    """K step i as two wgmma on its two K halves (fields 0-3 = k 0-63, 4-7 = k 64-127), for tiles of one 16-row
+    slice per warp (128x128 w8), where two full-step A sets cost ~36 registers and 1-5 % (H200 s10 R1): the same
+    alternation as _swap_half_step with one accumulator and the words loaded once."""
+    SPS: gl.constexpr = 4 if FP4 else 1
+    slot = (g + i) % STAGES
+    sraw0 = s_next0
+    sraw1 = s_next1
+    s_row = s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N
+    s_next0 = gl.load(s_row + s_offs0)
+    s_next1 = gl.load(s_row + s_offs1)
+    mbarrier.wait(bars.index(slot), ((g + i) // STAGES) & 1)
+    xs = x_smem.index(slot)
+    q = gl.expand_dims(q_smem.index(slot).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [BN, 1, 16]
+    a0 = _swap_dec(q, sraw0, sel0, zb, L3, a_layout, BLOCK_N, 4, FP4)
+    acc = warpgroup_mma(a0, xs.slice(0, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
+    acc, a1_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a1_prev))  # step i - 1 done
+    a1 = _swap_dec(q, sraw1, sel1, zb, L3, a_layout, BLOCK_N, 4, FP4)
+    acc = warpgroup_mma(a1, xs.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
+    acc, a0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0))  # the first half done
+    return acc, s_next0, s_next1, a1
+
+
+@gluon.jit
+def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, L3: gl.constexpr,
+                a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr,
+                LOOP: gl.constexpr = 2):
+    """acc[BN, BM] (all wgmma retired) over K steps [s0, s0 + cnt) of one tile (cnt > 0): the TMA ring's prologue
+    and the K loop of the swap kernels without a loader warp (plain and stream-K), ring slots from g on.
+    LOOP (SWAP_LOOP) 2: each step as two wgmma on the tile's row halves (two 16-row slices per warp, e.g. 128x256
+    with 8 warps: _swap_half_step) or K halves (_swap_khalf_step); 1: two K steps per iteration (_swap_step);
+    0: the racy one-register-set loop of sessions 4-9 (A/B timing only)."""
+    SPS: gl.constexpr = 4 if FP4 else 1
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    for i in gl.static_range(STAGES - 1):
+        sl = (g + i) % STAGES
+        mbarrier.expect(bars.index(sl), nbytes, pred=i < cnt)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(sl), x_smem.index(sl), pred=i < cnt)
+        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(sl), q_smem.index(sl), pred=i < cnt)
+    if LOOP == 2 and BLOCK_N == 32 * num_warps:
+        HN: gl.constexpr = BLOCK_N // 2
+        L3h: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
+        sel, zb, s_offs = _swap_consts(L3h, N, off_n, HN, CODE_OFFSET, FP4)
+        s_next0 = gl.load(s_ptr + s0 * SPS * N + s_offs)
+        s_next1 = gl.load(s_ptr + s0 * SPS * N + HN + s_offs)
+        acc0 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        acc1 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        a1 = gl.zeros((HN, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's half 1": nothing in flight
+        for i in range(cnt):
+            acc0, acc1, s_next0, s_next1, a1 = _swap_half_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0,
+                                                               s_next1, acc0, acc1, a1, sel, zb, s_offs, L3h,
+                                                               a_layout, HN, STAGES, FP4)
+            fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
+            gl.thread_barrier()  # ... in every warpgroup, before one thread refills step i - 1's slot (retired)
+            nxt = i + STAGES - 1
+            ns = (g + nxt) % STAGES
+            mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
+                                            pred=nxt < cnt)
+            tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
+                                            pred=nxt < cnt)
+        acc1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1))
+        # rows h * HN + r of the tile: the full tile's wgmma layout up to the order of registers
+        return gl.convert_layout(gl.reshape(gl.permute(gl.join(acc0, acc1), (2, 0, 1)), (BLOCK_N, BLOCK_M)),
+                                 mma_layout)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    if LOOP == 2:
+        L3k: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK // 2]))
+        sel0, zb, s_offs0 = _swap_consts(L3k, N, off_n, BLOCK_N, CODE_OFFSET, FP4, 4, 0)
+        sel1, zb, s_offs1 = _swap_consts(L3k, N, off_n, BLOCK_N, CODE_OFFSET, FP4, 4, 4)
+        s_next0 = gl.load(s_ptr + s0 * SPS * N + s_offs0)
+        s_next1 = gl.load(s_ptr + s0 * SPS * N + s_offs1)
+        a1 = gl.zeros((BLOCK_N, BK // 2), dtype=gl.bfloat16, layout=a_layout)  # nothing in flight yet
+        for i in range(cnt):
+            acc, s_next0, s_next1, a1 = _swap_khalf_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0,
+                                                         s_next1, acc, a1, sel0, sel1, zb, s_offs0, s_offs1, L3k,
+                                                         a_layout, BLOCK_N, STAGES, FP4)
+            fence_async_shared()
+            gl.thread_barrier()
+            nxt = i + STAGES - 1
+            ns = (g + nxt) % STAGES
+            mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
+                                            pred=nxt < cnt)
+            tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
+                                            pred=nxt < cnt)
+        acc, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a1))
+        return acc
+    sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
+    s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)  # a K step's scales, prefetched a step ahead
+    a_odd = gl.zeros((BLOCK_N, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's A": nothing in flight
+    if LOOP == 1:
+        for j in range(cnt // 2):
+            acc, s_next, a_even = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g,
+                                             2 * j, s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout, BLOCK_N,
+                                             STAGES, FP4)
+            acc, s_next, a_odd = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g,
+                                            2 * j + 1, s_next, acc, a_even, sel, zb, s_offs, L3, a_layout, BLOCK_N,
+                                            STAGES, FP4)
+        if cnt % 2:
+            acc, s_next, a_odd = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g,
+                                            cnt - 1, s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout, BLOCK_N,
+                                            STAGES, FP4)
+        acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
+    else:
+        for i in range(cnt):
+            acc, s_next, a = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, i,
+                                        s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout, BLOCK_N, STAGES, FP4, False)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return acc
 
 
 @gluon.jit
@@ -281,12 +478,13 @@ def _swap_load(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, c
 def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                  WS: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
-                 ws_ptr=None, cnt_ptr=None, TAIL: gl.constexpr = False, n_full=0, n_tiles=0):
+                 ws_ptr=None, cnt_ptr=None, TAIL: gl.constexpr = False, n_full=0, n_tiles=0,
+                 LOOP: gl.constexpr = 2):
     """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier.
     REDUCE: split-K summed in the kernel (_swap_store) instead of fp32 atomics into a zeroed y.
     FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128.
     TAIL (with REDUCE, cfg.tail): only the tiles after the n_full of the whole waves are split (in split_k), see
-    _tail_tile_and_split."""
+    _tail_tile_and_split. LOOP: the K loop of _swap_kloop (SWAP_LOOP)."""
     if TAIL:
         pid, pid_k, off_m, off_n, s0, cnt, my_split = _tail_tile_and_split(M, K, n_full, split_k, BLOCK_M, BLOCK_N)
         n_red = n_tiles
@@ -316,35 +514,8 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
             (_swap_load, (x_desc, q_desc, x_smem, q_smem, bars, empty, off_m, off_n, s0, cnt, STAGES)),
         ], [1], [40])
     else:
-        nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
-        for i in gl.static_range(STAGES - 1):
-            mbarrier.expect(bars.index(i), nbytes, pred=i < cnt)
-            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(i), x_smem.index(i),
-                                            pred=i < cnt)
-            tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(i), q_smem.index(i),
-                                            pred=i < cnt)
-        SPS: gl.constexpr = 4 if FP4 else 1  # scale rows per K step
-        sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
-        s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)  # a K step's scales, prefetched a step ahead
-        acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-        for i in range(cnt):
-            slot = i % STAGES
-            sraw = s_next
-            s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
-            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-            a = _swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, FP4)
-            acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its slots are free
-            fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
-            gl.thread_barrier()  # ... in every warpgroup, before one thread refills them
-            nxt = i + STAGES - 1
-            ns = nxt % STAGES
-            mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
-            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
-                                            pred=nxt < cnt)
-            tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
-                                            pred=nxt < cnt)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, 0, L3, a_layout,
+                          mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, LOOP)
 
     _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps, REDUCE,
                 ws_ptr, cnt_ptr, pid, n_red, pid_k, my_split)
@@ -508,7 +679,8 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
                 x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), tail_split, BLOCK_M=bm, BLOCK_N=bn,
                 ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
                 FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True, ws_ptr=wsp,
-                cnt_ptr=_split_counters(x2.device, grid[0]), TAIL=True, n_full=n_full, n_tiles=grid[0])
+                cnt_ptr=_split_counters(x2.device, grid[0]), TAIL=True, n_full=n_full, n_tiles=grid[0],
+                LOOP=SWAP_LOOP)
             return y
         split, grid = 1, (grid[0], 1)  # whole waves (or a tail too wide to split): the plain launch
     if cfg.swap and cfg.ws == 0 and cfg.reduce and split > 1:  # in-kernel split-K sum: one launch
@@ -518,7 +690,7 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
         _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                            ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
                            FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True,
-                           ws_ptr=wsp, cnt_ptr=_split_counters(x2.device, grid[0]))
+                           ws_ptr=wsp, cnt_ptr=_split_counters(x2.device, grid[0]), LOOP=SWAP_LOOP)
         return y
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
@@ -532,7 +704,8 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
         ws = bool(cfg.ws)
         _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                            ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
-                           WS=ws, FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps)
+                           WS=ws, FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps,
+                           LOOP=SWAP_LOOP)
         return y.to(x2.dtype) if split > 1 else y
     s_desc = TensorDescriptor.from_tensor(qw.scales, [1, bn], lay([1, bn], gl.bfloat16))
     _tcg_kernel[grid](x_desc, q_desc, s_desc, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,

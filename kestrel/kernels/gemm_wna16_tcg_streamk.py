@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from kestrel.kernels.gemm_wna16_tcg import BK, R, _decode_layout, _swap_a, _swap_consts, _swap_store
+from kestrel.kernels.gemm_wna16_tcg import BK, R, _decode_layout, _swap_kloop, _swap_store
 
 
 def plan(tiles: int, steps: int, num_sms: int) -> tuple[int, int, int, int]:
@@ -40,51 +39,27 @@ def plan(tiles: int, steps: int, num_sms: int) -> tuple[int, int, int, int]:
 
 
 @gluon.jit
-def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, sel, zb, s_offs,
-             L3: gl.constexpr, a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP4: gl.constexpr):
+def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, L3: gl.constexpr,
+             a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr,
+             LOOP: gl.constexpr):
     """acc[BN, BM] over K steps [s0, s0 + cnt) of one tile. g: K steps this program consumed before (the ring's
-    slot and mbarrier phase continue from it across tiles; fresh mbarriers per tile made no difference to the
-    128x128 NaN, session 9 R2)."""
+    slot and mbarrier phase continue from it across tiles)."""
     gl.assume(cnt > 0)
     fence_async_shared()  # the last tile's generic word loads / wgmma reads of the ring are done in every warp
     gl.thread_barrier()  # ... before one thread refills the ring
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
-    for i in gl.static_range(STAGES - 1):
-        sl = (g + i) % STAGES
-        mbarrier.expect(bars.index(sl), nbytes, pred=i < cnt)
-        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(sl), x_smem.index(sl), pred=i < cnt)
-        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(sl), q_smem.index(sl), pred=i < cnt)
-    SPS: gl.constexpr = 4 if FP4 else 1
-    s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)
-    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-    for i in range(cnt):
-        slot = (g + i) % STAGES
-        sraw = s_next
-        s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
-        mbarrier.wait(bars.index(slot), ((g + i) // STAGES) & 1)
-        a = _swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, FP4)
-        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        fence_async_shared()
-        gl.thread_barrier()
-        nxt = i + STAGES - 1
-        ns = (g + nxt) % STAGES
-        mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
-        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
-                                        pred=nxt < cnt)
-        tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
-                                        pred=nxt < cnt)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, L3, a_layout,
+                       mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, LOOP)
 
 
 @gluon.jit
 def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, ws_ptr, cnt_ptr, max_parts,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
-                  FP4: gl.constexpr, num_warps: gl.constexpr, ATOMIC: gl.constexpr = False):
+                  FP4: gl.constexpr, num_warps: gl.constexpr, ATOMIC: gl.constexpr = False,
+                  LOOP: gl.constexpr = 2):
     """Persistent swap-AB kernel (see the module doc): data-parallel tiles, then this program's stream-K range.
     ATOMIC (cfg.streamk 2): every tile's partial goes by fp32 atomics into a zeroed y (cast after) instead of the
-    ticketed reduction / direct store: the only form correct with the 128x128 8-warp tile (see configs.valid_for)."""
+    ticketed reduction / direct store. LOOP: gemm_wna16_tcg._swap_kloop's K loop (SWAP_LOOP)."""
     p = gl.program_id(0)
     P = gl.num_programs(0)
     S = K // BK
@@ -103,9 +78,8 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
     for t in range(p, n_dp, P):  # data-parallel: whole tiles
         off_m = (t % num_pid_m) * BLOCK_M
         off_n = (t // num_pid_m) * BLOCK_N
-        sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
-        acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, 0, S, g, sel, zb, s_offs, L3,
-                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4)
+        acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, 0, S, g, L3, a_layout,
+                       mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, LOOP)
         g += S
         _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps)
     T = (n_tiles - n_dp) * S  # stream-K steps
@@ -119,9 +93,8 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
         t = n_dp + u
         off_m = (t % num_pid_m) * BLOCK_M
         off_n = (t // num_pid_m) * BLOCK_N
-        sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
-        acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, a0 - u * S, a1 - a0, g, sel,
-                       zb, s_offs, L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, FP4)
+        acc = _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, a0 - u * S, a1 - a0, g, L3,
+                       a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, LOOP)
         g += a1 - a0
         if ATOMIC:
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, True, FP4, num_warps)
@@ -136,6 +109,7 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
 
 def launch(x_desc, q_desc, qw, x2: torch.Tensor, cfg, num_sms: int) -> torch.Tensor:
     """y [M, N] bf16 of the stream-K schedule (cfg: block_m, block_n, num_warps, num_stages; split_k unused)."""
+    from kestrel.kernels import gemm_wna16_tcg as tcg
     from kestrel.kernels.gemm_wna16_tc import _split_counters
     m, k = x2.shape
     n = qw.shape[0]
@@ -150,5 +124,6 @@ def launch(x_desc, q_desc, qw, x2: torch.Tensor, cfg, num_sms: int) -> torch.Ten
     _tcgsk_kernel[(progs, )](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), n_dp, per, wsp,
                              _split_counters(x2.device, max(1, n_sk)), max_parts, BLOCK_M=bm, BLOCK_N=bn,
                              STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
-                             FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, ATOMIC=atomic)
+                             FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, ATOMIC=atomic,
+                             LOOP=tcg.SWAP_LOOP)
     return y.to(x2.dtype) if atomic else y

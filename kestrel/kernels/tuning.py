@@ -96,9 +96,10 @@ def wave_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[Comp
                 out.append(C("tcg", bm, bn, 0, sk, 8, st, swap=True, reduce=int(sk > 1)))
     # the stream-K schedule (gemm_wna16_tcg_streamk.py: Humming's way round wave quantization) on the tile of
     # each M's first wave pick (one config: more would push the other kernels out of --max-candidates); 128x128
-    # with atomics (streamk 2: the ticketed form is wrong on that tile). H200 session 9 R2, int4 70B qkv M = 256:
-    # 93.2 us vs the tuned 94.2 (128x256 split 3); M = 1024 128x256 299.0 vs dequant + cuBLAS 268.0
-    out.append(C("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=2) if m <= 256 else
+    # with the ticketed sum at M <= 256 (H200 session 9 R2, int4 70B qkv M = 256: 78-81 us, wrong then through the
+    # K loop's register-A race, fixed in session 10; the tuned default 94.2, Humming 66.2); M = 1024 128x256
+    # (299.0 vs dequant + cuBLAS 268.0)
+    out.append(C("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=1) if m <= 256 else
                C("tcg", 128, 256, 0, 1, 8, 3, swap=True, streamk=1))
     return [c for c in out if c.valid_for(layer)]
 
@@ -307,15 +308,16 @@ def _warm_one(job) -> tuple:
         return cfg, time.time() - t0, repr(ex)[:200]
 
 
-def warm_compile(jobs: list[tuple], workers: int, log=print) -> None:
+def warm_compile(jobs: list[tuple], workers: int, log=print, init=None) -> None:
     """JIT-compile the (layer, M, config) calls of `jobs` in `workers` processes (one per distinct compile_key):
     Triton's compiles (5-30 s each on the H200 host) are CPU-bound and single-threaded, so the timing process
-    then only loads cubins from the shared cache instead of compiling one candidate after the other."""
+    then only loads cubins from the shared cache instead of compiling one candidate after the other. init: a
+    picklable worker initializer (a bench's module switch, e.g. the old tcg swap K loop)."""
     import multiprocessing as mp
     import time
     uniq = list({compile_key(*j): j for j in jobs}.values())
     t0 = time.time()
-    with mp.get_context("spawn").Pool(max(1, min(workers, len(uniq)))) as pool:
+    with mp.get_context("spawn").Pool(max(1, min(workers, len(uniq))), initializer=init) as pool:
         errors = [err for _, _, err in pool.imap_unordered(_warm_one, uniq) if err]
     log(f"warm-up: {len(uniq)} distinct compiles of {len(jobs)} calls in {time.time() - t0:.1f}s"
         f" with {workers} workers, {len(errors)} failed")
