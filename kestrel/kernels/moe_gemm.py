@@ -138,6 +138,11 @@ def moe_config(num_slots: int, num_experts: int, act: str, planar: bool = False)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 or planar else 128
     if planar and bm == 64 and per_expert <= 96 and _tcg_bm() == 32:
         bm = 32  # KESTREL_MOE_TCG_BM=32: 32-row blocks for the swapped Gluon kernel (less padding, wgmma N 32)
+    if planar and bm == 64 and per_expert <= 192 and _tcg_bm() in (80, 96):
+        # KESTREL_MOE_TCG_BM=80 / 96 (opt-in, session 10): blocks of a 64- and a 16 / 32-row part for the
+        # warp-specialised Gluon loop, so one block holds nearly all of an expert's ~64 +- 8 slots (Qwen3-30B-A3B,
+        # M = 1024) instead of 64-row blocks' ~1.47 blocks an expert, each with a full weight load + decode
+        bm = _tcg_bm()
     if planar and bm == 64 and per_expert > 192 and _tcg_bm() == 128:
         # KESTREL_MOE_TCG_BM=128 (default, session 8): Mixtral-like routing (256 slots per expert at M =
         # 1024) fills 128-row blocks, so each decoded weight tile feeds twice the tokens at no extra padding
@@ -193,10 +198,11 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
             # session 9 R2 (same process, M = 1024): the warp-specialised loop 195.9 / 121.1 us vs 198.9 / 124.1 on
             # Qwen3 up / down (64-row blocks), but 1283 vs 1254 on Mixtral up with 128-row blocks: =5 takes it
             # for blocks of up to 64 rows only
-            ws = USE_TCG == "5" and bm <= 64
+            ws = USE_TCG == "5" and (bm <= 64 or bm in (80, 96))  # (80 / 96: the WS kernel only)
             # 128-row blocks: BN 128 keeps the fp32 accumulator at 64 registers a thread, as 64 x 256 does
-            return TcgConfig(BM=bm, BN=256 if swap and bm <= 64 else 128, num_warps=8, num_stages=4 if tcgp else 3,
-                             GROUP_M=8, SWAP=2 if tcgp else int(swap), PERSIST=int(USE_TCG == "4"), WS=int(ws))
+            return TcgConfig(BM=bm, BN=256 if swap and (bm <= 64 or ws) else 128, num_warps=8,
+                             num_stages=4 if tcgp else 3, GROUP_M=8, SWAP=2 if tcgp else int(swap),
+                             PERSIST=int(USE_TCG == "4"), WS=TCG_WS if ws else 0)
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
@@ -214,15 +220,23 @@ USE_TCG = os.environ.get("KESTREL_MOE_TCG", "5")
 USE_TCG = "" if USE_TCG == "0" else USE_TCG
 
 
-# KESTREL_MOE_TCG_BM=32 / 128: other expert-block rows for the swapped Gluon kernel (see moe_config); a module
-# global so benches can flip it between calls. 128 is the default (applies above 192 slots per expert only):
-# session 8 H200 Mixtral-8x7B M=1024 layer 1926 us vs 1989 with 64-row blocks, same err (5.65e-3); "" / 0: off
+# KESTREL_MOE_TCG_BM=32 / 80 / 96 / 128: other expert-block rows for the swapped Gluon kernel (see moe_config); a
+# module global so benches can flip it between calls. 128 is the default (applies above 192 slots per expert only):
+# session 8 H200 Mixtral-8x7B M=1024 layer 1926 us vs 1989 with 64-row blocks, same err (5.65e-3); "" / 0: off.
+# 80 / 96 need the warp-specialised loop (KESTREL_MOE_TCG=5) on Hopper (the Triton tc fallback has no such blocks)
 TCG_BM = os.environ.get("KESTREL_MOE_TCG_BM", "128")
+# KESTREL_MOE_TCG_WS: the WS loop's slot release (TcgConfig.WS): 1 fence + mbarrier (session 9), 2 mbarrier without
+# the fence
+TCG_WS = int(os.environ.get("KESTREL_MOE_TCG_WS", "1"))
 
 
 def _tcg_bm() -> int:
     """the expert-block rows asked for the swapped Gluon kernel, 0 for the default."""
-    return int(TCG_BM) if TCG_BM in ("32", "128") and USE_TCG in ("2", "3", "4", "5") and moe_tcg is not None else 0
+    if TCG_BM in ("80", "96") and not (USE_TCG == "5" and moe_tcg is not None and torch.cuda.is_available()
+                                       and torch.cuda.get_device_capability()[0] == 9):
+        return 0
+    return (int(TCG_BM) if TCG_BM in ("32", "80", "96", "128") and USE_TCG in ("2", "3", "4", "5")
+            and moe_tcg is not None else 0)
 
 
 def _tc_fallback(cfg: "TcgConfig") -> TcConfig:
