@@ -7,6 +7,7 @@ block's expert id and token rows, and the down projection multiplies by the rout
 int4 x bf16 experts in the WNA16 planar layout run their own grouped kernels instead: moe_mv.py (decode-sized expert
 blocks, < TC_MIN_BM rows) and moe_tc.py (larger blocks: one K = 128 tensor-core dot per step).
 """
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -255,6 +256,10 @@ def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int
             if moe_tcg.supports(a.data, w.planar, cfg):
                 return moe_tcg.grouped_gemm_planar_tcg(a.data, w.planar, align, num_slots, a_div, out, cfg,
                                                        topk_weights, reduce_k)
+            if cfg.BM & (cfg.BM - 1):  # 80 / 96-row blocks (the WS Gluon loop's): as 16-row blocks, each
+                # expert id repeated (the slot list is the same), for the Triton kernel's power-of-two tiles
+                align = (align[0], align[1].repeat_interleave(cfg.BM // 16), align[2])
+                cfg = dataclasses.replace(cfg, BM=16)
             cfg = _tc_fallback(cfg)
         if isinstance(cfg, TcConfig):
             return grouped_gemm_planar_tc(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)
