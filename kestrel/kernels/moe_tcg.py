@@ -609,7 +609,7 @@ def _moe_tcgw_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     off_n = pid_n * BLOCK_N
     n_steps = K // BK
     gl.assume(n_steps > 0)
-    MA: gl.constexpr = BLOCK_M if BLOCK_M <= 64 else 64
+    MA: gl.constexpr = 64 if (BLOCK_M == 80) | (BLOCK_M == 96) else BLOCK_M  # (power-of-two blocks: one wgmma)
     MB: gl.constexpr = BLOCK_M - MA
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, MA, BK],
                                        gl.NVMMASharedLayout.get_default_for([MA, BK], gl.bfloat16))
