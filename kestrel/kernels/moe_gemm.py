@@ -8,6 +8,7 @@ int4 x bf16 experts in the WNA16 planar layout run their own grouped kernels ins
 blocks, < TC_MIN_BM rows) and moe_tc.py (larger blocks: one K = 128 tensor-core dot per step).
 """
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -134,19 +135,19 @@ def quant_act(x: torch.Tensor, act: str) -> Operand:
 def moe_config(num_slots: int, num_experts: int, act: str, planar: bool = False) -> GemmConfig:
     """block_m follows the average rows per expert (decode: 16, so padding waste stays small); up and down
     projections share it (one sort/align serves both). The planar kernel stops at 64 (its 128-row blocks measured
-    1.5x slower than 64-row swapped ones on Mixtral at M = 1024, bench/results/moe_h200_run4.md)."""
+    1.5x slower than 64-row swapped ones on Mixtral at M = 1024, bench/results/moe_h200_run4.md), but for the
+    Gluon loops (KESTREL_MOE_TCG_BM, _tcg_bm)."""
     per_expert = num_slots / max(num_experts, 1)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 or planar else 128
     if planar and bm == 64 and per_expert <= 96 and _tcg_bm() == 32:
         bm = 32  # KESTREL_MOE_TCG_BM=32: 32-row blocks for the swapped Gluon kernel (less padding, wgmma N 32)
-    if planar and bm == 64 and per_expert <= 192 and _tcg_bm() in (80, 96):
-        # KESTREL_MOE_TCG_BM=80 / 96 (opt-in, session 10): blocks of a 64- and a 16 / 32-row part for the
-        # warp-specialised Gluon loop, so one block holds nearly all of an expert's ~64 +- 8 slots (Qwen3-30B-A3B,
-        # M = 1024) instead of 64-row blocks' ~1.47 blocks an expert, each with a full weight load + decode
-        bm = _tcg_bm()
-    if planar and bm == 64 and per_expert > 192 and _tcg_bm() == 128:
-        # KESTREL_MOE_TCG_BM=128 (default, session 8): Mixtral-like routing (256 slots per expert at M =
-        # 1024) fills 128-row blocks, so each decoded weight tile feeds twice the tokens at no extra padding
+    if planar and bm == 64 and _tcg_bm() in (80, 96):
+        bm = _tcg_bm()  # KESTREL_MOE_TCG_BM=80 / 96: that many rows (64 + 16 / 32) for the WS Gluon loop
+    elif planar and bm == 64 and _tcg_bm() == -1:
+        bm = ws_block_rows(per_expert)  # the default on Hopper with the WS loop: 64, 80 or 96 rows
+    elif planar and bm == 64 and per_expert > 192 and _tcg_bm() == 128:
+        # KESTREL_MOE_TCG_BM=128 (session 8; the default off the WS loop): Mixtral-like routing (256 slots per
+        # expert at M = 1024) fills 128-row blocks, so each decoded weight tile feeds twice the tokens
         bm = 128
     dq16 = act in ("bf16", "mxfp4", "nvfp4")
     bk = 64 if dq16 else 128
@@ -221,23 +222,51 @@ USE_TCG = os.environ.get("KESTREL_MOE_TCG", "5")
 USE_TCG = "" if USE_TCG == "0" else USE_TCG
 
 
-# KESTREL_MOE_TCG_BM=32 / 80 / 96 / 128: other expert-block rows for the swapped Gluon kernel (see moe_config); a
-# module global so benches can flip it between calls. 128 is the default (applies above 192 slots per expert only):
-# session 8 H200 Mixtral-8x7B M=1024 layer 1926 us vs 1989 with 64-row blocks, same err (5.65e-3); "" / 0: off.
-# 80 / 96 need the warp-specialised loop (KESTREL_MOE_TCG=5) on Hopper (the Triton tc fallback has no such blocks)
-TCG_BM = os.environ.get("KESTREL_MOE_TCG_BM", "128")
-# KESTREL_MOE_TCG_WS: the WS loop's slot release (TcgConfig.WS): 1 fence + mbarrier (session 9), 2 mbarrier without
-# the fence
-TCG_WS = int(os.environ.get("KESTREL_MOE_TCG_WS", "1"))
+# KESTREL_MOE_TCG_BM: the expert-block rows of the swapped Gluon kernel (see moe_config); a module global so benches
+# can flip it between calls. "auto" (default): with the WS loop (KESTREL_MOE_TCG=5) on Hopper ws_block_rows' choice
+# of 64 / 80 / 96 rows, otherwise 128 above 192 slots per expert (session 8 H200 Mixtral-8x7B M=1024 layer 1926 us
+# vs 1989 with 64-row blocks). 32 / 80 / 96 / 128: those rows (80 / 96 only with the WS loop on Hopper: the Triton
+# tc fallback has no such tiles); "" / 0: 64 rows
+TCG_BM = os.environ.get("KESTREL_MOE_TCG_BM", "auto")
+# KESTREL_MOE_TCG_WS: the WS loop's slot release (TcgConfig.WS): 2 (default, session 10) mbarrier arrive without a
+# fence before it, 1 with the fence (session 9). H200 R1 (same process): 194.7 / 121.5 / 1274.4 us vs 195.7 / 121.6
+# / 1273.3 on Qwen3 up / down / Mixtral up, err on every slot identical: neutral, one barrier a step less
+TCG_WS = int(os.environ.get("KESTREL_MOE_TCG_WS", "2"))
+
+# relative cost of one expert block (one weight tile's loads + decode + its rows' x loads + wgmma) of the WS loop by
+# rows: H200 session 10 R1, Qwen3-30B-A3B up projection M = 1024 (195.7 / 165.3 / 177.4 us for 64 / 80 / 96 rows
+# over ~188 / ~131 / ~128 expected blocks); with the blocks of ws_block_rows it also predicts the down projection
+# (121.6 / 105.7 / 112.7 us: 0.87 / 0.93 measured, 0.83 / 0.89 predicted) and Mixtral up (1273 / 1350 / 1176:
+# 1.06 / 0.92, predicted 1.05 / 0.89)
+WS_BLOCK_COST = {64: 1.04, 80: 1.26, 96: 1.39}
+
+
+def ws_block_rows(per_expert: float) -> int:
+    """the block rows of WS_BLOCK_COST with the least expected cost, sum over an expert's blocks: its slot count n
+    taken as Poisson-like (normal, mean = sd^2 = per_expert), E[ceil(n / bm)] = sum_j P(n > j bm). Qwen3-30B-A3B M
+    = 1024 (64 per expert): 80 (one block nearly always, where 64 rows need 1.5); Mixtral M = 1024 (256): 96."""
+    sd = max(math.sqrt(per_expert), 1e-6)
+
+    def blocks(bm):
+        return sum(0.5 * math.erfc((j * bm - per_expert) / (sd * math.sqrt(2)))
+                   for j in range(int((per_expert + 8 * sd) // bm) + 1))
+    return min(WS_BLOCK_COST, key=lambda bm: blocks(bm) * WS_BLOCK_COST[bm])
+
+
+def _ws_hopper() -> bool:
+    return (USE_TCG == "5" and moe_tcg is not None and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] == 9)
 
 
 def _tcg_bm() -> int:
-    """the expert-block rows asked for the swapped Gluon kernel, 0 for the default."""
-    if TCG_BM in ("80", "96") and not (USE_TCG == "5" and moe_tcg is not None and torch.cuda.is_available()
-                                       and torch.cuda.get_device_capability()[0] == 9):
+    """the expert-block rows asked for the swapped Gluon kernel: -1 for ws_block_rows' choice, 0 for 64 rows."""
+    if USE_TCG not in ("2", "3", "4", "5") or moe_tcg is None:
         return 0
-    return (int(TCG_BM) if TCG_BM in ("32", "80", "96", "128") and USE_TCG in ("2", "3", "4", "5")
-            and moe_tcg is not None else 0)
+    if TCG_BM == "auto":
+        return -1 if _ws_hopper() else 128
+    if TCG_BM in ("80", "96"):
+        return int(TCG_BM) if _ws_hopper() else 0
+    return int(TCG_BM) if TCG_BM in ("32", "128") else 0
 
 
 def _tc_fallback(cfg: "TcgConfig") -> TcConfig:
