@@ -50,11 +50,10 @@ FMT = {"bf16": ("bf16", "bf16", True, False), "fp8": ("fp8", "fp8", True, False)
 # one process on the same quantized weights)
 TCG_MODES = {"int4t2": {"USE_TCG": "2"}, "int4t3": {"USE_TCG": "3"}, "int4t3b128": {"USE_TCG": "3", "TCG_BM": "128"},
              "int4t3b64": {"USE_TCG": "3", "TCG_BM": ""}, "int4t4": {"USE_TCG": "4"}, "int4t5": {"USE_TCG": "5"}, "int4t4b64": {"USE_TCG": "4", "TCG_BM": ""},
-             # session 10: the WS loop with 80 / 96-row blocks (64 + 16 / 32 rows), its slot release without the
-             # fence (TCG_WS 2)
+             # session 10: the WS loop with 80 / 96-row blocks (64 + 16 / 32 rows); int4t5s9 = session 9's default
+             # (WS with the fenced release for <= 64-row blocks, 128-row tcgp above 192 slots per expert)
              "int4t5b80": {"USE_TCG": "5", "TCG_BM": "80"}, "int4t5b96": {"USE_TCG": "5", "TCG_BM": "96"},
-             "int4t5w2": {"USE_TCG": "5", "TCG_WS": 2},
-             "int4t5b80w2": {"USE_TCG": "5", "TCG_BM": "80", "TCG_WS": 2}}
+             "int4t5s9": {"USE_TCG": "5", "TCG_BM": "128", "TCG_WS": 1}}
 FMT.update({f: FMT["int4"] for f in TCG_MODES})
 HUMMING = {"fp8": ({"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}),
            "int4": ({"dtype": "int4", "group_size": 128}, None)}
