@@ -8,6 +8,7 @@ int4 x bf16 experts in the WNA16 planar layout run their own grouped kernels ins
 blocks, < TC_MIN_BM rows) and moe_tc.py (larger blocks: one K = 128 tensor-core dot per step).
 """
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -241,6 +242,7 @@ TCG_WS = int(os.environ.get("KESTREL_MOE_TCG_WS", "2"))
 WS_BLOCK_COST = {64: 1.04, 80: 1.26, 96: 1.39}
 
 
+@functools.lru_cache(maxsize=512)  # (moe_config runs on every layer call)
 def ws_block_rows(per_expert: float) -> int:
     """the block rows of WS_BLOCK_COST with the least expected cost, sum over an expert's blocks: its slot count n
     taken as Poisson-like (normal, mean = sd^2 = per_expert), E[ceil(n / bm)] = sum_j P(n > j bm). Qwen3-30B-A3B M
