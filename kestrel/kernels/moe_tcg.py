@@ -230,8 +230,8 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m * BLOCK_M, off_n, N, num_valid, out_div, stride_ym, BLOCK_M, BLOCK_N,
-             MUL_ROUTED, REDUCE, num_warps)
+    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m * BLOCK_M, off_n, N, num_valid, out_div, stride_ym, BLOCK_M,
+             BLOCK_N, MUL_ROUTED, REDUCE, num_warps)
 
 
 @gluon.jit
@@ -280,8 +280,9 @@ def _issue_xq(q_desc, bar, q_buf, x_buf, x_ptrs, qrow0, off_n, step, pred):
 def _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, row0, off_n, N, num_valid, out_div, stride_ym,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
              num_warps: gl.constexpr):
-    """acc^T [BN, BM] of slots row0 .. row0 + BM -> their rows of y (bf16 store), or with REDUCE each slot into its token's row (zeroed by
-    the host; relaxed fp32 atomics); threads along n (contiguous in y); MUL_ROUTED scales by the routing weight."""
+    """acc^T [BN, BM] of slots row0 .. row0 + BM -> their rows of y (bf16 store), or with REDUCE each slot into its
+    token's row (zeroed by the host; relaxed fp32 atomics); threads along n (contiguous in y); MUL_ROUTED scales by
+    the routing weight."""
     out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
     out = gl.convert_layout(acc, out_layout)
     otok = gl.load(sorted_ptr + row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)))
@@ -374,8 +375,8 @@ def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     async_copy.wait_group(0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m * BLOCK_M, off_n, N, num_valid, out_div, stride_ym, BLOCK_M, BLOCK_N,
-             MUL_ROUTED, REDUCE, num_warps)
+    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m * BLOCK_M, off_n, N, num_valid, out_div, stride_ym, BLOCK_M,
+             BLOCK_N, MUL_ROUTED, REDUCE, num_warps)
 
 
 @gluon.jit
