@@ -238,21 +238,25 @@ TCG_WS = int(os.environ.get("KESTREL_MOE_TCG_WS", "2"))
 # rows: H200 session 10 R1, Qwen3-30B-A3B up projection M = 1024 (195.7 / 165.3 / 177.4 us for 64 / 80 / 96 rows
 # over ~188 / ~131 / ~128 expected blocks); with the blocks of ws_block_rows it also predicts the down projection
 # (121.6 / 105.7 / 112.7 us: 0.87 / 0.93 measured, 0.83 / 0.89 predicted) and Mixtral up (1273 / 1350 / 1176:
-# 1.06 / 0.92, predicted 1.05 / 0.89)
+# 1.06 / 0.92, predicted 1.05 / 0.89), but not the DeepSeek-V3 layer at M = 4096 (R2 / R3: 80 rows 9321 us vs 64 rows
+# 8528, predicted 0.97): hence WS_BLOCK_MARGIN
 WS_BLOCK_COST = {64: 1.04, 80: 1.26, 96: 1.39}
+WS_BLOCK_MARGIN = 0.92  # 80 / 96 rows only where predicted at least 8 % cheaper than 64 (Qwen3 0.83, Mixtral 0.89)
 
 
 @functools.lru_cache(maxsize=512)  # (moe_config runs on every layer call)
 def ws_block_rows(per_expert: float) -> int:
     """the block rows of WS_BLOCK_COST with the least expected cost, sum over an expert's blocks: its slot count n
-    taken as Poisson-like (normal, mean = sd^2 = per_expert), E[ceil(n / bm)] = sum_j P(n > j bm). Qwen3-30B-A3B M
-    = 1024 (64 per expert): 80 (one block nearly always, where 64 rows need 1.5); Mixtral M = 1024 (256): 96."""
+    taken as Poisson-like (normal, mean = sd^2 = per_expert), E[ceil(n / bm)] = sum_j P(n > j bm); 64 unless that
+    is WS_BLOCK_MARGIN cheaper. Qwen3-30B-A3B M = 1024 (64 per expert): 80 (one block nearly always, where 64 rows
+    need 1.5); Mixtral M = 1024 (256): 96; DeepSeek-V3 M = 4096 (128): 64."""
     sd = max(math.sqrt(per_expert), 1e-6)
 
-    def blocks(bm):
-        return sum(0.5 * math.erfc((j * bm - per_expert) / (sd * math.sqrt(2)))
-                   for j in range(int((per_expert + 8 * sd) // bm) + 1))
-    return min(WS_BLOCK_COST, key=lambda bm: blocks(bm) * WS_BLOCK_COST[bm])
+    def cost(bm):
+        return WS_BLOCK_COST[bm] * sum(0.5 * math.erfc((j * bm - per_expert) / (sd * math.sqrt(2)))
+                                       for j in range(int((per_expert + 8 * sd) // bm) + 1))
+    best = min(WS_BLOCK_COST, key=cost)
+    return best if cost(best) < WS_BLOCK_MARGIN * cost(64) else 64
 
 
 def _ws_hopper() -> bool:
