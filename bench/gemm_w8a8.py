@@ -283,9 +283,10 @@ def run_w4(N, K, ms, rows, budget, sections):
             a, s = aq.quant_fp8(x)
             r["w4a8_err_vs_dequant"] = rel(gemm_w4a8(a, s, w4[0]), aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
             r["kestrel_w4a8_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i]) for i in range(nc)])
-            r["kestrel_w4a8_pairs_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4p[i]) for i in range(nc)])
+            if not LEAN[0]:  # (lean: the default layout / path only)
+                r["kestrel_w4a8_pairs_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4p[i]) for i in range(nc)])
             r["kestrel_w4a8_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
-            if M > 256:  # the default here is expand-to-fp8 + TMA; the fused in-register (swapped) kernel beside it
+            if M > 256 and not LEAN[0]:  # the expand-to-fp8 + TMA path's alternative: the fused in-register (swapped) kernel
                 fused = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
                 r["kestrel_w4a8_fused_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i], config=fused)
                                                            for i in range(nc)])

@@ -49,7 +49,12 @@ FMT = {"bf16": ("bf16", "bf16", True, False), "fp8": ("fp8", "fp8", True, False)
 # KESTREL_MOE_TCG_BM=128 (moe_gemm's globals, set around each format's calls: the loops are timed side by side in
 # one process on the same quantized weights)
 TCG_MODES = {"int4t2": {"USE_TCG": "2"}, "int4t3": {"USE_TCG": "3"}, "int4t3b128": {"USE_TCG": "3", "TCG_BM": "128"},
-             "int4t3b64": {"USE_TCG": "3", "TCG_BM": ""}, "int4t4": {"USE_TCG": "4"}, "int4t5": {"USE_TCG": "5"}, "int4t4b64": {"USE_TCG": "4", "TCG_BM": ""}}
+             "int4t3b64": {"USE_TCG": "3", "TCG_BM": ""}, "int4t4": {"USE_TCG": "4"}, "int4t5": {"USE_TCG": "5"}, "int4t4b64": {"USE_TCG": "4", "TCG_BM": ""},
+             # session 10: the WS loop with 80 / 96-row blocks (64 + 16 / 32 rows); int4t5s9 = session 9's default
+             # (WS with the fenced release for <= 64-row blocks, 128-row tcgp above 192 slots per expert)
+             "int4t5b80": {"USE_TCG": "5", "TCG_BM": "80"}, "int4t5b96": {"USE_TCG": "5", "TCG_BM": "96"},
+             "int4t5b64": {"USE_TCG": "5", "TCG_BM": ""},
+             "int4t5s9": {"USE_TCG": "5", "TCG_BM": "128", "TCG_WS": 1}}
 FMT.update({f: FMT["int4"] for f in TCG_MODES})
 HUMMING = {"fp8": ({"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}),
            "int4": ({"dtype": "int4", "group_size": 128}, None)}
@@ -140,7 +145,7 @@ def humming_forward(layers, x, topk_w, topk_ids, E, top_k):
     return run
 
 
-def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256, check_max_weights=1.5e9):
+def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256, check_max_weights=1.5e9, loop=True):
     E, k, H, I = MODELS[name]
     log(f"== {name}: E={E} top{k} H={H} I={I}")
     w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -168,7 +173,8 @@ def run_model(name, ms, fmts, rows, budget, routings=8, check_max_m=256, check_m
         rts = [route_topk(xi @ router.t(), k) for xi in xs]
         x, (tw, ti) = xs[0], rts[0]
         r = LogRow(section=name, M=M, N=2 * I, K=H, E=E, top_k=k, routings=routings)
-        r["cublas_loop_us"] = safe_us([cublas_loop(xi, a, b, w13, w2) for xi, (a, b) in zip(xs, rts)])
+        if loop:
+            r["cublas_loop_us"] = safe_us([cublas_loop(xi, a, b, w13, w2) for xi, (a, b) in zip(xs, rts)])
         for f in fmts:
             moe = ours[f]
             saved = {g: getattr(moe_gemm, g) for g in TCG_MODES.get(f, {})}
@@ -225,6 +231,7 @@ def main():
     p.add_argument("--check-max-m", type=int, default=256, help="check vs the fp32 per-expert loop up to this M")
     p.add_argument("--check-max-weights", type=float, default=1.5e9,
                    help="check only layers of fewer up-projection weights (E x 2I x H) than this")
+    p.add_argument("--no-loop", action="store_true", help="skip the per-expert cuBLAS loop (A/B runs of our formats)")
     add_run_args(p, budget_s=240)
     args = p.parse_args()
     meta = start_run(args, "bench/moe.py")
@@ -238,7 +245,7 @@ def main():
             break
         try:
             run_model(name, ms, fmts, rows, args.budget_s if name in hm else -1, args.routings, args.check_max_m,
-                      args.check_max_weights)
+                      args.check_max_weights, loop=not args.no_loop)
         except Exception:
             traceback.print_exc()
         write_report(rows, args.out, meta, stem="moe", ratios=RATIOS)

@@ -264,10 +264,54 @@ def test_tcg_default_warp_specialised_for_64_row_blocks_only(monkeypatch):
     router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
     moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=128)
     small = moe_configs(200, k, E, "bf16", moe.w13, moe.w2)  # 100 slots per expert: 64-row blocks
-    assert all((c.BM, c.BN, c.SWAP, c.WS, c.PERSIST) == (64, 256, 2, 1, 0) for c in small)
+    assert all((c.BM, c.BN, c.SWAP, c.WS, c.PERSIST) == (64, 256, 2, moe_gemm.TCG_WS, 0) for c in small)
     big = moe_configs(400, k, E, "bf16", moe.w13, moe.w2)  # 200 per expert: 128-row blocks
     assert all((c.BM, c.SWAP, c.WS) == (128, 2, 0) for c in big)
     x = torch.randn(200, H).to(torch.bfloat16)
     tw, ti = moe.route(x)
     ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")
     assert _rel(moe(x, (tw, ti)), ref) < LAYER_TOL["bf16"]
+
+
+def test_tcg_80_row_blocks_config_and_fallback(monkeypatch):
+    """KESTREL_MOE_TCG_BM=80 (Hopper + KESTREL_MOE_TCG=5 only: `_tcg_bm` gives 0 elsewhere, as on this CPU): up to 192
+    slots per expert the layer gets 80-row blocks and the warp-specialised BN 256 loop; where Gluon cannot run, the
+    80-row align is run as 16-row blocks by the Triton tc kernel (expert ids repeated), with the reference's result."""
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    monkeypatch.setattr(moe_gemm, "USE_TCG", "5")
+    monkeypatch.setattr(moe_gemm, "TCG_BM", "80")
+    assert moe_gemm._tcg_bm() == 0 or torch.cuda.is_available()
+    monkeypatch.setattr(moe_gemm, "_tcg_bm", lambda: 80)
+    torch.manual_seed(9)
+    H, I, E, k = 128, 128, 2, 1
+    router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=128)
+    cfgs = moe_configs(200, k, E, "bf16", moe.w13, moe.w2)  # 100 slots per expert
+    assert all((c.BM, c.BN, c.SWAP, c.WS) == (80, 256, 2, moe_gemm.TCG_WS) for c in cfgs)
+    x = torch.randn(200, H).to(torch.bfloat16)
+    tw, ti = moe.route(x)
+    ref = ref_moe(x, tw, ti, moe.w13.dequantize(), moe.w2.dequantize(), "bf16")
+    assert _rel(moe(x, (tw, ti)), ref) < LAYER_TOL["bf16"]
+
+
+def test_ws_block_rows_auto(monkeypatch):
+    """KESTREL_MOE_TCG_BM=auto (default): with the WS loop on Hopper the block rows minimising expected blocks x the
+    measured per-block cost, if 8 % below 64 rows' — 80 at Qwen3-30B-A3B M = 1024 (64 slots per expert), 96 at
+    Mixtral M = 1024 (256), 64 where two 64-row blocks hold an expert (96) and at DeepSeek-V3 M = 4096 (128); off
+    Hopper (this CPU) the session-8 rule: 128 above 192."""
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    assert [moe_gemm.ws_block_rows(p) for p in (40, 64, 96, 128, 256)] == [64, 80, 64, 64, 96]
+    monkeypatch.setattr(moe_gemm, "USE_TCG", "5")
+    monkeypatch.setattr(moe_gemm, "TCG_BM", "auto")
+    if not torch.cuda.is_available():
+        assert moe_gemm._tcg_bm() == 128
+        assert moe_config(8 * 1024, 128, "bf16", planar=True).BM == 64
+        assert moe_config(2 * 1024, 8, "bf16", planar=True).BM == 128
+    monkeypatch.setattr(moe_gemm, "_ws_hopper", lambda: True)
+    assert moe_config(8 * 1024, 128, "bf16", planar=True).BM == 80
+    assert moe_config(2 * 1024, 8, "bf16", planar=True).BM == 96
+    assert moe_config(8 * 1024, 128, "bf16", planar=False).BM == 64  # (the lowbit kernels: power-of-two tiles)

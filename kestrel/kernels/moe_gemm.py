@@ -7,6 +7,9 @@ block's expert id and token rows, and the down projection multiplies by the rout
 int4 x bf16 experts in the WNA16 planar layout run their own grouped kernels instead: moe_mv.py (decode-sized expert
 blocks, < TC_MIN_BM rows) and moe_tc.py (larger blocks: one K = 128 tensor-core dot per step).
 """
+import dataclasses
+import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -133,14 +136,19 @@ def quant_act(x: torch.Tensor, act: str) -> Operand:
 def moe_config(num_slots: int, num_experts: int, act: str, planar: bool = False) -> GemmConfig:
     """block_m follows the average rows per expert (decode: 16, so padding waste stays small); up and down
     projections share it (one sort/align serves both). The planar kernel stops at 64 (its 128-row blocks measured
-    1.5x slower than 64-row swapped ones on Mixtral at M = 1024, bench/results/moe_h200_run4.md)."""
+    1.5x slower than 64-row swapped ones on Mixtral at M = 1024, bench/results/moe_h200_run4.md), but for the
+    Gluon loops (KESTREL_MOE_TCG_BM, _tcg_bm)."""
     per_expert = num_slots / max(num_experts, 1)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 or planar else 128
     if planar and bm == 64 and per_expert <= 96 and _tcg_bm() == 32:
         bm = 32  # KESTREL_MOE_TCG_BM=32: 32-row blocks for the swapped Gluon kernel (less padding, wgmma N 32)
-    if planar and bm == 64 and per_expert > 192 and _tcg_bm() == 128:
-        # KESTREL_MOE_TCG_BM=128 (default, session 8): Mixtral-like routing (256 slots per expert at M =
-        # 1024) fills 128-row blocks, so each decoded weight tile feeds twice the tokens at no extra padding
+    if planar and bm == 64 and _tcg_bm() in (80, 96):
+        bm = _tcg_bm()  # KESTREL_MOE_TCG_BM=80 / 96: that many rows (64 + 16 / 32) for the WS Gluon loop
+    elif planar and bm == 64 and _tcg_bm() == -1:
+        bm = ws_block_rows(per_expert)  # the default on Hopper with the WS loop: 64, 80 or 96 rows
+    elif planar and bm == 64 and per_expert > 192 and _tcg_bm() == 128:
+        # KESTREL_MOE_TCG_BM=128 (session 8; the default off the WS loop): Mixtral-like routing (256 slots per
+        # expert at M = 1024) fills 128-row blocks, so each decoded weight tile feeds twice the tokens
         bm = 128
     dq16 = act in ("bf16", "mxfp4", "nvfp4")
     bk = 64 if dq16 else 128
@@ -193,10 +201,11 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
             # session 9 R2 (same process, M = 1024): the warp-specialised loop 195.9 / 121.1 us vs 198.9 / 124.1 on
             # Qwen3 up / down (64-row blocks), but 1283 vs 1254 on Mixtral up with 128-row blocks: =5 takes it
             # for blocks of up to 64 rows only
-            ws = USE_TCG == "5" and bm <= 64
+            ws = USE_TCG == "5" and (bm <= 64 or bm in (80, 96))  # (80 / 96: the WS kernel only)
             # 128-row blocks: BN 128 keeps the fp32 accumulator at 64 registers a thread, as 64 x 256 does
-            return TcgConfig(BM=bm, BN=256 if swap and bm <= 64 else 128, num_warps=8, num_stages=4 if tcgp else 3,
-                             GROUP_M=8, SWAP=2 if tcgp else int(swap), PERSIST=int(USE_TCG == "4"), WS=int(ws))
+            return TcgConfig(BM=bm, BN=256 if swap and (bm <= 64 or ws) else 128, num_warps=8,
+                             num_stages=4 if tcgp else 3, GROUP_M=8, SWAP=2 if tcgp else int(swap),
+                             PERSIST=int(USE_TCG == "4"), WS=TCG_WS if ws else 0)
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
@@ -214,15 +223,56 @@ USE_TCG = os.environ.get("KESTREL_MOE_TCG", "5")
 USE_TCG = "" if USE_TCG == "0" else USE_TCG
 
 
-# KESTREL_MOE_TCG_BM=32 / 128: other expert-block rows for the swapped Gluon kernel (see moe_config); a module
-# global so benches can flip it between calls. 128 is the default (applies above 192 slots per expert only):
-# session 8 H200 Mixtral-8x7B M=1024 layer 1926 us vs 1989 with 64-row blocks, same err (5.65e-3); "" / 0: off
-TCG_BM = os.environ.get("KESTREL_MOE_TCG_BM", "128")
+# KESTREL_MOE_TCG_BM: the expert-block rows of the swapped Gluon kernel (see moe_config); a module global so benches
+# can flip it between calls. "auto" (default): with the WS loop (KESTREL_MOE_TCG=5) on Hopper ws_block_rows' choice
+# of 64 / 80 / 96 rows, otherwise 128 above 192 slots per expert (session 8 H200 Mixtral-8x7B M=1024 layer 1926 us
+# vs 1989 with 64-row blocks). 32 / 80 / 96 / 128: those rows (80 / 96 only with the WS loop on Hopper: the Triton
+# tc fallback has no such tiles); "" / 0: 64 rows
+TCG_BM = os.environ.get("KESTREL_MOE_TCG_BM", "auto")
+# KESTREL_MOE_TCG_WS: the WS loop's slot release (TcgConfig.WS): 2 (default, session 10) mbarrier arrive without a
+# fence before it, 1 with the fence (session 9). H200 R1 (same process): 194.7 / 121.5 / 1274.4 us vs 195.7 / 121.6
+# / 1273.3 on Qwen3 up / down / Mixtral up, err on every slot identical: neutral, one barrier a step less
+TCG_WS = int(os.environ.get("KESTREL_MOE_TCG_WS", "2"))
+
+# relative cost of one expert block (one weight tile's loads + decode + its rows' x loads + wgmma) of the WS loop by
+# rows: H200 session 10 R1, Qwen3-30B-A3B up projection M = 1024 (195.7 / 165.3 / 177.4 us for 64 / 80 / 96 rows
+# over ~188 / ~131 / ~128 expected blocks); with the blocks of ws_block_rows it also predicts the down projection
+# (121.6 / 105.7 / 112.7 us: 0.87 / 0.93 measured, 0.83 / 0.89 predicted) and Mixtral up (1273 / 1350 / 1176:
+# 1.06 / 0.92, predicted 1.05 / 0.89), but not the DeepSeek-V3 layer at M = 4096 (R2 / R3: 80 rows 9321 us vs 64 rows
+# 8528, predicted 0.97): hence WS_BLOCK_MARGIN
+WS_BLOCK_COST = {64: 1.04, 80: 1.26, 96: 1.39}
+WS_BLOCK_MARGIN = 0.92  # 80 / 96 rows only where predicted at least 8 % cheaper than 64 (Qwen3 0.83, Mixtral 0.89)
+
+
+@functools.lru_cache(maxsize=512)  # (moe_config runs on every layer call)
+def ws_block_rows(per_expert: float) -> int:
+    """the block rows of WS_BLOCK_COST with the least expected cost, sum over an expert's blocks: its slot count n
+    taken as Poisson-like (normal, mean = sd^2 = per_expert), E[ceil(n / bm)] = sum_j P(n > j bm); 64 unless that
+    is WS_BLOCK_MARGIN cheaper. Qwen3-30B-A3B M = 1024 (64 per expert): 80 (one block nearly always, where 64 rows
+    need 1.5); Mixtral M = 1024 (256): 96; DeepSeek-V3 M = 4096 (128): 64."""
+    sd = max(math.sqrt(per_expert), 1e-6)
+
+    def cost(bm):
+        return WS_BLOCK_COST[bm] * sum(0.5 * math.erfc((j * bm - per_expert) / (sd * math.sqrt(2)))
+                                       for j in range(int((per_expert + 8 * sd) // bm) + 1))
+    best = min(WS_BLOCK_COST, key=cost)
+    return best if cost(best) < WS_BLOCK_MARGIN * cost(64) else 64
+
+
+def _ws_hopper() -> bool:
+    return (USE_TCG == "5" and moe_tcg is not None and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] == 9)
 
 
 def _tcg_bm() -> int:
-    """the expert-block rows asked for the swapped Gluon kernel, 0 for the default."""
-    return int(TCG_BM) if TCG_BM in ("32", "128") and USE_TCG in ("2", "3", "4", "5") and moe_tcg is not None else 0
+    """the expert-block rows asked for the swapped Gluon kernel: -1 for ws_block_rows' choice, 0 for 64 rows."""
+    if USE_TCG not in ("2", "3", "4", "5") or moe_tcg is None:
+        return 0
+    if TCG_BM == "auto":
+        return -1 if _ws_hopper() else 128
+    if TCG_BM in ("80", "96"):
+        return int(TCG_BM) if _ws_hopper() else 0
+    return int(TCG_BM) if TCG_BM in ("32", "128") else 0
 
 
 def _tc_fallback(cfg: "TcgConfig") -> TcConfig:
@@ -241,6 +291,10 @@ def grouped_gemm(a: Operand, w: ExpertWeights, align, num_slots: int, a_div: int
             if moe_tcg.supports(a.data, w.planar, cfg):
                 return moe_tcg.grouped_gemm_planar_tcg(a.data, w.planar, align, num_slots, a_div, out, cfg,
                                                        topk_weights, reduce_k)
+            if cfg.BM & (cfg.BM - 1):  # 80 / 96-row blocks (the WS Gluon loop's): as 16-row blocks, each
+                # expert id repeated (the slot list is the same), for the Triton kernel's power-of-two tiles
+                align = (align[0], align[1].repeat_interleave(cfg.BM // 16), align[2])
+                cfg = dataclasses.replace(cfg, BM=16)
             cfg = _tc_fallback(cfg)
         if isinstance(cfg, TcConfig):
             return grouped_gemm_planar_tc(a.data, w.planar, align, num_slots, a_div, out, cfg, topk_weights, reduce_k)

@@ -50,7 +50,8 @@ class TcgConfig:
     # (a constant A operand), 2 skips the per-step wgmma (decode kept alive by a sum, one wgmma at the end): which of
     # decode and MMA bounds the loop
     PERSIST: int = 0  # SWAP 2: 1 = one program per SM walking its tiles through one load ring (_moe_tcgq_kernel)
-    WS: int = 0  # SWAP 2: 1 = a loader partition feeds the ring, mbarrier hand-over (_moe_tcgw_kernel)
+    WS: int = 0  # SWAP 2: 1 = a loader partition feeds the ring, mbarrier hand-over (_moe_tcgw_kernel); 2 the same
+    # without the fence before the slot release (one partition barrier a step instead of two)
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
 
     def as_dict(self) -> dict:
@@ -88,7 +89,7 @@ def _moe_tcg_kernel(x_ptr, q_desc, s_desc, y_ptr, topk_w_ptr, sorted_ptr, expert
     qrow0 = expert * (K // 8)
     srow0 = expert * n_steps
 
-    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m * BLOCK_M, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
 
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
@@ -174,7 +175,7 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     qrow0 = expert * (K // 8)
     srow0 = expert * n_steps
 
-    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m * BLOCK_M, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
 
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
@@ -229,8 +230,8 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym, BLOCK_M, BLOCK_N,
-             MUL_ROUTED, REDUCE, num_warps)
+    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m * BLOCK_M, off_n, N, num_valid, out_div, stride_ym, BLOCK_M,
+             BLOCK_N, MUL_ROUTED, REDUCE, num_warps)
 
 
 @gluon.jit
@@ -251,12 +252,12 @@ def _block_of(pid, num_m_blocks, N, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr
 
 
 @gluon.jit
-def _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M: gl.constexpr,
+def _gather_ptrs(x_ptr, sorted_ptr, row0, num_valid, a_div, stride_xm, BLOCK_M: gl.constexpr,
                  num_warps: gl.constexpr):
-    """pointers to the first K step of the block's gathered x rows (padding slots read row 0): a warp covers 2 rows
-    x 128 k in 16-byte pieces (one cp.async of 16 B per thread and row piece)."""
+    """pointers to the first K step of the gathered x rows of slots row0 .. row0 + BLOCK_M (padding slots read row
+    0): a warp covers 2 rows x 128 k in 16-byte pieces (one cp.async of 16 B per thread and row piece)."""
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
     tok = gl.load(sorted_ptr + rows)
     a_rows = gl.where(tok < num_valid, tok // a_div, 0).to(gl.int64)
     kx = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
@@ -276,14 +277,15 @@ def _issue_xq(q_desc, bar, q_buf, x_buf, x_ptrs, qrow0, off_n, step, pred):
 
 
 @gluon.jit
-def _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym,
+def _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, row0, off_n, N, num_valid, out_div, stride_ym,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
              num_warps: gl.constexpr):
-    """acc^T [BN, BM] -> the slot rows of y (bf16 store), or with REDUCE each slot into its token's row (zeroed by
-    the host; relaxed fp32 atomics); threads along n (contiguous in y); MUL_ROUTED scales by the routing weight."""
+    """acc^T [BN, BM] of slots row0 .. row0 + BM -> their rows of y (bf16 store), or with REDUCE each slot into its
+    token's row (zeroed by the host; relaxed fp32 atomics); threads along n (contiguous in y); MUL_ROUTED scales by
+    the routing weight."""
     out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
     out = gl.convert_layout(acc, out_layout)
-    otok = gl.load(sorted_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)))
+    otok = gl.load(sorted_ptr + row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)))
     row_ok = otok < num_valid
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     _put_slots(out, otok, row_ok, offs_n, gl.expand_dims(offs_n < N, 1), y_ptr, topk_w_ptr, out_div, stride_ym,
@@ -323,7 +325,7 @@ def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     n_steps = K // BK
     gl.assume(n_steps > 0)  # (dense tcg: without it the zero-trip path serialises every wgmma)
     qrow0 = expert * (K // 8)
-    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m * BLOCK_M, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
 
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
@@ -373,8 +375,8 @@ def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     async_copy.wait_group(0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym, BLOCK_M, BLOCK_N,
-             MUL_ROUTED, REDUCE, num_warps)
+    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m * BLOCK_M, off_n, N, num_valid, out_div, stride_ym, BLOCK_M,
+             BLOCK_N, MUL_ROUTED, REDUCE, num_warps)
 
 
 @gluon.jit
@@ -418,7 +420,7 @@ def _issue_step(q_desc, bar, q_slot, x_slot, i, total, p_t, p_s, p_n, p_e, p_x, 
         p_t += 1
         if i + 1 < total:
             p_m, p_n, p_e = _tile_coords(p_t, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
-            p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+            p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m * BLOCK_M, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
     return p_t, p_s, p_n, p_e, p_x
 
 
@@ -454,7 +456,7 @@ def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     p_t = 0
     p_s = 0
     p_m, p_n, p_e = _tile_coords(0, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
-    p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+    p_x = _gather_ptrs(x_ptr, sorted_ptr, p_m * BLOCK_M, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
     for i in gl.static_range(STAGES - 1):
         p_t, p_s, p_n, p_e, p_x = _issue_step(q_desc, bars.index(i), q_smem.index(i), x_smem.index(i), i, total,
                                               p_t, p_s, p_n, p_e, p_x, pid, G, n_real, N, K, n_steps, expert_ptr,
@@ -512,16 +514,26 @@ def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
 
 
 @gluon.jit
-def _ws_consume(x_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, L3: gl.constexpr,
-                mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """WS 1 consumer (the kernel's warps): the tcgp step without CTA barriers — wait for the slot's words (TMA) and
-    x rows (the loader's arrival), decode, wgmma, and release step i - 1's slot once its wgmma is done."""
+def _ws_consume(x_smem, xb_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, L3: gl.constexpr,
+                mma_layout: gl.constexpr, mma_b: gl.constexpr, MA: gl.constexpr, MB: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RELEASE: gl.constexpr):
+    """WS consumer (the kernel's warps): the tcgp step without CTA barriers — wait for the slot's words (TMA) and
+    x rows (the loader's arrival), decode, wgmma, and release step i - 1's slot once its wgmma is done.
+    MB > 0 (80 / 96-row blocks): the decoded tile also feeds a second wgmma over the block's last MB rows (xb_smem).
+    RELEASE (TcgConfig.WS): 1 fence + mbarrier arrive (one elected thread, so Triton puts a partition barrier
+    before it, and one more before the fence: two 256-thread barriers a step, offline sm_90a PTX); 2 the same
+    without the fence (a generic read before an async-proxy TMA refill needs none: the hand-over orders it, as
+    CUTLASS's consumer_release): one barrier a step. (A named-barrier arrive by every thread instead, tried
+    offline, still got a partition barrier before its asm: Triton's membar puts one before any side-effecting op.)"""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    a_layout_b: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_b, k_width=2)
     sel, zb, s_offs = dense._swap_consts(L3, N, off_n, BLOCK_N, 8, False)
     s_ok = s_offs < N
     s_base = s_ptr + (expert * n_steps).to(gl.int64) * N + s_offs
     s_next = gl.load(s_base, mask=s_ok, other=0.0)
-    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    acc = gl.zeros((BLOCK_N, MA), dtype=gl.float32, layout=mma_layout)
+    if MB > 0:
+        acc_b = gl.zeros((BLOCK_N, MB), dtype=gl.float32, layout=mma_b)
     for i in range(n_steps):
         slot = i % STAGES
         sraw = s_next.to(gl.bfloat16)
@@ -530,26 +542,44 @@ def _ws_consume(x_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, 
         a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
         fence_async_shared()  # the loader's cp.async rows (generic proxy) -> the async-proxy wgmma
         acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        fence_async_shared()  # the word loads of the decode before the TMA refill of the slot
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
+        if MB > 0:  # (the A operand's registers are the same for both instruction shapes)
+            acc_b = warpgroup_mma(gl.convert_layout(a, a_layout_b), xb_smem.index(slot).permute((1, 0)), acc_b,
+                                  is_async=True)
+            acc, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_b))  # step i - 1's two are done
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        ps = (i + STAGES - 1) % STAGES  # step i - 1's slot: its decode and wgmma are done
+        if RELEASE == 1:
+            fence_async_shared()  # the word loads of the decode before the TMA refill of the slot
+        mbarrier.arrive(empty.index(ps), pred=i > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if MB > 0:
+        acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
+        res = (acc, acc_b)
+    else:
+        res = (acc, )
+    return res
 
 
 @gluon.jit
-def _ws_load(q_desc, x_smem, q_smem, ready, empty, x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, qrow0,
-             off_n, n_steps, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
+def _ws_load(q_desc, x_smem, xb_smem, q_smem, ready, empty, x_ptr, sorted_ptr, row0, num_valid, a_div, stride_xm,
+             qrow0, off_n, n_steps, MA: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
              LOAD_WARPS: gl.constexpr):
-    """WS 1 loader (LOAD_WARPS warps): words by TMA, gathered x rows by cp.async; a slot's x arrival (its ready
-    barrier counts the TMA expect + this one) is made LAG steps later, once wait_group shows this partition's
-    copies of that step landed, so LAG + 1 steps of x are in flight."""
-    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm, BLOCK_M, LOAD_WARPS)
+    """WS loader (LOAD_WARPS warps): words by TMA, gathered x rows by cp.async (MA rows from row0, then MB more into
+    xb_smem); a slot's x arrival (its ready barrier counts the TMA expect + this one) is made LAG steps later, once
+    wait_group shows this partition's copies of that step landed, so LAG + 1 steps of x are in flight. A slot's
+    refill waits for the consumers' release of its previous step (its empty mbarrier)."""
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, row0, num_valid, a_div, stride_xm, MA, LOAD_WARPS)
+    if MB > 0:
+        xb_ptrs = _gather_ptrs(x_ptr, sorted_ptr, row0 + MA, num_valid, a_div, stride_xm, MB, LOAD_WARPS)
     for i in range(n_steps):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
         mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [qrow0 + i * R, off_n], ready.index(slot), q_smem.index(slot))
         async_copy.async_copy_global_to_shared(x_smem.index(slot), x_ptrs + i * BK)
+        if MB > 0:
+            async_copy.async_copy_global_to_shared(xb_smem.index(slot), xb_ptrs + i * BK)
         async_copy.commit_group()
         async_copy.wait_group(LAG)  # this thread's rows of step i - LAG landed ...
         gl.thread_barrier()  # ... and every loader thread's
@@ -565,10 +595,14 @@ def _ws_load(q_desc, x_smem, q_smem, ready, empty, x_ptr, sorted_ptr, pid_m, num
 def _moe_tcgw_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                      out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr,
-                     REDUCE: gl.constexpr, num_warps: gl.constexpr):
-    """The tcgp loop warp-specialised (WS 1): a 4-warp loader partition issues the ring's TMA + cp.async loads, the
-    kernel's warps decode + wgmma, handing slots over by mbarriers (no CTA barrier per step; session 9 R1: the
-    persistent loop did not help, so the per-step barriers / load issue are the next suspect)."""
+                     REDUCE: gl.constexpr, RELEASE: gl.constexpr, num_warps: gl.constexpr):
+    """The tcgp loop warp-specialised (WS 1 / 2 = RELEASE): a 4-warp loader partition issues the ring's TMA +
+    cp.async loads, the kernel's warps decode + wgmma, handing slots over by mbarriers (session 9 R1: the
+    persistent loop did not help, so the per-step barriers / load issue are the next suspect).
+    BLOCK_M 80 / 96 (Humming's 80-token expert blocks): Qwen3-30B-A3B at M = 1024 has ~64 +- 8 slots per expert,
+    so 64-row blocks give ~1.47 blocks an expert (~188 for 128 experts, the second mostly padding, each with a full
+    weight-tile load + decode); 80 rows hold nearly every expert in one. Gluon tensors are powers of two, so the
+    block is a 64-row part plus a 16 / 32-row part, two wgmmas on one decoded weight tile."""
     pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(npost_ptr):
         return
@@ -576,8 +610,15 @@ def _moe_tcgw_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     off_n = pid_n * BLOCK_N
     n_steps = K // BK
     gl.assume(n_steps > 0)
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
+    MA: gl.constexpr = 64 if (BLOCK_M == 80) | (BLOCK_M == 96) else BLOCK_M  # (power-of-two blocks: one wgmma)
+    MB: gl.constexpr = BLOCK_M - MA
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, MA, BK],
+                                       gl.NVMMASharedLayout.get_default_for([MA, BK], gl.bfloat16))
+    if MB > 0:
+        xb_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, MB, BK],
+                                            gl.NVMMASharedLayout.get_default_for([MB, BK], gl.bfloat16))
+    else:
+        xb_smem = x_smem  # (unused)
     q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -585,17 +626,24 @@ def _moe_tcgw_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
         mbarrier.init(ready.index(i), count=2)  # the TMA expect + the loader's x arrival
         mbarrier.init(empty.index(i), count=1)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_M, 16])
+                                                         instr_shape=[16, MA, 16])
+    mma_b: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, MB if MB > 0 else MA, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
-    acc, = gl.warp_specialize([
-        (_ws_consume, (x_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, L3, mma_layout, BLOCK_M,
-                       BLOCK_N, STAGES)),
-        (_ws_load, (q_desc, x_smem, q_smem, ready, empty, x_ptr, sorted_ptr, pid_m, num_valid, a_div, stride_xm,
-                    expert * (K // 8), off_n, n_steps, BLOCK_M, STAGES, STAGES - 2, 4)),
-    ], [4], [80])
-    _store_t(acc, y_ptr, topk_w_ptr, sorted_ptr, pid_m, off_n, N, num_valid, out_div, stride_ym, BLOCK_M, BLOCK_N,
+    LOAD_WARPS: gl.constexpr = 4
+    row0 = pid_m * BLOCK_M
+    res = gl.warp_specialize([
+        (_ws_consume, (x_smem, xb_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, L3, mma_layout,
+                       mma_b, MA, MB, BLOCK_N, STAGES, RELEASE)),
+        (_ws_load, (q_desc, x_smem, xb_smem, q_smem, ready, empty, x_ptr, sorted_ptr, row0, num_valid, a_div,
+                    stride_xm, expert * (K // 8), off_n, n_steps, MA, MB, STAGES, STAGES - 2, LOAD_WARPS)),
+    ], [LOAD_WARPS], [80])
+    _store_t(res[0], y_ptr, topk_w_ptr, sorted_ptr, row0, off_n, N, num_valid, out_div, stride_ym, MA, BLOCK_N,
              MUL_ROUTED, REDUCE, num_warps)
+    if MB > 0:
+        _store_t(res[1], y_ptr, topk_w_ptr, sorted_ptr, row0 + MA, off_n, N, num_valid, out_div, stride_ym, MB,
+                 BLOCK_N, MUL_ROUTED, REDUCE, num_warps)
 
 
 LAST_COMPILED = [None]  # the compiled kernel of the last launch (benches log its registers / spills / smem)
@@ -620,7 +668,8 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 8 == 0
             and x.data_ptr() % 16 == 0 and w.group == BLOCK_K and K % BLOCK_K == 0 and N % 4 == 0
             and w.qweight.is_contiguous() and w.scales.is_contiguous() and w.scales.dtype == torch.float32
-            and cfg.BM in ((32, 64, 128) if cfg.SWAP else (64, 128)) and cfg.BN in (64, 128, 256)
+            and (cfg.BM in ((32, 64, 128) if cfg.SWAP else (64, 128)) or (cfg.WS and cfg.BM in (80, 96)))
+            and cfg.BN in (64, 128, 256)
             and cfg.num_warps in (4, 8)
             and (not cfg.SWAP or (cfg.BN >= 16 * cfg.num_warps and cfg.num_stages >= 2))
             and not cfg.PROBE  # timing probes compute wrong results
@@ -628,7 +677,8 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             # session 5 R1 (H200): the tcgp loop measured wrong with a 3-deep ring (err 0.07 on three shapes; cause
             # not found: the ring indexing reads right), right (same err as SWAP 1, 2.8e-3) and faster with 4
             and (cfg.SWAP != 2 or cfg.num_stages >= 4)
-            and (not cfg.PERSIST or cfg.SWAP == 2) and (not cfg.WS or (cfg.SWAP == 2 and not cfg.PERSIST))
+            and (not cfg.PERSIST or cfg.SWAP == 2)
+            and (not cfg.WS or (cfg.SWAP == 2 and not cfg.PERSIST and cfg.WS <= 2))
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
@@ -661,6 +711,7 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
         meta["maxnreg"] = cfg.MAXNREG
     if cfg.WS:
         kern, args = _moe_tcgw_kernel, (x, q_desc, w.scales, *tail, blocks)
+        meta["RELEASE"] = cfg.WS
     elif cfg.PERSIST:  # the grid bound by the SMs; the kernel reads the real block count (num_post)
         kern, args = _moe_tcgq_kernel, (x, q_desc, w.scales, *tail)
         grid = (min(grid[0], _num_sms(x.device)),)
