@@ -229,3 +229,27 @@ def test_loop_tree_identical_to_plain(tmp_path, plain, monkeypatch, schedule):
     assert s["spec_loop_steps"].get(40, 0) > (5 if schedule == "fixed" else 1) and s["spec_num_accepted_tokens"] > 0
     assert sum(moves) > 0  # some accepted path needed its K/V moved
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU)")
+def test_loop_fused_tree_identical_to_plain(tmp_path, plain, monkeypatch):
+    """The tree drafted by the fused kernels (head_tree_fused.py, forced on the CPU by KESTREL_TREE_FUSED=1) with a
+    draft vocabulary: greedy token-identical to plain decoding, and the fused drafter is what ran."""
+    from kestrel.spec.draft_head import DraftHead
+    from kestrel.spec.head_tree_fused import FusedTreeDraft
+
+    f = tmp_path / "head.safetensors"
+    torch.manual_seed(0)
+    head = DraftHead(SHAPE["hidden_size"], k=3, recurrent=True)
+    head.vocab = torch.arange(0, SHAPE["vocab_size"], 2)
+    head.save(str(f))
+    monkeypatch.setenv("KESTREL_TREE_FUSED", "1")
+    calls = []
+    tree = FusedTreeDraft.tree
+    monkeypatch.setattr(FusedTreeDraft, "tree", lambda self, *a, **kw: (calls.append(1), tree(self, *a, **kw))[1])
+    e = _engine(f"drafter=head,head={f},k=3,schedule=fixed,loop=on,tree=4-2-1", num_kv_blocks=400)
+    streamed, final, _ = _run(e, PROMPTS, GREEDY)
+    assert {r: o.output_token_ids for r, o in final.items()} == plain and streamed == plain
+    s = e.stats()
+    assert s["spec_loop_steps"].get(20, 0) > 5 and len(calls) >= s["spec_loop_steps"][20]
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]

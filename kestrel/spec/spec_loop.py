@@ -44,6 +44,7 @@ otherwise (and on a new request) it drains and the synchronous step (decoder.py)
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -91,7 +92,7 @@ class SpecLoop:
         self.kind, self.drafter = kind, drafter
         self.ngram, self.hybrid_ngram = ngram, hybrid_ngram
         self.ks = sorted({0, *k_sizes})
-        self.tree, self.kt = tree, None
+        self.tree, self.kt, self.t_fused = tree, None, None
         if tree is not None:
             if kind != "head" or tree.D > drafter.head.k:
                 raise ValueError(f"tree verification needs the draft head, {tree.D} levels <= its k={drafter.head.k}")
@@ -100,6 +101,15 @@ class SpecLoop:
                 raise ValueError(f"a tree of {tree.n} nodes collides with the chain K={tree.n}")
             self.t_parent, self.t_depth, self.t_bits, self.t_anc = tree.tensors(dev)
             self.t_readout = drafter.head.subset_readout(drafter.embed, drafter.lm_head)
+            # the tree's levels in 3 Triton launches each (head_tree_fused.py) where the chain drafts fused (CUDA,
+            # head_fused on): session 9 R2's PyTorch levels cost 0.29 ms per step at batch 1, the fused chain k=6
+            # 0.10 ms; KESTREL_TREE_FUSED=1 forces it (CPU tests under TRITON_INTERPRET=1), 0 turns it off (A/B)
+            from kestrel.spec.head_fused import FusedGreedyDraft
+            from kestrel.spec.head_tree_fused import FusedTreeDraft
+            env = os.environ.get("KESTREL_TREE_FUSED", "")
+            on = isinstance(getattr(drafter, "readout", None), FusedGreedyDraft) if env == "" else env == "1"
+            self.t_fused = FusedTreeDraft(drafter.head, drafter.embed, drafter.lm_head, self.t_readout) \
+                if on and self.t_readout is not None else None
             self.compact = KVCompactor(self.k_caches, self.v_caches)
         self.cands = self.ks + ([self.kt] if self.kt else [])  # the steps the cost model picks from
         self.schedule, self.k, self.probe_every = schedule, k, probe_every
@@ -207,12 +217,15 @@ class SpecLoop:
         ctx = L - 1
         last = hist.gather(1, ctx[:, None])
         dr = self.drafter
-        z = None
-        if self.dev.type == "cuda" and bs <= 16:  # the backbone in 5 fused launches, not 15 (as the fused chain)
-            from kestrel.spec.head_gemm import fused_slots
-            z = fused_slots(dr.head, self.hidden[:bs], last[:, 0], dr.embed)
-        nodes = dr.head.draft_tree(self.hidden[:bs], last[:, 0], dr.embed, dr.lm_head, t.widths,
-                                   readout=self.t_readout, nodes=True, z=z)
+        if self.t_fused is not None:
+            nodes = self.t_fused.tree(dr.head, self.hidden[:bs], last[:, 0], dr.embed, t.widths)
+        else:
+            z = None
+            if self.dev.type == "cuda" and bs <= 16:  # the backbone in 5 fused launches, not 15 (as the fused chain)
+                from kestrel.spec.head_gemm import fused_slots
+                z = fused_slots(dr.head, self.hidden[:bs], last[:, 0], dr.embed)
+            nodes = dr.head.draft_tree(self.hidden[:bs], last[:, 0], dr.embed, dr.lm_head, t.widths,
+                                       readout=self.t_readout, nodes=True, z=z)
         ids = torch.cat([last, nodes], 1)
         pos = ctx[:, None] + self.t_depth[None, :]  # RoPE by depth
         h, top = self._verify(bs, t.n, ids, pos, ctx, act, tree_mask=self.t_mask[:bs * S])
