@@ -234,7 +234,9 @@ def test_loop_tree_identical_to_plain(tmp_path, plain, monkeypatch, schedule):
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU)")
 def test_loop_fused_tree_identical_to_plain(tmp_path, plain, monkeypatch):
     """The tree drafted by the fused kernels (head_tree_fused.py, forced on the CPU by KESTREL_TREE_FUSED=1) with a
-    draft vocabulary: greedy token-identical to plain decoding, and the fused drafter is what ran."""
+    draft vocabulary and an n-gram branch of 3 (tree=4-2-1+3: 20 head nodes + 3): greedy token-identical to plain
+    decoding, the fused drafter is what ran, and some accepted paths end in the n-gram branch."""
+    from kestrel.spec import spec_loop
     from kestrel.spec.draft_head import DraftHead
     from kestrel.spec.head_tree_fused import FusedTreeDraft
 
@@ -247,9 +249,18 @@ def test_loop_fused_tree_identical_to_plain(tmp_path, plain, monkeypatch):
     calls = []
     tree = FusedTreeDraft.tree
     monkeypatch.setattr(FusedTreeDraft, "tree", lambda self, *a, **kw: (calls.append(1), tree(self, *a, **kw))[1])
-    e = _engine(f"drafter=head,head={f},k=3,schedule=fixed,loop=on,tree=4-2-1", num_kv_blocks=400)
+    ngram_leaves = []
+    accept = spec_loop.tree_accept
+
+    def spy(tokens, top, shape, *a):
+        out = accept(tokens, top, shape, *a)
+        ngram_leaves.append(int((out[3] > shape.n_head).sum()))
+        return out
+    monkeypatch.setattr(spec_loop, "tree_accept", spy)
+    e = _engine(f"drafter=head,head={f},k=3,schedule=fixed,loop=on,tree=4-2-1+3", num_kv_blocks=400)
     streamed, final, _ = _run(e, PROMPTS, GREEDY)
     assert {r: o.output_token_ids for r, o in final.items()} == plain and streamed == plain
     s = e.stats()
-    assert s["spec_loop_steps"].get(20, 0) > 5 and len(calls) >= s["spec_loop_steps"][20]
+    assert s["spec_loop_steps"].get(23, 0) > 5 and len(calls) >= s["spec_loop_steps"][23]
+    assert sum(ngram_leaves) > 0
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]

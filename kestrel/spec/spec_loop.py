@@ -37,7 +37,8 @@ keyed K = the tree's node count. The head drafts a greedy tree (top widths[i] to
 pass scores all its nodes under a tree attention mask, the deepest node whose whole path the target agrees with is
 accepted and its path's K/V are moved to their sequence positions. Its expected tokens per row is a running mean
 of its own steps (not the chains' s_i); the cost model weighs it like a chain, so at large batches, where its wide
-verify costs real time, the loop falls back to chains or K = 0.
+verify costs real time, the loop falls back to chains or K = 0. A tree with an n-gram branch (tree=4-1-1-1-1-1+6)
+also verifies the n-gram lookup's draft as one more chain off the root (the hybrid chain's copy, without choosing).
 
 The loop runs while the batch is all-greedy decode without logprobs or penalties and nothing waits to be admitted;
 otherwise (and on a new request) it drains and the synchronous step (decoder.py) takes over.
@@ -94,8 +95,9 @@ class SpecLoop:
         self.ks = sorted({0, *k_sizes})
         self.tree, self.kt, self.t_fused = tree, None, None
         if tree is not None:
-            if kind != "head" or tree.D > drafter.head.k:
-                raise ValueError(f"tree verification needs the draft head, {tree.D} levels <= its k={drafter.head.k}")
+            if kind != "head" or len(tree.widths) > drafter.head.k:
+                raise ValueError(f"tree verification needs the draft head, {len(tree.widths)} levels <= its "
+                                 f"k={drafter.head.k}")
             self.kt = tree.n
             if self.kt in self.ks:
                 raise ValueError(f"a tree of {tree.n} nodes collides with the chain K={tree.n}")
@@ -226,6 +228,9 @@ class SpecLoop:
                 z = fused_slots(dr.head, self.hidden[:bs], last[:, 0], dr.embed)
             nodes = dr.head.draft_tree(self.hidden[:bs], last[:, 0], dr.embed, dr.lm_head, t.widths,
                                        readout=self.t_readout, nodes=True, z=z)
+        if t.ngram:  # the n-gram branch: the lookup's draft (rows without a match repeat their last token)
+            dn, _ = ngram_draft_device(hist, L, t.ngram, *self.ngram)
+            nodes = torch.cat([nodes, dn], 1)
         ids = torch.cat([last, nodes], 1)
         pos = ctx[:, None] + self.t_depth[None, :]  # RoPE by depth
         h, top = self._verify(bs, t.n, ids, pos, ctx, act, tree_mask=self.t_mask[:bs * S])
