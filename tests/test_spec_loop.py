@@ -47,6 +47,38 @@ def test_device_ngram_matches_host_index():
     assert torch.equal(n2, ngram_draft_device(hist, torch.tensor(lens), k, return_n=True)[2])
 
 
+def test_device_ngram_exclude_matches_brute_force():
+    """exclude= (a draft tree's second n-gram branch): the latest match of the longest n-gram whose continuation
+    starts with another token than the excluded one, in the tensor version and the Triton kernel, vs a plain walk."""
+    from kestrel.spec.ngram_kernel import ngram_draft_triton
+    rng = random.Random(1)
+    B, Lm, k = 48, 64, 5
+    hist = torch.randint(0, 5, (B, Lm))
+    lens = []
+    for b in range(B):
+        L, V = rng.randint(1, 50), rng.choice([2, 3, 5])
+        hist[b, :L] = torch.tensor([rng.randrange(V) for _ in range(L)])
+        lens.append(L)
+    first, _ = ngram_draft_device(hist, torch.tensor(lens), k)
+    x = first[:, 0]
+    want = []
+    for b, L in enumerate(lens):
+        t = hist[b, :L].tolist()
+        got = []
+        for n in range(3, 0, -1):
+            es = [e for e in range(n, L) if L - 1 >= n and t[e - n:e] == t[L - n:L] and t[e] != int(x[b])]
+            if es:
+                e = es[-1]
+                got = [t[e + j % (L - e)] for j in range(k)]
+                break
+        want.append(got)
+    d, has = ngram_draft_device(hist, torch.tensor(lens), k, exclude=x)
+    assert [d[b].tolist() if has[b] else [] for b in range(B)] == want
+    assert 0 < int(has.sum()) < B and all(int(d[b, 0]) != int(x[b]) for b in range(B) if has[b])
+    d2, has2, _ = ngram_draft_triton(hist, torch.tensor(lens), k, exclude=x)
+    assert torch.equal(has2, has) and torch.equal(d2[has], d[has])
+
+
 def test_loop_greedy_identical_to_plain(plain):
     e = _engine("drafter=ngram,k=4,loop=on")
     streamed, final, text = _run(e, PROMPTS, GREEDY)
@@ -234,8 +266,9 @@ def test_loop_tree_identical_to_plain(tmp_path, plain, monkeypatch, schedule):
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU)")
 def test_loop_fused_tree_identical_to_plain(tmp_path, plain, monkeypatch):
     """The tree drafted by the fused kernels (head_tree_fused.py, forced on the CPU by KESTREL_TREE_FUSED=1) with a
-    draft vocabulary and an n-gram branch of 3 (tree=4-2-1+3: 20 head nodes + 3): greedy token-identical to plain
-    decoding, the fused drafter is what ran, and some accepted paths end in the n-gram branch."""
+    draft vocabulary and two n-gram branches (tree=4-2-1+3+2: 20 head nodes + 3 + 2, the second from exclude=):
+    greedy token-identical to plain decoding, the fused drafter is what ran, and some accepted paths end in an
+    n-gram branch."""
     from kestrel.spec import spec_loop
     from kestrel.spec.draft_head import DraftHead
     from kestrel.spec.head_tree_fused import FusedTreeDraft
@@ -257,10 +290,10 @@ def test_loop_fused_tree_identical_to_plain(tmp_path, plain, monkeypatch):
         ngram_leaves.append(int((out[3] > shape.n_head).sum()))
         return out
     monkeypatch.setattr(spec_loop, "tree_accept", spy)
-    e = _engine(f"drafter=head,head={f},k=3,schedule=fixed,loop=on,tree=4-2-1+3", num_kv_blocks=400)
+    e = _engine(f"drafter=head,head={f},k=3,schedule=fixed,loop=on,tree=4-2-1+3+2", num_kv_blocks=400)
     streamed, final, _ = _run(e, PROMPTS, GREEDY)
     assert {r: o.output_token_ids for r, o in final.items()} == plain and streamed == plain
     s = e.stats()
-    assert s["spec_loop_steps"].get(23, 0) > 5 and len(calls) >= s["spec_loop_steps"][23]
+    assert s["spec_loop_steps"].get(25, 0) > 5 and len(calls) >= s["spec_loop_steps"][25]
     assert sum(ngram_leaves) > 0
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]

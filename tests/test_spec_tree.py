@@ -26,10 +26,12 @@ def test_tree_shape_layout():
     assert TreeShape.parse("4-2-1-1-1-1").n == 44
     # an n-gram branch: a chain off the root after the head's levels, deeper than them here
     t = TreeShape.parse("2-1+3")
-    assert (t.n_head, t.n, t.D, t.widths, t.ngram) == (4, 7, 3, (2, 1), 3)
+    assert (t.n_head, t.n, t.D, t.widths, t.ngram) == (4, 7, 3, (2, 1), (3,))
     assert t.parent[5:] == [0, 5, 6] and t.depth[5:] == [1, 2, 3]
     assert t.anc_at[7] == [0, 5, 6, 7] and t.anc_at[3] == [0, 1, 3, 3]
     assert {i for i in range(8) if (t.bits[7] >> i) & 1} == {0, 5, 6, 7}
+    t = TreeShape.parse("2-1+3+2")  # a second n-gram branch after the first
+    assert (t.n, t.D, t.ngram) == (9, 3, (3, 2)) and t.parent[8:] == [0, 8] and t.depth[8:] == [1, 2]
 
 
 def _dense_ref(q, k, v, scale):
@@ -80,7 +82,7 @@ def test_tree_attention_matches_per_path_reference():
     assert (out - causal).abs().max() > 1e-2  # the mask is not the causal one
 
 
-@pytest.mark.parametrize("shape", ["3-2-1-1", "3-2-1+5"])
+@pytest.mark.parametrize("shape", ["3-2-1-1", "3-2-1+5", "3-2-1+5+2"])
 def test_tree_accept_matches_brute_force(shape):
     gen = torch.Generator().manual_seed(1)
     t = TreeShape.parse(shape)

@@ -228,9 +228,13 @@ class SpecLoop:
                 z = fused_slots(dr.head, self.hidden[:bs], last[:, 0], dr.embed)
             nodes = dr.head.draft_tree(self.hidden[:bs], last[:, 0], dr.embed, dr.lm_head, t.widths,
                                        readout=self.t_readout, nodes=True, z=z)
-        if t.ngram:  # the n-gram branch: the lookup's draft (rows without a match repeat their last token)
-            dn, _ = ngram_draft_device(hist, L, t.ngram, *self.ngram)
-            nodes = torch.cat([nodes, dn], 1)
+        if t.ngram:  # the n-gram branches: the lookup's draft (rows without a match repeat their last token) and
+            # the latest match continuing with another first token
+            dn, _ = ngram_draft_device(hist, L, t.ngram[0], *self.ngram)
+            parts = [nodes, dn]
+            if len(t.ngram) > 1:
+                parts.append(ngram_draft_device(hist, L, t.ngram[1], *self.ngram, exclude=dn[:, 0])[0])
+            nodes = torch.cat(parts, 1)
         ids = torch.cat([last, nodes], 1)
         pos = ctx[:, None] + self.t_depth[None, :]  # RoPE by depth
         h, top = self._verify(bs, t.n, ids, pos, ctx, act, tree_mask=self.t_mask[:bs * S])
