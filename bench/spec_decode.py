@@ -89,9 +89,11 @@ def run_once(engine, prompts, params) -> dict:
     for r, p in zip(rids, prompts):
         engine.add_request(r, p, params)
         start[r] = time.perf_counter()
-    out, finish = {}, {}
+    out, finish, first = {}, {}, {}
     while engine.has_unfinished():
         for o in engine.step():
+            if o.request_id not in first and o.output_token_ids:  # time to first token: prefill + entry
+                first[o.request_id] = time.perf_counter()
             if o.finished:
                 finish[o.request_id] = time.perf_counter()
                 out[o.request_id] = list(o.output_token_ids)
@@ -100,9 +102,12 @@ def run_once(engine, prompts, params) -> dict:
     wall = time.perf_counter() - t0
     ntok = {r: len(out[r]) for r in rids}
     per_user = [ntok[r] / (finish[r] - start[r]) for r in rids]
+    ttft = [(first.get(r, finish[r]) - start[r]) * 1e3 for r in rids]
+    # the decode phase alone (what speculation changes): tokens after the first over the time after it
+    dec = [(ntok[r] - 1) / max(finish[r] - first.get(r, start[r]), 1e-9) for r in rids]
     return {"wall_s": wall, "tokens": sum(ntok.values()), "steps": engine.num_steps - steps0,
             "per_user_tok_s": sum(per_user) / len(per_user), "aggregate_tok_s": sum(ntok.values()) / wall,
-            "outputs": [out[r] for r in rids]}
+            "ttft_ms": sum(ttft) / len(ttft), "decode_tok_s": sum(dec) / len(dec), "outputs": [out[r] for r in rids]}
 
 
 def run_each(engine, prompts, params) -> dict:
@@ -114,6 +119,7 @@ def run_each(engine, prompts, params) -> dict:
     tokens = sum(r["tokens"] for r in rs)
     return {"wall_s": wall, "tokens": tokens, "steps": sum(r["steps"] for r in rs),
             "per_user_tok_s": sum(r["per_user_tok_s"] for r in rs) / len(rs), "aggregate_tok_s": tokens / wall,
+            "ttft_ms": sum(r["ttft_ms"] for r in rs) / len(rs), "decode_tok_s": sum(r["decode_tok_s"] for r in rs) / len(rs),
             "outputs": [o for r in rs for o in r["outputs"]]}
 
 
@@ -318,7 +324,9 @@ def report(engine, args, decoders, temp, workload, argv):
             print(f"[{workload}] c={c:3d} {mode:12s} per-user {r['per_user_tok_s']:8.1f} tok/s  aggregate "
                   f"{r['aggregate_tok_s']:8.1f} tok/s  wall {r['wall_s']:6.2f}s  accept "
                   f"{r['acceptance'] if r['acceptance'] is not None else '-'}  mean_len "
-                  f"{r['mean_len'] if r['mean_len'] is not None else '-'}  steps {r['steps']}  same {r['same']}  "
+                  f"{r['mean_len'] if r['mean_len'] is not None else '-'}  steps {r['steps']}  ttft {r['ttft_ms']:.2f} ms  decode-phase per-user "
+                  f"{r['decode_tok_s']:.1f} tok/s  "
+                  f"same {r['same']}  "
                   f"loop K steps {r['loop_k']}",
                   flush=True)
     engine.spec = None
@@ -328,8 +336,9 @@ def report(engine, args, decoders, temp, workload, argv):
     lines = ["| conc | mode | per-user tok/s | aggregate tok/s | per-user vs no-spec | aggregate vs no-spec | "
              "per-user vs k=1 | acceptance rate | mean accepted length (tokens/verify) | wall s (median) | all walls s | "
              "tokens | engine steps | same tokens as no-spec (mean common prefix) | loop steps per K | "
-             "loop device ms per step (bucket x K) | loop host ms/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "loop device ms per step (bucket x K) | loop host ms/step | time to first token ms (mean) | "
+             "decode-phase per-user tok/s (after the first token) | decode-phase vs no-spec |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == "nospec"), None)
         mode, sync = (r["mode"][:-5], "-sync") if r["mode"].endswith("-sync") else (r["mode"], "")
@@ -342,7 +351,8 @@ def report(engine, args, decoders, temp, workload, argv):
                      f"{f(k1 and r['per_user_tok_s'] / k1['per_user_tok_s'])} | {f(r['acceptance'])} | "
                      f"{f(r['mean_len'])} | {r['wall_s']:.2f} | {r['all_wall_s']} | {r['tokens']} | {r['steps']} | "
                      f"{r['same'] or '-'} | {r.get('loop_k') or '-'} | {r.get('loop_ms') or '-'} | "
-                     f"{f(r.get('loop_host'))} |")
+                     f"{f(r.get('loop_host'))} | {r['ttft_ms']:.2f} | {r['decode_tok_s']:.1f} | "
+                     f"{f(base and r['decode_tok_s'] / base['decode_tok_s'])} |")
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -1,4 +1,4 @@
-"""GPU smoke check of spec's Triton kernels against their PyTorch references (rotary, silu*mul, device n-gram),
+"""GPU smoke check of spec's Triton kernels against their PyTorch references (rotary, silu*mul, device n-gram, also with exclude=),
 run by the H200 job before anything relies on them. Prints one line per kernel and exits 1 on a mismatch.
 
   python bench/spec_kernels_gpu_check.py
@@ -41,6 +41,17 @@ def main() -> int:
     same = all(torch.equal(a, b) for a, b in zip(got, ref))
     ok &= same
     print(f"ngram triton == tensor ops: {same}", flush=True)
+    x = ref[0][:, 0]  # exclude= (a draft tree's second n-gram branch): another first token than the first lookup's
+    hist[:8, :50] = 7  # rows whose only 1-gram continuation is the excluded token: no match left
+    length[:8] = 40
+    x[:8] = 7
+    os.environ["KESTREL_NGRAM_TRITON"] = "0"
+    ref = ng.ngram_draft_device(hist, length, 4, return_n=True, exclude=x)
+    os.environ["KESTREL_NGRAM_TRITON"] = "1"
+    got = ng.ngram_draft_device(hist, length, 4, return_n=True, exclude=x)
+    same = all(torch.equal(a, b) for a, b in zip(got, ref)) and not bool(ref[1][:8].any()) and bool(ref[1][8:].all())
+    ok &= same
+    print(f"ngram exclude= triton == tensor ops: {same}", flush=True)
     return 0 if ok else 1
 
 

@@ -1,8 +1,10 @@
 """GPU correctness of the draft-tree pieces (kestrel/spec/tree.py) in the dtypes the loop runs: the paged prefill
 kernel's tree mask vs dense float64 attention over each node's own root-to-node keys, and KVCompactor's
-pointer-table Triton kernel vs the same moves in torch. Prints max errors; exits 1 on a failure.
+pointer-table Triton kernel vs the same moves in torch; with --time-head, the fused tree drafter
+(head_tree_fused.py) vs the PyTorch one against a float32 reference and the tree step's parts timed in CUDA graphs.
+Prints max errors / agreement; exits 1 on a failure.
 
-  python bench/spec_tree_gpu_check.py --tree 4-2-1-1-1-1
+  python bench/spec_tree_gpu_check.py --tree 4-2-1-1-1-1 --time-head head.safetensors
 """
 from __future__ import annotations
 
@@ -95,6 +97,7 @@ def time_parts(head_path: str, trees, V=49152, H=576) -> None:
     from kestrel.spec.draft_head import DraftHead
     from kestrel.spec.head_fused import FusedGreedyDraft
     from kestrel.spec.head_gemm import fused_slots
+    from kestrel.spec.head_tree_fused import FusedTreeDraft
     from kestrel.spec.tree import tree_accept
 
     dev, dt = "cuda", torch.bfloat16
@@ -104,6 +107,7 @@ def time_parts(head_path: str, trees, V=49152, H=576) -> None:
     fused = FusedGreedyDraft(head, embed, embed, sub)
     h = torch.randn(1, H, device=dev, dtype=dt)
     x = torch.tensor([5], device=dev)
+    tfused = FusedTreeDraft(head, embed, embed, sub)
     print(f"fused chain k=6 draft: {_graph_ms(lambda: head.draft_greedy(h, x, embed, embed, 6, False, fused)):.3f} ms")
     print(f"fused backbone (fused_slots): {_graph_ms(lambda: fused_slots(head, h, x, embed)):.3f} ms")
     for tr in trees:
@@ -114,14 +118,56 @@ def time_parts(head_path: str, trees, V=49152, H=576) -> None:
         tok = torch.randint(0, 50, (1, t.n + 1), device=dev)
         top = torch.randint(0, 50, (1, t.n + 1), device=dev)
         ms_a = _graph_ms(lambda: tree_accept(tok, top, t, parent, depth, anc))
-        print(f"tree {tr} ({t.n} nodes): draft levels (PyTorch, backbone given) {ms:.3f} ms, accept {ms_a:.3f} ms")
+        ms_f = _graph_ms(lambda: tfused.tree(head, h, x, embed, t.widths, z=z))
+        ms_fb = _graph_ms(lambda: tfused.tree(head, h, x, embed, t.widths))
+        print(f"tree {tr} ({t.n} nodes): draft levels (backbone given) PyTorch {ms:.3f} ms, fused {ms_f:.3f} ms; "
+              f"fused with its backbone {ms_fb:.3f} ms; accept {ms_a:.3f} ms")
+
+
+@torch.inference_mode()
+def fused_tree_check(head_path: str, trees, V=49152, H=576, dev="cuda", low=torch.bfloat16) -> bool:
+    """The fused tree drafter (head_tree_fused.py) against the PyTorch one in bf16 on the GPU, both scored against
+    a float32 PyTorch reference (the proposals need not match bit for bit, only be as close): the share of nodes
+    equal to the reference's, at batch 1 and 64 (SmolLM2-shaped random embedding, the real head's weights).
+    Fails when the fused drafts are clearly further from the reference than the PyTorch bf16 ones."""
+    from kestrel.spec.draft_head import DraftHead
+    from kestrel.spec.head_tree_fused import FusedTreeDraft
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    ref_head = DraftHead.load(head_path, dev).float()
+    head = DraftHead.load(head_path, dev).to(low)
+    embed32 = (torch.randn(V, H, generator=g) * 0.05).to(dev)
+    embed = embed32.to(low)
+    embed32 = embed.float()  # the same values in both
+    sub32, sub = ref_head.subset_readout(embed32, embed32), head.subset_readout(embed, embed)
+    tf = FusedTreeDraft(head, embed, embed, sub)
+    ok = True
+    for tr in trees:
+        t = TreeShape.parse(tr)
+        for N in (1, 64):
+            hs = torch.randn(N, H, generator=g).to(dev) * 2.0
+            x = torch.randint(0, V, (N,), generator=g).to(dev)
+            ref = ref_head.draft_tree(hs, x, embed32, embed32, t.widths, readout=sub32, nodes=True)
+            pt = head.draft_tree(hs.to(low), x, embed, embed, t.widths, readout=sub, nodes=True)
+            fu = tf.tree(head, hs.to(low), x, embed, t.widths)
+            w0 = t.widths[0]
+            a_pt, a_fu = (pt == ref).float().mean().item(), (fu == ref).float().mean().item()
+            l0_pt, l0_fu = ((pt[:, :w0] == ref[:, :w0]).float().mean().item(),
+                            (fu[:, :w0] == ref[:, :w0]).float().mean().item())
+            good = a_fu >= a_pt - 0.05 and bool(torch.isin(fu, sub[0]).all())
+            ok &= good
+            print(f"fused tree {tr} batch {N}: nodes equal to the fp32 reference: fused {a_fu:.3f}, PyTorch bf16 "
+                  f"{a_pt:.3f} (level 0: {l0_fu:.3f} / {l0_pt:.3f}); fused == PyTorch bf16 "
+                  f"{(fu == pt).float().mean().item():.3f} ({'ok' if good else 'FAIL'})")
+    return ok
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", nargs="+", default=["4-2-1-1-1-1", "2-1-1-1-1-1", "8-2-1-1"])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--time-head", default=None, help="a draft head: also time the tree step's parts (CUDA graphs)")
+    ap.add_argument("--time-head", default=None, help="a draft head: also check the fused tree drafter against the "
+                    "PyTorch one and time the tree step's parts (CUDA graphs)")
     args = ap.parse_args()
     dev = args.device
     ok = True
@@ -133,6 +179,8 @@ def main() -> int:
         c = compact_check(dtype, dev)
         print(f"kv compaction {dtype}: Triton == torch: {c}")
         ok &= c
+    if args.time_head:
+        ok &= fused_tree_check(args.time_head, args.tree)
     print("ALL OK" if ok else "FAILURES")
     if args.time_head:
         time_parts(args.time_head, args.tree)

@@ -47,6 +47,38 @@ def test_device_ngram_matches_host_index():
     assert torch.equal(n2, ngram_draft_device(hist, torch.tensor(lens), k, return_n=True)[2])
 
 
+def test_device_ngram_exclude_matches_brute_force():
+    """exclude= (a draft tree's second n-gram branch): the latest match of the longest n-gram whose continuation
+    starts with another token than the excluded one, in the tensor version and the Triton kernel, vs a plain walk."""
+    from kestrel.spec.ngram_kernel import ngram_draft_triton
+    rng = random.Random(1)
+    B, Lm, k = 48, 64, 5
+    hist = torch.randint(0, 5, (B, Lm))
+    lens = []
+    for b in range(B):
+        L, V = rng.randint(1, 50), rng.choice([2, 3, 5])
+        hist[b, :L] = torch.tensor([rng.randrange(V) for _ in range(L)])
+        lens.append(L)
+    first, _ = ngram_draft_device(hist, torch.tensor(lens), k)
+    x = first[:, 0]
+    want = []
+    for b, L in enumerate(lens):
+        t = hist[b, :L].tolist()
+        got = []
+        for n in range(3, 0, -1):
+            es = [e for e in range(n, L) if L - 1 >= n and t[e - n:e] == t[L - n:L] and t[e] != int(x[b])]
+            if es:
+                e = es[-1]
+                got = [t[e + j % (L - e)] for j in range(k)]
+                break
+        want.append(got)
+    d, has = ngram_draft_device(hist, torch.tensor(lens), k, exclude=x)
+    assert [d[b].tolist() if has[b] else [] for b in range(B)] == want
+    assert 0 < int(has.sum()) < B and all(int(d[b, 0]) != int(x[b]) for b in range(B) if has[b])
+    d2, has2, _ = ngram_draft_triton(hist, torch.tensor(lens), k, exclude=x)
+    assert torch.equal(has2, has) and torch.equal(d2[has], d[has])
+
+
 def test_loop_greedy_identical_to_plain(plain):
     e = _engine("drafter=ngram,k=4,loop=on")
     streamed, final, text = _run(e, PROMPTS, GREEDY)
@@ -228,4 +260,40 @@ def test_loop_tree_identical_to_plain(tmp_path, plain, monkeypatch, schedule):
     # fixed: every loop step is the tree; confidence: measured (twice per batch bucket) and then picked by cost
     assert s["spec_loop_steps"].get(40, 0) > (5 if schedule == "fixed" else 1) and s["spec_num_accepted_tokens"] > 0
     assert sum(moves) > 0  # some accepted path needed its K/V moved
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU)")
+def test_loop_fused_tree_identical_to_plain(tmp_path, plain, monkeypatch):
+    """The tree drafted by the fused kernels (head_tree_fused.py, forced on the CPU by KESTREL_TREE_FUSED=1) with a
+    draft vocabulary and two n-gram branches (tree=4-2-1+3+2: 20 head nodes + 3 + 2, the second from exclude=):
+    greedy token-identical to plain decoding, the fused drafter is what ran, and some accepted paths end in an
+    n-gram branch."""
+    from kestrel.spec import spec_loop
+    from kestrel.spec.draft_head import DraftHead
+    from kestrel.spec.head_tree_fused import FusedTreeDraft
+
+    f = tmp_path / "head.safetensors"
+    torch.manual_seed(0)
+    head = DraftHead(SHAPE["hidden_size"], k=3, recurrent=True)
+    head.vocab = torch.arange(0, SHAPE["vocab_size"], 2)
+    head.save(str(f))
+    monkeypatch.setenv("KESTREL_TREE_FUSED", "1")
+    calls = []
+    tree = FusedTreeDraft.tree
+    monkeypatch.setattr(FusedTreeDraft, "tree", lambda self, *a, **kw: (calls.append(1), tree(self, *a, **kw))[1])
+    ngram_leaves = []
+    accept = spec_loop.tree_accept
+
+    def spy(tokens, top, shape, *a):
+        out = accept(tokens, top, shape, *a)
+        ngram_leaves.append(int((out[3] > shape.n_head).sum()))
+        return out
+    monkeypatch.setattr(spec_loop, "tree_accept", spy)
+    e = _engine(f"drafter=head,head={f},k=3,schedule=fixed,loop=on,tree=4-2-1+3+2", num_kv_blocks=400)
+    streamed, final, _ = _run(e, PROMPTS, GREEDY)
+    assert {r: o.output_token_ids for r, o in final.items()} == plain and streamed == plain
+    s = e.stats()
+    assert s["spec_loop_steps"].get(25, 0) > 5 and len(calls) >= s["spec_loop_steps"][25]
+    assert sum(ngram_leaves) > 0
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]

@@ -4,6 +4,7 @@ a brute-force walk of every path, and the KV compaction of an accepted path. Ker
 import itertools
 import math
 
+import pytest
 import torch
 
 from kestrel.kernels.attention import paged_prefill_attention, store_kvcache
@@ -23,6 +24,14 @@ def test_tree_shape_layout():
         assert {i for i in range(t.n + 1) if (t.bits[j] >> i) & 1} == up
         assert [t.depth[x] for x in t.anc_at[j][:t.depth[j] + 1]] == list(range(t.depth[j] + 1))
     assert TreeShape.parse("4-2-1-1-1-1").n == 44
+    # an n-gram branch: a chain off the root after the head's levels, deeper than them here
+    t = TreeShape.parse("2-1+3")
+    assert (t.n_head, t.n, t.D, t.widths, t.ngram) == (4, 7, 3, (2, 1), (3,))
+    assert t.parent[5:] == [0, 5, 6] and t.depth[5:] == [1, 2, 3]
+    assert t.anc_at[7] == [0, 5, 6, 7] and t.anc_at[3] == [0, 1, 3, 3]
+    assert {i for i in range(8) if (t.bits[7] >> i) & 1} == {0, 5, 6, 7}
+    t = TreeShape.parse("2-1+3+2")  # a second n-gram branch after the first
+    assert (t.n, t.D, t.ngram) == (9, 3, (3, 2)) and t.parent[8:] == [0, 8] and t.depth[8:] == [1, 2]
 
 
 def _dense_ref(q, k, v, scale):
@@ -73,9 +82,10 @@ def test_tree_attention_matches_per_path_reference():
     assert (out - causal).abs().max() > 1e-2  # the mask is not the causal one
 
 
-def test_tree_accept_matches_brute_force():
+@pytest.mark.parametrize("shape", ["3-2-1-1", "3-2-1+5", "3-2-1+5+2"])
+def test_tree_accept_matches_brute_force(shape):
     gen = torch.Generator().manual_seed(1)
-    t = TreeShape((3, 2, 1, 1))
+    t = TreeShape.parse(shape)
     S, B = t.n + 1, 400
     parent, depth, _, anc = t.tensors("cpu")
     tokens = torch.randint(0, 3, (B, S), generator=gen)  # tiny vocab: many matches, duplicate siblings too

@@ -31,8 +31,10 @@ class SpeculativeConfig:
     # run both side by side (bench/spec_decode.py --drafter hybrid hybrid-fused)
     head_fused: int = -1
     # drafter=head inside the loop: also verify a greedy draft tree of these widths per level, e.g. '4-2-1-1-1-1'
-    # (top 4 first tokens, top 2 under each, then chains; kestrel/spec/tree.py); '' = chains only. schedule=fixed
-    # then always runs the tree, confidence picks tree / chain / off per step by cost
+    # (top 4 first tokens, top 2 under each, then chains; kestrel/spec/tree.py); '' = chains only; '+6' after the
+    # widths adds an n-gram branch of 6 off the root ('+6+6': and a second, another first token), e.g.
+    # '4-1-1-1-1-1+6' (session 10: the best at concurrency 1). schedule=fixed then always runs the tree,
+    # confidence picks tree / chain / off per step by cost
     tree: str = ""
 
     def __post_init__(self):

@@ -83,8 +83,9 @@ def _pick_refine_in_kernel(pmax_ptr, pidx_ptr, NB, sub_ptr, tok_ptr, tok_stride,
 
 
 @triton.jit
-def _refine_out_kernel(u_ptr, R, wo_ptr, bo_ptr, z_ptr, z_stride, s_ptr, s_stride, H,
+def _refine_out_kernel(u_ptr, R, wo_ptr, bo_ptr, z_ptr, z_stride, s_ptr, s_stride, H, rep,
                        BH: tl.constexpr, BR: tl.constexpr):
+    # rep: rows per slot-state row (a draft tree's level: its rep branches of one batch row share z; the chain: 1)
     n, hb = tl.program_id(0), tl.program_id(1)
     oh = hb * BH + tl.arange(0, BH)
     mh = oh < H
@@ -96,7 +97,7 @@ def _refine_out_kernel(u_ptr, R, wo_ptr, bo_ptr, z_ptr, z_stride, s_ptr, s_strid
         w = tl.load(wo_ptr + oh[:, None] * R + orr[None, :], mask=mh[:, None] & mr[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * u[None, :], 1)
     acc += tl.load(bo_ptr + oh, mask=mh, other=0.0).to(tl.float32)
-    acc += tl.load(z_ptr + n * z_stride + oh, mask=mh, other=0.0).to(tl.float32)
+    acc += tl.load(z_ptr + (n // rep) * z_stride + oh, mask=mh, other=0.0).to(tl.float32)
     tl.store(s_ptr + n * s_stride + oh, acc.to(s_ptr.dtype.element_ty), mask=mh)
 
 
@@ -157,7 +158,7 @@ class FusedGreedyDraft:
             if refine:
                 zi, si = z[:, i], states[:, i]
                 _refine_out_kernel[(N, triton.cdiv(H, self.BH))](u, R, self.wo, self.bo, zi, zi.stride(0), si,
-                                                                 si.stride(0), H, BH=self.BH, BR=32, num_warps=4)
+                                                                 si.stride(0), H, 1, BH=self.BH, BR=32, num_warps=4)
                 prev = si
                 _readout_kernel[grid_ro](prev, prev.stride(0), self.lm_s, pmax, pidx, N, V, H, NB,
                                          BN=BN, BV=self.BV, BH=self.BH, num_warps=4)

@@ -100,17 +100,19 @@ class NgramDrafter(Drafter):
 
 
 def ngram_draft_device(hist: torch.Tensor, length: torch.Tensor, k: int, n_max: int = 3, n_min: int = 1,
-                       return_n: bool = False):
+                       return_n: bool = False, exclude: torch.Tensor | None = None):
     """NgramIndex.lookup for a batch of histories with tensor ops only (no host sync: runs inside a CUDA graph).
 
     hist [B, Lm] token ids, row b valid below length[b]. For each row: the latest end e (n <= e <= L-1) of an
     earlier occurrence of the row's longest suffix n-gram, n = n_max..n_min, then the continuation
     hist[e + j % (L - e)] (periodic copy, as _continue). Returns drafts [B, k] (rows without a match repeat their
     last token) and has [B] bool (and, return_n, the matched n-gram's length [B], 0 = none).
+    exclude [B]: only matches whose continuation starts with another token count (a second candidate, for a draft
+    tree's second n-gram branch: exclude = the first lookup's first draft).
     On CUDA the same lookup runs as one Triton kernel (ngram_kernel.py)."""
     if hist.is_cuda and os.environ.get("KESTREL_NGRAM_TRITON", "1") != "0":
         from kestrel.spec.ngram_kernel import ngram_draft_triton
-        d, has, n = ngram_draft_triton(hist, length, k, n_max, n_min)
+        d, has, n = ngram_draft_triton(hist, length, k, n_max, n_min, exclude=exclude)
         return (d, has, n) if return_n else (d, has)
     B, Lm = hist.shape
     dev = hist.device
@@ -120,6 +122,8 @@ def ngram_draft_device(hist: torch.Tensor, length: torch.Tensor, k: int, n_max: 
     best_n = torch.zeros(B, dtype=torch.long, device=dev)
     for n in range(n_min, n_max + 1):  # ascending: a longer n-gram's match overrides
         ok = (e >= n) & (e <= L - 1) & (L - 1 >= n)
+        if exclude is not None:  # the continuation's first token, hist[e], must differ
+            ok = ok & (hist != exclude[:, None])
         for i in range(n):
             # token n - i before e (at e - n + i) against the suffix's token at L - n + i
             shifted = torch.nn.functional.pad(hist, (n - i, 0))[:, :Lm]

@@ -15,11 +15,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _ngram_kernel(hist_ptr, len_ptr, d_ptr, has_ptr, n_ptr, stride_h, K, N_MIN: tl.constexpr, N_MAX: tl.constexpr,
-                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+def _ngram_kernel(hist_ptr, len_ptr, d_ptr, has_ptr, n_ptr, excl_ptr, stride_h, K, N_MIN: tl.constexpr,
+                  N_MAX: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EXCL: tl.constexpr):
     b = tl.program_id(0)
     row = hist_ptr + b * stride_h
     L = tl.load(len_ptr + b)
+    if EXCL:
+        x = tl.load(excl_ptr + b)
     offs = tl.arange(0, BLOCK)
     best = tl.full([], -1, tl.int64)
     best_n = tl.full([], 0, tl.int64)
@@ -29,6 +31,8 @@ def _ngram_kernel(hist_ptr, len_ptr, d_ptr, has_ptr, n_ptr, stride_h, K, N_MIN: 
             for e0 in range(0, L, BLOCK):
                 e = e0 + offs
                 ok = (e >= n) & (e <= L - 1)
+                if EXCL:  # the continuation's first token must differ from x
+                    ok = ok & (tl.load(row + e, mask=ok, other=-1) != x)
                 for i in tl.static_range(n):
                     suffix = tl.load(row + L - n + i)
                     tok = tl.load(row + e - n + i, mask=ok, other=-1)
@@ -47,7 +51,8 @@ def _ngram_kernel(hist_ptr, len_ptr, d_ptr, has_ptr, n_ptr, stride_h, K, N_MIN: 
     tl.store(n_ptr + b, best_n)
 
 
-def ngram_draft_triton(hist: torch.Tensor, length: torch.Tensor, k: int, n_max: int = 3, n_min: int = 1):
+def ngram_draft_triton(hist: torch.Tensor, length: torch.Tensor, k: int, n_max: int = 3, n_min: int = 1,
+                       exclude: torch.Tensor | None = None):
     """-> drafts [B, k] (hist's dtype), has [B] bool, matched n [B] (0 = none); see ngram_draft_device."""
     B = hist.shape[0]
     if hist.stride(1) != 1:
@@ -55,6 +60,7 @@ def ngram_draft_triton(hist: torch.Tensor, length: torch.Tensor, k: int, n_max: 
     d = torch.empty(B, k, dtype=hist.dtype, device=hist.device)
     has = torch.empty(B, dtype=torch.bool, device=hist.device)
     n = torch.empty(B, dtype=torch.long, device=hist.device)
-    _ngram_kernel[(B,)](hist, length.to(torch.long).contiguous(), d, has, n, hist.stride(0), k, N_MIN=n_min,
-                        N_MAX=n_max, BLOCK=1024, BLOCK_K=max(2, triton.next_power_of_2(k)))
+    excl = exclude.to(hist.dtype).contiguous() if exclude is not None else n
+    _ngram_kernel[(B,)](hist, length.to(torch.long).contiguous(), d, has, n, excl, hist.stride(0), k, N_MIN=n_min,
+                        N_MAX=n_max, BLOCK=1024, BLOCK_K=max(2, triton.next_power_of_2(k)), EXCL=exclude is not None)
     return d, has, n

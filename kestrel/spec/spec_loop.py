@@ -37,13 +37,15 @@ keyed K = the tree's node count. The head drafts a greedy tree (top widths[i] to
 pass scores all its nodes under a tree attention mask, the deepest node whose whole path the target agrees with is
 accepted and its path's K/V are moved to their sequence positions. Its expected tokens per row is a running mean
 of its own steps (not the chains' s_i); the cost model weighs it like a chain, so at large batches, where its wide
-verify costs real time, the loop falls back to chains or K = 0.
+verify costs real time, the loop falls back to chains or K = 0. A tree with an n-gram branch (tree=4-1-1-1-1-1+6)
+also verifies the n-gram lookup's draft as one more chain off the root (the hybrid chain's copy, without choosing).
 
 The loop runs while the batch is all-greedy decode without logprobs or penalties and nothing waits to be admitted;
 otherwise (and on a new request) it drains and the synchronous step (decoder.py) takes over.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -91,15 +93,25 @@ class SpecLoop:
         self.kind, self.drafter = kind, drafter
         self.ngram, self.hybrid_ngram = ngram, hybrid_ngram
         self.ks = sorted({0, *k_sizes})
-        self.tree, self.kt = tree, None
+        self.tree, self.kt, self.t_fused = tree, None, None
         if tree is not None:
-            if kind != "head" or tree.D > drafter.head.k:
-                raise ValueError(f"tree verification needs the draft head, {tree.D} levels <= its k={drafter.head.k}")
+            if kind != "head" or len(tree.widths) > drafter.head.k:
+                raise ValueError(f"tree verification needs the draft head, {len(tree.widths)} levels <= its "
+                                 f"k={drafter.head.k}")
             self.kt = tree.n
             if self.kt in self.ks:
                 raise ValueError(f"a tree of {tree.n} nodes collides with the chain K={tree.n}")
             self.t_parent, self.t_depth, self.t_bits, self.t_anc = tree.tensors(dev)
             self.t_readout = drafter.head.subset_readout(drafter.embed, drafter.lm_head)
+            # the tree's levels in 3 Triton launches each (head_tree_fused.py) where the chain drafts fused (CUDA,
+            # head_fused on): session 9 R2's PyTorch levels cost 0.29 ms per step at batch 1, the fused chain k=6
+            # 0.10 ms; KESTREL_TREE_FUSED=1 forces it (CPU tests under TRITON_INTERPRET=1), 0 turns it off (A/B)
+            from kestrel.spec.head_fused import FusedGreedyDraft
+            from kestrel.spec.head_tree_fused import FusedTreeDraft
+            env = os.environ.get("KESTREL_TREE_FUSED", "")
+            on = isinstance(getattr(drafter, "readout", None), FusedGreedyDraft) if env == "" else env == "1"
+            self.t_fused = FusedTreeDraft(drafter.head, drafter.embed, drafter.lm_head, self.t_readout) \
+                if on and self.t_readout is not None else None
             self.compact = KVCompactor(self.k_caches, self.v_caches)
         self.cands = self.ks + ([self.kt] if self.kt else [])  # the steps the cost model picks from
         self.schedule, self.k, self.probe_every = schedule, k, probe_every
@@ -207,12 +219,22 @@ class SpecLoop:
         ctx = L - 1
         last = hist.gather(1, ctx[:, None])
         dr = self.drafter
-        z = None
-        if self.dev.type == "cuda" and bs <= 16:  # the backbone in 5 fused launches, not 15 (as the fused chain)
-            from kestrel.spec.head_gemm import fused_slots
-            z = fused_slots(dr.head, self.hidden[:bs], last[:, 0], dr.embed)
-        nodes = dr.head.draft_tree(self.hidden[:bs], last[:, 0], dr.embed, dr.lm_head, t.widths,
-                                   readout=self.t_readout, nodes=True, z=z)
+        if self.t_fused is not None:
+            nodes = self.t_fused.tree(dr.head, self.hidden[:bs], last[:, 0], dr.embed, t.widths)
+        else:
+            z = None
+            if self.dev.type == "cuda" and bs <= 16:  # the backbone in 5 fused launches, not 15 (as the fused chain)
+                from kestrel.spec.head_gemm import fused_slots
+                z = fused_slots(dr.head, self.hidden[:bs], last[:, 0], dr.embed)
+            nodes = dr.head.draft_tree(self.hidden[:bs], last[:, 0], dr.embed, dr.lm_head, t.widths,
+                                       readout=self.t_readout, nodes=True, z=z)
+        if t.ngram:  # the n-gram branches: the lookup's draft (rows without a match repeat their last token) and
+            # the latest match continuing with another first token
+            dn, _ = ngram_draft_device(hist, L, t.ngram[0], *self.ngram)
+            parts = [nodes, dn]
+            if len(t.ngram) > 1:
+                parts.append(ngram_draft_device(hist, L, t.ngram[1], *self.ngram, exclude=dn[:, 0])[0])
+            nodes = torch.cat(parts, 1)
         ids = torch.cat([last, nodes], 1)
         pos = ctx[:, None] + self.t_depth[None, :]  # RoPE by depth
         h, top = self._verify(bs, t.n, ids, pos, ctx, act, tree_mask=self.t_mask[:bs * S])

@@ -8,7 +8,7 @@ batch 1 (launch-bound forward).
 
 Layout (`TreeShape(widths)`): chunk row 0 is the root (the last emitted token, not cached yet), then the nodes level
 by level; level i holds prod(widths[:i+1]) nodes, node c of level i is child c % widths[i] of node c // widths[i] of
-level i-1 (DraftHead.draft_tree(nodes=True) order). Chunk row j is stored at cache position ctx + j and gets RoPE
+level i-1 (DraftHead.draft_tree(nodes=True) order); an optional n-gram branch (a chain off the root) follows. Chunk row j is stored at cache position ctx + j and gets RoPE
 position ctx + depth(j); attention sees the cached context plus its ancestors (the prefill kernel's tree_mask).
 
 Greedy only: a node is valid when its token is the target's argmax after its parent and its parent is valid, so
@@ -24,10 +24,15 @@ import triton.language as tl
 
 
 class TreeShape:
-    def __init__(self, widths):
+    """widths: the head's levels; ngram: the lengths of up to two more branches off the root after them (rows
+    n_head + 1 .. n), filled with the n-gram lookup's draft (prompt lookup: free candidates where the text repeats
+    itself) and, second, the latest match continuing with another first token (ngram_draft_device(exclude=))."""
+
+    def __init__(self, widths, ngram=()):
         self.widths = tuple(int(w) for w in widths)
-        if not self.widths or min(self.widths) < 1:
-            raise ValueError(f"tree widths must be positive, got {widths}")
+        self.ngram = tuple(int(x) for x in ((ngram,) if isinstance(ngram, int) else ngram) if int(x))
+        if not self.widths or min(self.widths) < 1 or min(self.ngram, default=1) < 1 or len(self.ngram) > 2:
+            raise ValueError(f"tree widths must be positive, at most two n-gram branches, got {widths}, {ngram}")
         parent, depth = [-1], [0]  # row 0: the root
         prev = [0]
         for i, w in enumerate(self.widths):
@@ -37,10 +42,15 @@ class TreeShape:
                 parent.append(prev[c // w])
                 depth.append(i + 1)
             prev = level
+        self.n_head = len(parent) - 1
+        for m in self.ngram:
+            for d in range(m):  # an n-gram chain: root -> first -> ...
+                parent.append(0 if d == 0 else len(parent) - 1)
+                depth.append(d + 1)
         self.n = len(parent) - 1  # draft nodes (rows = n + 1)
         if self.n + 1 > 64:
             raise ValueError(f"a tree of {self.n + 1} rows exceeds the 64 of one mask word")
-        self.D = len(self.widths)
+        self.D = max([len(self.widths), *self.ngram])
         self.parent, self.depth = parent, depth
         # ancestor-or-self bits per row, and the ancestor of every row at each depth (the row itself below it)
         bits, anc_at = [], []
@@ -57,8 +67,10 @@ class TreeShape:
 
     @staticmethod
     def parse(text: str) -> "TreeShape":
-        """'4-2-1-1-1-1' -> TreeShape((4, 2, 1, 1, 1, 1))."""
-        return TreeShape([int(x) for x in text.replace("x", "-").split("-") if x])
+        """'4-2-1-1-1-1' -> TreeShape((4, 2, 1, 1, 1, 1)); '4-1-1-1-1-1+6': and an n-gram branch of 6; '...+6+4':
+        and a second one of 4."""
+        head, *ng = text.split("+")
+        return TreeShape([int(x) for x in head.replace("x", "-").split("-") if x], [int(x) for x in ng])
 
     def tensors(self, device):
         """(parent [n+1] (root: 0), depth [n+1], bits [n+1] int64, anc_at [n+1, D+1]) on `device`."""
