@@ -67,19 +67,29 @@ def _pick_refine_in_kernel(pmax_ptr, pidx_ptr, NB, sub_ptr, tok_ptr, tok_stride,
             c_logit = tl.sum(c, 0) + tl.load(cb_ptr).to(tl.float32)
             tl.store(conf_ptr + n * conf_stride + col, 1.0 / (1.0 + tl.exp(-c_logit)))
     if REFINE:
-        orr = rb * BR + tl.arange(0, BR)
-        mr = orr < R
-        acc = tl.load(zw_ptr + n * zw_stride + orr, mask=mr, other=0.0).to(tl.float32)
-        acc += tl.load(p_ptr + j * R + orr, mask=mr, other=0.0).to(tl.float32)
-        if RECURRENT:
-            for h0 in range(0, H, BH):
-                oh = h0 + tl.arange(0, BH)
-                mh = oh < H
-                s = tl.load(sp_ptr + n * sp_stride + oh, mask=mh, other=0.0).to(tl.float32)
-                w = tl.load(w3_ptr + orr[:, None] * H + oh[None, :], mask=mr[:, None] & mh[None, :],
-                            other=0.0).to(tl.float32)
-                acc += tl.sum(w * s[None, :], 1)
-        tl.store(u_ptr + n * R + orr, acc / (1.0 + tl.exp(-acc)), mask=mr)  # silu
+        _refine_in(zw_ptr + n * zw_stride, p_ptr + j * R, w3_ptr, sp_ptr + n * sp_stride, u_ptr + n * R, R, H, rb,
+                   BR, BH, RECURRENT)
+
+
+@triton.jit
+def _refine_in(zw_row, p_row, w3_ptr, sp_row, u_row, R, H, rb, BR: tl.constexpr, BH: tl.constexpr,
+               RECURRENT: tl.constexpr):
+    """Row block rb of the refiner's first layer u = silu(W1 z + b + P[j] + W3 s_prev) for one draft row: zw_row,
+    p_row (P[j]), sp_row (s_prev) and u_row point at that row (the chain's batch row, or a tree node and its
+    parent)."""
+    orr = rb * BR + tl.arange(0, BR)
+    mr = orr < R
+    acc = tl.load(zw_row + orr, mask=mr, other=0.0).to(tl.float32)
+    acc += tl.load(p_row + orr, mask=mr, other=0.0).to(tl.float32)
+    if RECURRENT:
+        for h0 in range(0, H, BH):
+            oh = h0 + tl.arange(0, BH)
+            mh = oh < H
+            s = tl.load(sp_row + oh, mask=mh, other=0.0).to(tl.float32)
+            w = tl.load(w3_ptr + orr[:, None] * H + oh[None, :], mask=mr[:, None] & mh[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * s[None, :], 1)
+    tl.store(u_row + orr, acc / (1.0 + tl.exp(-acc)), mask=mr)  # silu
 
 
 @triton.jit

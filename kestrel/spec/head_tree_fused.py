@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kestrel.spec.head_fused import FusedGreedyDraft, _refine_out_kernel
+from kestrel.spec.head_fused import FusedGreedyDraft, _refine_in, _refine_out_kernel
 from kestrel.spec.head_gemm import fused_slots
 
 
@@ -69,20 +69,9 @@ def _pick_topw_kernel(pval_ptr, pidx_ptr, NC, V, sub_ptr, node_ptr, n_nodes, off
     n = r2 // PN  # the node's batch row
     if rb == 0:
         tl.store(node_ptr + n * n_nodes + off + r2 % PN, tl.load(sub_ptr + j))
-    if REFINE:
-        orr = rb * BR + tl.arange(0, BR)
-        mr = orr < R
-        acc = tl.load(zw_ptr + n * zw_stride + orr, mask=mr, other=0.0).to(tl.float32)
-        acc += tl.load(p_ptr + j * R + orr, mask=mr, other=0.0).to(tl.float32)
-        if RECURRENT:
-            for h0 in range(0, H, BH):
-                oh = h0 + tl.arange(0, BH)
-                mh = oh < H
-                s = tl.load(sp_ptr + par * sp_stride + oh, mask=mh, other=0.0).to(tl.float32)
-                w = tl.load(w3_ptr + orr[:, None] * H + oh[None, :], mask=mr[:, None] & mh[None, :],
-                            other=0.0).to(tl.float32)
-                acc += tl.sum(w * s[None, :], 1)
-        tl.store(u_ptr + r2 * R + orr, acc / (1.0 + tl.exp(-acc)), mask=mr)  # silu
+    if REFINE:  # the node's refiner input: its batch row's slot, its token, its parent's state
+        _refine_in(zw_ptr + n * zw_stride, p_ptr + j * R, w3_ptr, sp_ptr + par * sp_stride, u_ptr + r2 * R, R, H,
+                   rb, BR, BH, RECURRENT)
 
 
 class FusedTreeDraft(FusedGreedyDraft):
