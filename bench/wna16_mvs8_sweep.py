@@ -35,7 +35,7 @@ def variants(layer, m, gpu, fmt, opts=None):
     from kestrel.kernels.configs import TuningConfig
     opts = {"splits": [], "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [],
             "imad": [], "imad_splits": [], "probe": [], "grow": False, "grow2": False, "stages1": False,
-            "tiles": [], "spf": False, **(opts or {})}
+            "tiles": [], "spf": False, "fold_tiles": [], **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
@@ -48,6 +48,10 @@ def variants(layer, m, gpu, fmt, opts=None):
             out.append((f"m{am}cfg {c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k}", c, None))
     if fp4 and opts["fold"]:
         out.append(("dflt-fold" if dflt == base else "mv-fold", base, "fold"))
+    for bn, w in opts["fold_tiles"] if fp4 else []:  # FOLD_E8M0 (+ SCALE_WORDS) on other tiles, default split
+        if (bn, w) != (base.block_n, base.num_warps):
+            out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-fold",
+                        dataclasses.replace(base, block_n=bn, num_warps=w), "fold"))
     if fp4:  # the e2m1 decode's bit moves on the FMA pipe (gemm_wna16_small.E2M1_IMAD), alone and with FOLD
         for j, im in enumerate(opts["imad"]):  # (on the mv tile where the default is another kernel)
             out.append((f"{'dflt' if dflt == base else 'mv'}-{im}", base, im))
@@ -197,6 +201,8 @@ def main():
                     "fmt:layer (its first call JIT-compiles for ~10 s)")
     ap.add_argument("--splits", default="", help="extra split_k values for the default tile, e.g. 3,5,6,12")
     ap.add_argument("--fold", action="store_true", help="also MXFP4 with FOLD_E8M0 (default tile, mvs8)")
+    ap.add_argument("--fold-tiles", default="", help="MXFP4: also FOLD_E8M0 on these BLOCK_N:warps tiles at the "
+                    "default split, e.g. 64:1,128:2,128:4")
     ap.add_argument("--no-mvs8", action="store_true", help="no mvs block_m 8 variants")
     ap.add_argument("--maxnreg", type=int, default=0, help="also the default tile with this register cap")
     ap.add_argument("--alt-m", default="", help="also the tune cache's config for these M (e.g. 1)")
@@ -229,6 +235,7 @@ def main():
             "imad_splits": [int(v) for v in args.imad_splits.split(",") if v],
             "probe": [int(v) for v in args.probe.split(",") if v], "grow": args.grow, "grow2": args.grow2,
             "stages1": args.stages1, "spf": args.spf,
+            "fold_tiles": [tuple(int(u) for u in v.split(":")) for v in args.fold_tiles.split(",") if v],
             "tiles": [tuple(int(u) for u in v.split(":")) for v in args.tiles.split(",") if v]}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")

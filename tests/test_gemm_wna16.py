@@ -218,7 +218,8 @@ def test_mvs_block_m_8(spec, m):
 @pytest.mark.parametrize("mag", [1e-4, 1.0, 300.0])
 def test_mxfp4_scale_fold(fold, dt, mag, monkeypatch):
     # e8m0 scales folded into the decoded weights (mv / mvs, bf16; fp16 keeps the per-group scale) vs not, over
-    # scales from ~2^-20 to ~2^6 (inside the exact range of FOLD_EXP), split-K and a masked two-block step
+    # scales from ~2^-20 to ~2^6 (inside the exact range of FOLD_EXP), split-K and a masked two-block step; the
+    # folded path reads the 4 codes of a block from one word (SCALE_WORDS: fails with a wrong byte)
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "FOLD_E8M0", fold)  # (default off until GPU-measured)
     spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
@@ -226,6 +227,7 @@ def test_mxfp4_scale_fold(fold, dt, mag, monkeypatch):
     fmt = {"IS_INT": False, "SCALE_KIND": 1, "PER_CHANNEL": False, "EXP_BITS": 2, "MAN_BITS": 1, "GROUP_SIZE": 32,
            "R": 16}
     assert sm.fold_e8m0(fmt, dt) == (fold and dt == torch.bfloat16)
+    assert sm.scale_words({**fmt, "EPW": 8}, sm.fold_e8m0(fmt, dt)) == (fold and dt == torch.bfloat16)  # e8m0_words
     _check(qw, 3, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2), dtype=dt)
     _check(qw, 7, ComputeConfig("mvs", 8, 16, 0, split_k=3, num_warps=1, num_stages=3), dtype=dt)
     _check(qw, 2, ComputeConfig("mv", 16, 16, 0, split_k=1, num_warps=1, num_stages=1), dtype=dt)

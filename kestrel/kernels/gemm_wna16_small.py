@@ -141,6 +141,13 @@ GROUP_ROWS_PARTIAL = True
 # R2), MXFP4 best tile with it vs the default: M = 16 1.04-1.19x, M = 8 1.05-1.17x on the 8 Llama shapes (winners
 # merged into the tune cache's M = 8 / 16 buckets).
 SCALE_PREFETCH = True
+# With FOLD_E8M0 (mv / mvs), e8m0 scales with 4 groups per planar block (MXFP4): the kernel reads e8m0_words(qw)
+# (the block's 4 codes of a column in one int32) instead of the scale rows. On the per-row uint8 loads Triton puts
+# a shared-memory layout conversion (2 CTA barriers) per group between the coalesced load and the MMA operand
+# layout of the multiplier; the int32 word load is pipelined with the word tile and read from shared memory in
+# that layout directly (offline sm_90 SASS, bench/wna16_mv_sass.py, MXFP4 bn128 w2 M-tile 16: 8 -> 2 barriers,
+# 204 -> 160 registers, 1216 -> 964 instructions per loop; SCALE_PREFETCH's default 1047 / 183 / 8).
+SCALE_WORDS = True
 
 
 @triton.jit
@@ -239,13 +246,15 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr, MASK_B: tl.constexpr,
               PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False,
               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0, row_g=None,
-              PRE_G: tl.constexpr = False):
+              PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
     s_pre its group-scale row when PRE_S, or with PRE_G its 4 e8m0 group codes packed (_scale_word), both
     prefetched by the caller. FOLD (e2m1 + e8m0, bf16): the group scale is
     folded into the decoded weights (times 2^-FOLD_EXP, exact), so every field's MMA chains straight into acc
     (the caller multiplies acc by 2^FOLD_EXP at the end); a block past the split's end has zero words (masked
-    load), so it adds exact zeros."""
+    load), so it adds exact zeros. With SCALE_WORDS (FOLD, 4 groups per block) s_ptr is e8m0_words(qw): one int32
+    load per column per block, which Triton pipelines (cp.async, with the word tile) and reads from shared memory
+    straight into the MMA operand layout the multiplier is used in: no layout conversion, no extra CTA barrier."""
     PB: tl.constexpr = R * EPW
     # fields per quantization group run: all of a block when one group covers it
     FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
@@ -261,7 +270,12 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
         # tile, not the decoded values, through shared memory)
         if FOLD and i % FPG == 0:  # this group's e8m0 codes -> the folded multiplier (see FOLD_EXP)
             g = (b * PB + i * R) // GROUP_SIZE
-            e = tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.int32)
+            if SCALE_WORDS:  # byte (group in block) of the block's word
+                if i == 0:
+                    sw = tl.load(s_ptr + b * N + offs_n, mask=nb_mask, other=0)
+                e = (sw >> (8 * ((i * R) // GROUP_SIZE))) & 0xFF
+            else:
+                e = tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.int32)
             if ASM:
                 mb = tl.minimum(tl.maximum(e + (126 - FOLD_EXP), 1), 254) << 7  # bf16 bits of 2^(e-1-FOLD_EXP)
                 mulq = tl.broadcast_to((mb | (mb << 16))[None, :], q.shape)
@@ -392,7 +406,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
                RED_STEP: tl.constexpr, FOLD: tl.constexpr = False,
                IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0,
-               PRE_G: tl.constexpr = False):
+               PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -456,7 +470,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
-                            IMAD, PROBE, GROW, row_g)
+                            IMAD, PROBE, GROW, row_g, SCALE_WORDS=SCALE_WORDS)
     else:
         if PRE_G:  # (KB = 1, e8m0, 4 groups per block: SCALE_PREFETCH) block b0's scale codes
             s_nx = _scale_word(s_ptr, b0, N, offs_n, n_mask & ((offs_n * 0 + b0) < b1))
@@ -476,7 +490,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                 acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask,
                                 nb_mask, K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET,
                                 HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM,
-                                KB > 1, False, R, FOLD, IMAD, PROBE, GROW, row_g, PRE_G)
+                                KB > 1, False, R, FOLD, IMAD, PROBE, GROW, row_g, PRE_G,
+                                SCALE_WORDS=SCALE_WORDS)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
@@ -656,6 +671,23 @@ def prefetch_scales(fmt: dict, cfg, kb: int, grow: int = 0) -> bool:
             and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"] and kb == 1 and cfg.num_stages > 1 and grow < 4)
 
 
+def e8m0_words(qw) -> torch.Tensor:
+    """int32 [G / 4, N]: byte j of word (b, n) = e8m0 code of group 4b + j, column n (SCALE_WORDS). Built once
+    per weight and kept on it (the first call should be outside CUDA-graph capture, as the engine's warm-up is)."""
+    w = getattr(qw, "_e8m0_words", None)
+    if w is None or w.device != qw.scales.device:
+        g, n = qw.scales.shape
+        w = qw.scales.view(g // 4, 4, n).transpose(1, 2).contiguous().view(torch.int32).view(g // 4, n)
+        qw._e8m0_words = w
+    return w
+
+
+def scale_words(fmt: dict, fold: bool) -> bool:
+    """FOLD reads e8m0_words (SCALE_WORDS): e8m0 scales, 4 groups per planar block."""
+    return (SCALE_WORDS and fold and fmt["SCALE_KIND"] == 1 and not fmt["PER_CHANNEL"]
+            and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"])
+
+
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     """x2 [M, K] contiguous (act-order already applied) -> y [M, N] in x2's dtype, kernel cfg.kernel in
     ("gemv", "mv", "mvs": mv with W as the MMA A operand). `fmt` is gemm_wna16's format constexpr dict."""
@@ -688,12 +720,15 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                            split, KB=kb, **common)
     else:
         common["PDL"] = (2 if PDL_LATE else 1) if pdl else 0
-        _mv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
+        fold = fold_e8m0(fmt, x2.dtype) and not grow
+        sw = scale_words(fmt, fold)
+        _mv_kernel[grid](x2, qw.qweight, e8m0_words(qw) if sw else qw.scales, z, gsc, y, ws, cnt, m, n, k,
+                         x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
-                         RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype) and not grow, GROW=grow,
-                         PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not (fold_e8m0(fmt, x2.dtype) and not grow),
+                         RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw,
+                         PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold,
                          IMAD=E2M1_IMAD if is_e2m1 and x2.dtype == torch.bfloat16 else 0,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
