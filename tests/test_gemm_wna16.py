@@ -333,3 +333,20 @@ def test_mv_scale_prefetch(m, monkeypatch):
     assert sm.prefetch_scales(fmt, cfg, 1, 2) and not sm.prefetch_scales(fmt, cfg, 1, 4)  # off with all 4 groups
     _check(qw, m, cfg, seed=m)
     _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=3), seed=m + 1)
+
+
+@pytest.mark.parametrize("m", [1, 4, 7, 8, 16])
+def test_mv_scale_words_group_rows(m, monkeypatch):
+    # SCALE_WORDS_GROW: the GROUP_ROWS passes (all 4 groups on the rows at M <= 4, 2 per pass at M = 5..8) read the
+    # block's 4 e8m0 codes from one int32 of e8m0_words; M = 16 (no GROUP_ROWS) keeps the scale rows. Split-K, one-
+    # stage register prefetch, N not a tile multiple, K padded; fails with a wrong byte
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "SCALE_WORDS_GROW", True)
+    monkeypatch.setattr(sm, "GROUP_ROWS", True)
+    monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", True)
+    spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
+    qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(23)), spec)
+    fmt = {"R": 16, "EPW": 8, "GROUP_SIZE": 32, "PER_CHANNEL": False, "SCALE_KIND": 1}
+    assert sm.scale_words(fmt, False, 2) and sm.scale_words(fmt, False, 4) and not sm.scale_words(fmt, False, 0)
+    _check(qw, m, ComputeConfig("mv", 16, 32, 0, split_k=2, num_warps=4, num_stages=2), seed=m)
+    _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=1), seed=m + 1)

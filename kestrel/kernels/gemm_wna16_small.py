@@ -148,6 +148,10 @@ SCALE_PREFETCH = True
 # that layout directly (offline sm_90 SASS, bench/wna16_mv_sass.py, MXFP4 bn128 w2 M-tile 16: 8 -> 2 barriers,
 # 204 -> 160 registers, 1216 -> 964 instructions per loop; SCALE_PREFETCH's default 1047 / 183 / 8).
 SCALE_WORDS = True
+# The same word load for the GROUP_ROWS passes (mv, M <= 8; A/B switch until GPU-timed): offline sm_90 SASS
+# (MXFP4, M-tile 16) bn64 w1 all 4 groups on the rows 979 -> 926 instructions per loop (156 -> 197 registers),
+# 2 groups per pass 1029 -> 1001 (217 -> 212).
+SCALE_WORDS_GROW = False
 
 
 @triton.jit
@@ -252,9 +256,10 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
     prefetched by the caller. FOLD (e2m1 + e8m0, bf16): the group scale is
     folded into the decoded weights (times 2^-FOLD_EXP, exact), so every field's MMA chains straight into acc
     (the caller multiplies acc by 2^FOLD_EXP at the end); a block past the split's end has zero words (masked
-    load), so it adds exact zeros. With SCALE_WORDS (FOLD, 4 groups per block) s_ptr is e8m0_words(qw): one int32
-    load per column per block, which Triton pipelines (cp.async, with the word tile) and reads from shared memory
-    straight into the MMA operand layout the multiplier is used in: no layout conversion, no extra CTA barrier."""
+    load), so it adds exact zeros. With SCALE_WORDS (FOLD or GROW, 4 groups per block) s_ptr is e8m0_words(qw): one
+    int32 load per column per block, which Triton pipelines (cp.async, with the word tile) and reads from shared
+    memory straight into the layout it is used in (the multiplier's MMA operand layout, or the accumulator's): no
+    layout conversion, no extra CTA barrier."""
     PB: tl.constexpr = R * EPW
     # fields per quantization group run: all of a block when one group covers it
     FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
@@ -265,14 +270,16 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
     # a block past this split's end (MASK_B) reads an in-range x block and is weighted 0
     bc = tl.minimum(b, n_blocks - 1)
     okf = (b < b1).to(tl.float32)
+    if SCALE_WORDS:  # the block's 4 e8m0 codes per column (e8m0_words), pipelined by Triton with the word tile
+        sw = tl.load(s_ptr + b * N + offs_n, mask=nb_mask, other=0)
+        if not FOLD:
+            s_pre = sw
     for i in tl.static_range(EPW):
         # field i of the tile: k = b*PB + i*R + r, decoded where the MMA operand lives (Triton moves the word
         # tile, not the decoded values, through shared memory)
         if FOLD and i % FPG == 0:  # this group's e8m0 codes -> the folded multiplier (see FOLD_EXP)
             g = (b * PB + i * R) // GROUP_SIZE
             if SCALE_WORDS:  # byte (group in block) of the block's word
-                if i == 0:
-                    sw = tl.load(s_ptr + b * N + offs_n, mask=nb_mask, other=0)
                 e = (sw >> (8 * ((i * R) // GROUP_SIZE))) & 0xFF
             else:
                 e = tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.int32)
@@ -343,7 +350,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 if MASK_B:
                     d = d * okf
                 g0 = (b * PB + (i + 1 - FPP) * R) // GROUP_SIZE  # the pass's first group
-                if PRE_G:  # code of row r's group: byte (pass's first group in the block + r % GROW)
+                if PRE_G or SCALE_WORDS:  # code of row r's group: byte (pass's first group in the block + r % GROW)
                     sg = (s_pre[None, :] >> (8 * (((i + 1 - FPP) * R) // GROUP_SIZE + row_g))[:, None]) & 0xFF
                 else:
                     sg = tl.load(s_ptr + (g0 + row_g)[:, None] * N + offs_n[None, :],
@@ -385,7 +392,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
             else:
                 if PRE_S:
                     s = decode_scale(s_pre, SCALE_KIND)
-                elif PRE_G:
+                elif PRE_G or SCALE_WORDS:
                     s = decode_scale((s_pre >> (8 * (((i + 1 - FPG) * R) // GROUP_SIZE))) & 0xFF, SCALE_KIND)
                 else:
                     s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0), SCALE_KIND)
@@ -682,10 +689,11 @@ def e8m0_words(qw) -> torch.Tensor:
     return w
 
 
-def scale_words(fmt: dict, fold: bool) -> bool:
-    """FOLD reads e8m0_words (SCALE_WORDS): e8m0 scales, 4 groups per planar block."""
-    return (SCALE_WORDS and fold and fmt["SCALE_KIND"] == 1 and not fmt["PER_CHANNEL"]
-            and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"])
+def scale_words(fmt: dict, fold: bool, grow: int = 0) -> bool:
+    """The kernel reads e8m0_words: e8m0 scales, 4 groups per planar block, with FOLD (SCALE_WORDS) or on the
+    GROUP_ROWS passes (grow > 0, SCALE_WORDS_GROW)."""
+    return ((SCALE_WORDS and fold or SCALE_WORDS_GROW and grow > 0) and fmt["SCALE_KIND"] == 1
+            and not fmt["PER_CHANNEL"] and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"])
 
 
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
@@ -721,14 +729,14 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     else:
         common["PDL"] = (2 if PDL_LATE else 1) if pdl else 0
         fold = fold_e8m0(fmt, x2.dtype) and not grow
-        sw = scale_words(fmt, fold)
+        sw = scale_words(fmt, fold, grow)
         _mv_kernel[grid](x2, qw.qweight, e8m0_words(qw) if sw else qw.scales, z, gsc, y, ws, cnt, m, n, k,
                          x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
                          RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw,
-                         PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold,
+                         PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold and not sw,
                          IMAD=E2M1_IMAD if is_e2m1 and x2.dtype == torch.bfloat16 else 0,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
