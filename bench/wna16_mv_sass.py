@@ -5,6 +5,7 @@ the instruction count of its loop is the number to push down before spending GPU
 
   python bench/wna16_mv_sass.py                     # int4 + mxfp4, the usual tiles
   python bench/wna16_mv_sass.py --dump mxfp4 64 1   # also print the loop SASS of one (format, BLOCK_N, warps)
+  python bench/wna16_mv_sass.py --scale-paths       # MXFP4: the e8m0 scale paths (barriers, registers, instrs)
 """
 from __future__ import annotations
 
@@ -56,7 +57,21 @@ def analyse(fmt, block_n, warps, stages, **extra):
                 mix=dict(mix.most_common(12)), sass=loop)
 
 
+def scale_paths():
+    """MXFP4 bn128 w2 (M-tile 16): how the e8m0 scales reach the loop (CTA barriers, registers, instructions)."""
+    for name, extra in (("SCALE_PREFETCH (M 5..16 default)", dict(PRE_G=True)),
+                        ("FOLD + SCALE_WORDS", dict(FOLD=True, SCALE_WORDS=True)),
+                        ("GROUP_ROWS 4 groups (M <= 4 default)", dict(GROW=4)),
+                        ("GROUP_ROWS 4 groups + SCALE_WORDS", dict(GROW=4, SCALE_WORDS=True))):
+        a = analyse("mxfp4", 128, 2, 3, **{"GROW": 0, "IMAD": 0, "PROBE": 0, **extra})
+        print(f"{name}: regs {a['regs']} spill {a['stack']} B, loop {a['loop']} instrs ({a['per_elem']:.2f} / W elem), "
+              f"BAR.SYNC {sum('BAR.SYNC' in t for t in a['sass'])}", flush=True)
+
+
 def main():
+    if "--scale-paths" in sys.argv:
+        print(f"triton {triton.__version__}, sm_90")
+        return scale_paths()
     tiles = [("int4", 128, 2, 3, {}), ("int4", 64, 1, 3, {})] + [
         ("mxfp4", bn, w, 3, fold) for bn, w in ((64, 1), (128, 2), (128, 4))
         for fold in ({}, {"FOLD": True}, {"FOLD": True, "SCALE_WORDS": True})]
