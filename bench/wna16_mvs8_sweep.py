@@ -35,7 +35,7 @@ def variants(layer, m, gpu, fmt, opts=None):
     from kestrel.kernels.configs import TuningConfig
     opts = {"splits": [], "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [],
             "imad": [], "imad_splits": [], "probe": [], "grow": False, "grow2": False, "stages1": False,
-            "tiles": [], "spf": False, "fold_tiles": [], "growsw": [], **(opts or {})}
+            "tiles": [], "spf": False, "fold_tiles": [], "growsw": [], "nofold": False, **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
@@ -48,6 +48,8 @@ def variants(layer, m, gpu, fmt, opts=None):
             out.append((f"m{am}cfg {c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k}", c, None))
     if fp4 and opts["fold"]:
         out.append(("dflt-fold" if dflt == base else "mv-fold", base, "fold"))
+    if fp4 and opts["nofold"]:  # the defaults without FOLD (session 9's), same tile
+        out.append(("dflt-nofold" if dflt == base else "mv-nofold", base, "nofold"))
     for bn, w in opts["fold_tiles"] if fp4 else []:  # FOLD_E8M0 (+ SCALE_WORDS) on other tiles, default split
         if (bn, w) != (base.block_n, base.num_warps):
             out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-fold",
@@ -121,20 +123,26 @@ def variants(layer, m, gpu, fmt, opts=None):
     return [(t, c, f) for t, c, f in out if c.valid_for(layer)]
 
 
-def set_mode(sm, mode, fold0, grow0, imad0=0):
+def set_mode(sm, mode, fold0, grow0):
     """Module switches of gemm_wna16_small for one variant's mode (see variants): None = the defaults; "fold" =
-    FOLD_E8M0; "grow" / "nogrow" = GROUP_ROWS on / off; "grow2" = GROUP_ROWS + GROUP_ROWS_PARTIAL; "spf" = the defaults + SCALE_PREFETCH; "imadN[-fold]" = E2M1_IMAD N (with FOLD_E8M0);
-    "probeN" = PROBE N (timing only)."""
-    sm.E2M1_IMAD, sm.PROBE, sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL = imad0, 0, False, False, False
+    FOLD_E8M0 (E2M1_IMAD as the default); "nofold" = the defaults without FOLD_E8M0 (session 9's: GROUP_ROWS
+    (+ PARTIAL), SCALE_PREFETCH); "grow" / "nogrow" = GROUP_ROWS on / off; "grow2" = GROUP_ROWS +
+    GROUP_ROWS_PARTIAL; "spf" = the defaults without FOLD + SCALE_PREFETCH; "imadN[-fold]" = E2M1_IMAD N (with FOLD_E8M0; it
+    acts with FOLD only); "probeN" = PROBE N (timing only). grow0 = the module's (GROUP_ROWS, GROUP_ROWS_PARTIAL,
+    SCALE_PREFETCH, SCALE_WORDS_GROW, E2M1_IMAD) defaults."""
+    sm.E2M1_IMAD, sm.PROBE, sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL = grow0[4], 0, False, False, False
     sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW = False, False
     if mode is None:
         sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], grow0[2]
         sm.SCALE_WORDS_GROW = grow0[3]
-    elif mode == "growsw":  # the module defaults + GROUP_ROWS (+ PARTIAL) reading e8m0_words
-        sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, True, True, grow0[2]
+    elif mode == "nofold":
+        sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = grow0[0], grow0[1], grow0[2]
+        sm.SCALE_WORDS_GROW = grow0[3]
+    elif mode == "growsw":  # the module defaults without FOLD + GROUP_ROWS (+ PARTIAL) reading e8m0_words
+        sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = True, True, grow0[2]
         sm.SCALE_WORDS_GROW = True
-    elif mode == "spf":  # the module defaults + SCALE_PREFETCH
-        sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], True
+    elif mode == "spf":  # the module defaults without FOLD + SCALE_PREFETCH
+        sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = grow0[0], grow0[1], True
     elif mode == "fold":
         sm.FOLD_E8M0 = True
     elif mode == "grow":
@@ -182,7 +190,7 @@ def _warm(items):
     from kestrel.kernels.tuning import FORMATS
     from kestrel.quant import quantize
     t0, errs, fold0, qws = time.time(), [], sm.FOLD_E8M0, {}
-    grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW)
+    grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW, sm.E2M1_IMAD)
     for fmt, n, k, m, cfg, fold in items:
         # a small stand-in weight: N, K are runtime values (multiples of 16 / 128 like every Llama shape), so the
         # kernels are the same; full-size weights in 12 workers ran the H200 out of memory (session 4 round 2)
@@ -215,6 +223,7 @@ def main():
                     "default split, e.g. 64:1,128:2,128:4")
     ap.add_argument("--growsw", default="", help="MXFP4, M <= 8: also GROUP_ROWS reading e8m0_words "
                     "(SCALE_WORDS_GROW) on the default tile and these BLOCK_N:warps tiles, e.g. 64:1,128:2")
+    ap.add_argument("--nofold", action="store_true", help="MXFP4: also the default tile without FOLD_E8M0")
     ap.add_argument("--no-mvs8", action="store_true", help="no mvs block_m 8 variants")
     ap.add_argument("--maxnreg", type=int, default=0, help="also the default tile with this register cap")
     ap.add_argument("--alt-m", default="", help="also the tune cache's config for these M (e.g. 1)")
@@ -239,7 +248,8 @@ def main():
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
     gpu = torch.cuda.get_device_name()
-    fold0, grow0 = sm.FOLD_E8M0, (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW)
+    fold0 = sm.FOLD_E8M0
+    grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW, sm.E2M1_IMAD)
     opts = {"splits": [int(v) for v in args.splits.split(",") if v], "fold": args.fold,
             "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg,
             "alt_m": [int(v) for v in args.alt_m.split(",") if v],
@@ -249,6 +259,7 @@ def main():
             "stages1": args.stages1, "spf": args.spf,
             "fold_tiles": [tuple(int(u) for u in v.split(":")) for v in args.fold_tiles.split(",") if v],
             "growsw": [tuple(int(u) for u in v.split(":")) for v in args.growsw.split(",") if v],
+            "nofold": args.nofold,
             "tiles": [tuple(int(u) for u in v.split(":")) for v in args.tiles.split(",") if v]}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")

@@ -285,6 +285,7 @@ def test_mv_group_rows(spec, monkeypatch):
     # past the limit (and int formats) take the usual path
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "GROUP_ROWS", True)
+    monkeypatch.setattr(sm, "FOLD_E8M0", False)  # (FOLD takes precedence over GROUP_ROWS for bf16 MXFP4)
     monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", False)
     qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(17)), spec)
     g = 128 // spec.group_size
@@ -305,6 +306,7 @@ def test_mv_group_rows_partial(spec, monkeypatch):
     # with split-K, one-stage register prefetch, N not a tile multiple, K padded; M = 9..16 the usual path
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "GROUP_ROWS", True)
+    monkeypatch.setattr(sm, "FOLD_E8M0", False)  # (FOLD takes precedence over GROUP_ROWS for bf16 MXFP4)
     monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", True)
     qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(19)), spec)
     g = 128 // spec.group_size
@@ -324,6 +326,7 @@ def test_mv_scale_prefetch(m, monkeypatch):
     # and on mvs), split-K, N not a tile multiple, K padded
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "SCALE_PREFETCH", True)
+    monkeypatch.setattr(sm, "FOLD_E8M0", False)  # (SCALE_PREFETCH is the path without FOLD)
     monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", True)
     spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
     qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(21)), spec)
@@ -343,6 +346,7 @@ def test_mv_scale_words_group_rows(m, monkeypatch):
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "SCALE_WORDS_GROW", True)
     monkeypatch.setattr(sm, "GROUP_ROWS", True)
+    monkeypatch.setattr(sm, "FOLD_E8M0", False)  # (FOLD takes precedence over GROUP_ROWS for bf16 MXFP4)
     monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", True)
     spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
     qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(23)), spec)

@@ -106,12 +106,17 @@ _ASM_FP4_ODD_F16 = _asm_fp4_field(True, True)
 # 2^FOLD_EXP goes back on the fp32 accumulator once. FOLD_EXP = 16: scales 2^-109 .. 2^17 exact, and the folded
 # weights (>= 0.5 * 2^(e-143)) stay bf16-normal for e >= 18. Real MXFP4 scales are ~2^-20 .. 2^2.
 FOLD_EXP = tl.constexpr(16)
-# A/B switch (bench/wna16_mvs8_sweep.py); off until measured on the GPU: on this Triton's ptxas (offline sm_90
-# SASS, bench/wna16_mv_sass.py) the fold saves the per-group scale FMAs but adds register moves (4-12 % more
-# loop instructions). False = the group scale is applied on each group's fp32 MMA partial.
-FOLD_E8M0 = False
-# bf16 e2m1 decode through _asm_fp4_imad: 0 off, 1 even fields, 2 all fields (A/B switch until GPU-timed)
-E2M1_IMAD = 0
+# On by measurement with SCALE_WORDS (mv / mvs, MXFP4, bf16 activations; it takes precedence over GROUP_ROWS):
+# H200 2026-12-04 (bench/results/gemm_wna16_smallm.md, session 10 R1), same process, default tile, FOLD + SCALE_WORDS
+# + E2M1_IMAD 1 vs the session 9 defaults (SCALE_PREFETCH at M > 4, GROUP_ROWS at M <= 8) on the 8 Llama shapes:
+# M = 16 1.08-1.24x, M = 8 1.04-1.13x, M = 4 0.99-1.09x, M = 1 0.97-1.07x (mv defaults). Without SCALE_WORDS
+# (session 9) it lost: 0.70-0.95x. False = the group scale is applied on each group's fp32 MMA partial.
+FOLD_E8M0 = True
+# bf16 e2m1 decode through _asm_fp4_imad with FOLD: 0 off, 1 even fields, 2 all fields. 1 by measurement (session
+# 10 R1, FOLD + SCALE_WORDS on the default tile, imad1 vs not): 1.02-1.07x at M = 16 on the 8 Llama shapes
+# (964 -> 899 instructions per loop, bn128 w2). Without FOLD it is not used (GROUP_ROWS / SCALE_PREFETCH paths
+# were timed without it only).
+E2M1_IMAD = 1
 # Cost probe, timing only (results are WRONG on purpose; bench/wna16_mvs8_sweep.py --probe): which part of the
 # MXFP4 mv loop the GPU time goes to. Bit flags on the e2m1 (ASM, no FOLD) path: 1 = no group scale (no scale
 # load / decode / accumulator FMA: acc += d), 2 = the e2m1 fields decoded as int4 nibbles (_nibble_pairs: PRMT +
@@ -712,7 +717,8 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     if cfg.kernel == "gemv":
         grid = (triton.cdiv(n, cfg.block_n), m, split)
     else:
-        grow = group_rows(fmt, cfg, m) if cfg.kernel == "mv" else 0
+        # FOLD (all of a block's groups in one MMA chain, no per-group accumulator work) before GROUP_ROWS
+        grow = group_rows(fmt, cfg, m) if cfg.kernel == "mv" and not fold_e8m0(fmt, x2.dtype) else 0
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m // max(grow, 1)), split)
     if split > 1:
         if grid[0] * grid[1] > _CNT_SLOTS:
@@ -737,7 +743,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
                          RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw,
                          PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold and not sw,
-                         IMAD=E2M1_IMAD if is_e2m1 and x2.dtype == torch.bfloat16 else 0,
+                         IMAD=E2M1_IMAD if is_e2m1 and fold else 0,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
     return y
