@@ -35,7 +35,7 @@ def variants(layer, m, gpu, fmt, opts=None):
     from kestrel.kernels.configs import TuningConfig
     opts = {"splits": [], "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [],
             "imad": [], "imad_splits": [], "probe": [], "grow": False, "grow2": False, "stages1": False,
-            "tiles": [], "spf": False, "fold_tiles": [], "growsw": [], "nofold": False, **(opts or {})}
+            "tiles": [], "spf": False, "fold_tiles": [], "growsw": [], "nofold": False, "stages": [], **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
@@ -94,6 +94,10 @@ def variants(layer, m, gpu, fmt, opts=None):
     if opts["stages1"] and base.num_stages != 1:  # register prefetch: x through ld.global (L1) not cp.async (L2)
         c = dataclasses.replace(base, num_stages=1)
         out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k} s1", c, None))
+    for st in opts["stages"]:  # other cp.async pipeline depths on the default tile (more bytes in flight)
+        if st != base.num_stages:
+            c = dataclasses.replace(base, num_stages=st)
+            out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k} s{st}", c, None))
     for bn, w in opts["tiles"]:  # other tiles at the default split (module defaults)
         if (bn, w) != (base.block_n, base.num_warps):
             c = dataclasses.replace(base, block_n=bn, num_warps=w)
@@ -223,6 +227,7 @@ def main():
                     "default split, e.g. 64:1,128:2,128:4")
     ap.add_argument("--growsw", default="", help="MXFP4, M <= 8: also GROUP_ROWS reading e8m0_words "
                     "(SCALE_WORDS_GROW) on the default tile and these BLOCK_N:warps tiles, e.g. 64:1,128:2")
+    ap.add_argument("--stages", default="", help="also the default tile with these num_stages, e.g. 4,5")
     ap.add_argument("--nofold", action="store_true", help="MXFP4: also the default tile without FOLD_E8M0")
     ap.add_argument("--no-mvs8", action="store_true", help="no mvs block_m 8 variants")
     ap.add_argument("--maxnreg", type=int, default=0, help="also the default tile with this register cap")
@@ -259,7 +264,7 @@ def main():
             "stages1": args.stages1, "spf": args.spf,
             "fold_tiles": [tuple(int(u) for u in v.split(":")) for v in args.fold_tiles.split(",") if v],
             "growsw": [tuple(int(u) for u in v.split(":")) for v in args.growsw.split(",") if v],
-            "nofold": args.nofold,
+            "nofold": args.nofold, "stages": [int(v) for v in args.stages.split(",") if v],
             "tiles": [tuple(int(u) for u in v.split(":")) for v in args.tiles.split(",") if v]}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")

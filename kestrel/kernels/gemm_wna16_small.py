@@ -112,11 +112,12 @@ FOLD_EXP = tl.constexpr(16)
 # M = 16 1.08-1.24x, M = 8 1.04-1.13x, M = 4 0.99-1.09x, M = 1 0.97-1.07x (mv defaults). Without SCALE_WORDS
 # (session 9) it lost: 0.70-0.95x. False = the group scale is applied on each group's fp32 MMA partial.
 FOLD_E8M0 = True
-# bf16 e2m1 decode through _asm_fp4_imad with FOLD: 0 off, 1 even fields, 2 all fields. 1 by measurement (session
-# 10 R1, FOLD + SCALE_WORDS on the default tile, imad1 vs not): 1.02-1.07x at M = 16 on the 8 Llama shapes
-# (964 -> 899 instructions per loop, bn128 w2). Without FOLD it is not used (GROUP_ROWS / SCALE_PREFETCH paths
-# were timed without it only).
-E2M1_IMAD = 1
+# bf16 e2m1 decode through _asm_fp4_imad with FOLD: 0 off, 1 even fields, 2 all fields. 2 by measurement on the
+# H200, FOLD + SCALE_WORDS on the default tile (bench/results/gemm_wna16_smallm.md, session 10): R1 imad1 vs 0
+# 1.02-1.07x at M = 16 on the 8 Llama shapes (964 -> 899 instructions per loop, bn128 w2); R2 imad2 vs imad1
+# 1.01-1.06x on 27 of the 30 mv points at M = 1..16 (8B qkv M = 16 1.006x, 8B o M = 16 0.999x, 70B qkv M = 8
+# 0.97x). Without FOLD it is not used (the GROUP_ROWS / SCALE_PREFETCH paths were timed without it only).
+E2M1_IMAD = 2
 # Cost probe, timing only (results are WRONG on purpose; bench/wna16_mvs8_sweep.py --probe): which part of the
 # MXFP4 mv loop the GPU time goes to. Bit flags on the e2m1 (ASM, no FOLD) path: 1 = no group scale (no scale
 # load / decode / accumulator FMA: acc += d), 2 = the e2m1 fields decoded as int4 nibbles (_nibble_pairs: PRMT +
