@@ -5,6 +5,7 @@ the instruction count of its loop is the number to push down before spending GPU
 
   python bench/wna16_mv_sass.py                     # int4 + mxfp4, the usual tiles
   python bench/wna16_mv_sass.py --dump mxfp4 64 1   # also print the loop SASS of one (format, BLOCK_N, warps)
+  python bench/wna16_mv_sass.py --scale-paths       # MXFP4: the e8m0 scale paths (barriers, registers, instrs)
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = Tr
     ptrs = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": SCALE_T[FMT[fmt]["SCALE_KIND"]], "z_ptr": "*bf16",
             "gs_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
             "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "split_k": "i32"}
+    if extra.get("SCALE_WORDS"):  # s_ptr = gemm_wna16_small.e8m0_words(qw)
+        ptrs["s_ptr"] = "*i32"
     const = dict(FMT[fmt], BLOCK_M=extra.pop("BLOCK_M", 16), BLOCK_N=block_n, SPLIT=split, NUM_STAGES=stages, SWAP=False, EVEN_K=True,
                  DOT_F32=False, ASM=True, KB=1, PDL=0, PF=0, RED_STEP=2, FOLD=False)
     # every constexpr given explicitly: with FOLD left to its default, a FOLD=True and a FOLD=False compile
@@ -54,15 +57,30 @@ def analyse(fmt, block_n, warps, stages, **extra):
                 mix=dict(mix.most_common(12)), sass=loop)
 
 
+def scale_paths():
+    """MXFP4 bn128 w2 (M-tile 16): how the e8m0 scales reach the loop (CTA barriers, registers, instructions)."""
+    for name, extra in (("SCALE_PREFETCH (M 5..16 default)", dict(PRE_G=True)),
+                        ("FOLD + SCALE_WORDS", dict(FOLD=True, SCALE_WORDS=True)),
+                        ("GROUP_ROWS 4 groups (M <= 4 default)", dict(GROW=4)),
+                        ("GROUP_ROWS 4 groups + SCALE_WORDS", dict(GROW=4, SCALE_WORDS=True))):
+        a = analyse("mxfp4", 128, 2, 3, **{"GROW": 0, "IMAD": 0, "PROBE": 0, **extra})
+        print(f"{name}: regs {a['regs']} spill {a['stack']} B, loop {a['loop']} instrs ({a['per_elem']:.2f} / W elem), "
+              f"BAR.SYNC {sum('BAR.SYNC' in t for t in a['sass'])}", flush=True)
+
+
 def main():
+    if "--scale-paths" in sys.argv:
+        print(f"triton {triton.__version__}, sm_90")
+        return scale_paths()
     tiles = [("int4", 128, 2, 3, {}), ("int4", 64, 1, 3, {})] + [
-        ("mxfp4", bn, w, 3, fold) for bn, w in ((64, 1), (128, 2), (128, 4)) for fold in ({}, {"FOLD": True})]
+        ("mxfp4", bn, w, 3, fold) for bn, w in ((64, 1), (128, 2), (128, 4))
+        for fold in ({}, {"FOLD": True}, {"FOLD": True, "SCALE_WORDS": True})]
     print(f"triton {triton.__version__}, sm_90, mv loop per planar block (16 words x 8 fields x BLOCK_N)")
     print("| fmt | tile | regs | spill B | loop instrs | thread-instrs / W elem | top ops |")
     print("|---|---|---|---|---|---|---|")
     for fmt, bn, w, s, extra in tiles:
         a = analyse(fmt, bn, w, s, **extra)
-        print(f"| {fmt}{' fold' if extra.get('FOLD') else ''} | 16x{bn} w{w} s{s} | {a['regs']} | {a['stack']} | {a['loop']} | {a['per_elem']:.2f} | "
+        print(f"| {fmt}{' fold' if extra.get('FOLD') else ''}{' words' if extra.get('SCALE_WORDS') else ''} | 16x{bn} w{w} s{s} | {a['regs']} | {a['stack']} | {a['loop']} | {a['per_elem']:.2f} | "
               f"{a['mix']} |", flush=True)
     if "--dump" in sys.argv:
         i = sys.argv.index("--dump")

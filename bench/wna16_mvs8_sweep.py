@@ -35,7 +35,7 @@ def variants(layer, m, gpu, fmt, opts=None):
     from kestrel.kernels.configs import TuningConfig
     opts = {"splits": [], "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [],
             "imad": [], "imad_splits": [], "probe": [], "grow": False, "grow2": False, "stages1": False,
-            "tiles": [], "spf": False, **(opts or {})}
+            "tiles": [], "spf": False, "fold_tiles": [], "growsw": [], "nofold": False, "stages": [], **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
@@ -48,6 +48,12 @@ def variants(layer, m, gpu, fmt, opts=None):
             out.append((f"m{am}cfg {c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k}", c, None))
     if fp4 and opts["fold"]:
         out.append(("dflt-fold" if dflt == base else "mv-fold", base, "fold"))
+    if fp4 and opts["nofold"]:  # the defaults without FOLD (session 9's), same tile
+        out.append(("dflt-nofold" if dflt == base else "mv-nofold", base, "nofold"))
+    for bn, w in opts["fold_tiles"] if fp4 else []:  # FOLD_E8M0 (+ SCALE_WORDS) on other tiles, default split
+        if (bn, w) != (base.block_n, base.num_warps):
+            out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-fold",
+                        dataclasses.replace(base, block_n=bn, num_warps=w), "fold"))
     if fp4:  # the e2m1 decode's bit moves on the FMA pipe (gemm_wna16_small.E2M1_IMAD), alone and with FOLD
         for j, im in enumerate(opts["imad"]):  # (on the mv tile where the default is another kernel)
             out.append((f"{'dflt' if dflt == base else 'mv'}-{im}", base, im))
@@ -79,9 +85,19 @@ def variants(layer, m, gpu, fmt, opts=None):
             if (bn, w) != (base.block_n, base.num_warps):
                 out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-spf",
                             dataclasses.replace(base, block_n=bn, num_warps=w), "spf"))
+    if fp4 and opts["growsw"] and m <= 8:  # SCALE_WORDS_GROW: GROUP_ROWS passes read e8m0_words
+        out.append((f"{'dflt' if dflt == base else 'mv'}-growsw", base, "growsw"))
+        for bn, w in opts["growsw"]:
+            if (bn, w) != (base.block_n, base.num_warps):
+                out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-growsw",
+                            dataclasses.replace(base, block_n=bn, num_warps=w), "growsw"))
     if opts["stages1"] and base.num_stages != 1:  # register prefetch: x through ld.global (L1) not cp.async (L2)
         c = dataclasses.replace(base, num_stages=1)
         out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k} s1", c, None))
+    for st in opts["stages"]:  # other cp.async pipeline depths on the default tile (more bytes in flight)
+        if st != base.num_stages:
+            c = dataclasses.replace(base, num_stages=st)
+            out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k} s{st}", c, None))
     for bn, w in opts["tiles"]:  # other tiles at the default split (module defaults)
         if (bn, w) != (base.block_n, base.num_warps):
             c = dataclasses.replace(base, block_n=bn, num_warps=w)
@@ -111,16 +127,26 @@ def variants(layer, m, gpu, fmt, opts=None):
     return [(t, c, f) for t, c, f in out if c.valid_for(layer)]
 
 
-def set_mode(sm, mode, fold0, grow0, imad0=0):
+def set_mode(sm, mode, fold0, grow0):
     """Module switches of gemm_wna16_small for one variant's mode (see variants): None = the defaults; "fold" =
-    FOLD_E8M0; "grow" / "nogrow" = GROUP_ROWS on / off; "grow2" = GROUP_ROWS + GROUP_ROWS_PARTIAL; "spf" = the defaults + SCALE_PREFETCH; "imadN[-fold]" = E2M1_IMAD N (with FOLD_E8M0);
-    "probeN" = PROBE N (timing only)."""
-    sm.E2M1_IMAD, sm.PROBE, sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL = imad0, 0, False, False, False
-    sm.SCALE_PREFETCH = False
+    FOLD_E8M0 (E2M1_IMAD as the default); "nofold" = the defaults without FOLD_E8M0 (session 9's: GROUP_ROWS
+    (+ PARTIAL), SCALE_PREFETCH); "grow" / "nogrow" = GROUP_ROWS on / off; "grow2" = GROUP_ROWS +
+    GROUP_ROWS_PARTIAL; "spf" = the defaults without FOLD + SCALE_PREFETCH; "imadN[-fold]" = E2M1_IMAD N (with FOLD_E8M0; it
+    acts with FOLD only); "probeN" = PROBE N (timing only). grow0 = the module's (GROUP_ROWS, GROUP_ROWS_PARTIAL,
+    SCALE_PREFETCH, SCALE_WORDS_GROW, E2M1_IMAD) defaults."""
+    sm.E2M1_IMAD, sm.PROBE, sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL = grow0[4], 0, False, False, False
+    sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW = False, False
     if mode is None:
         sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], grow0[2]
-    elif mode == "spf":  # the module defaults + SCALE_PREFETCH
-        sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], True
+        sm.SCALE_WORDS_GROW = grow0[3]
+    elif mode == "nofold":
+        sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = grow0[0], grow0[1], grow0[2]
+        sm.SCALE_WORDS_GROW = grow0[3]
+    elif mode == "growsw":  # the module defaults without FOLD + GROUP_ROWS (+ PARTIAL) reading e8m0_words
+        sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = True, True, grow0[2]
+        sm.SCALE_WORDS_GROW = True
+    elif mode == "spf":  # the module defaults without FOLD + SCALE_PREFETCH
+        sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = grow0[0], grow0[1], True
     elif mode == "fold":
         sm.FOLD_E8M0 = True
     elif mode == "grow":
@@ -168,7 +194,7 @@ def _warm(items):
     from kestrel.kernels.tuning import FORMATS
     from kestrel.quant import quantize
     t0, errs, fold0, qws = time.time(), [], sm.FOLD_E8M0, {}
-    grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH)
+    grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW, sm.E2M1_IMAD)
     for fmt, n, k, m, cfg, fold in items:
         # a small stand-in weight: N, K are runtime values (multiples of 16 / 128 like every Llama shape), so the
         # kernels are the same; full-size weights in 12 workers ran the H200 out of memory (session 4 round 2)
@@ -197,6 +223,12 @@ def main():
                     "fmt:layer (its first call JIT-compiles for ~10 s)")
     ap.add_argument("--splits", default="", help="extra split_k values for the default tile, e.g. 3,5,6,12")
     ap.add_argument("--fold", action="store_true", help="also MXFP4 with FOLD_E8M0 (default tile, mvs8)")
+    ap.add_argument("--fold-tiles", default="", help="MXFP4: also FOLD_E8M0 on these BLOCK_N:warps tiles at the "
+                    "default split, e.g. 64:1,128:2,128:4")
+    ap.add_argument("--growsw", default="", help="MXFP4, M <= 8: also GROUP_ROWS reading e8m0_words "
+                    "(SCALE_WORDS_GROW) on the default tile and these BLOCK_N:warps tiles, e.g. 64:1,128:2")
+    ap.add_argument("--stages", default="", help="also the default tile with these num_stages, e.g. 4,5")
+    ap.add_argument("--nofold", action="store_true", help="MXFP4: also the default tile without FOLD_E8M0")
     ap.add_argument("--no-mvs8", action="store_true", help="no mvs block_m 8 variants")
     ap.add_argument("--maxnreg", type=int, default=0, help="also the default tile with this register cap")
     ap.add_argument("--alt-m", default="", help="also the tune cache's config for these M (e.g. 1)")
@@ -221,7 +253,8 @@ def main():
     from kestrel.kernels.gemm_wna16 import gemm_wna16
     from kestrel.kernels.tuning import FORMATS, MODEL_SHAPES
     gpu = torch.cuda.get_device_name()
-    fold0, grow0 = sm.FOLD_E8M0, (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH)
+    fold0 = sm.FOLD_E8M0
+    grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW, sm.E2M1_IMAD)
     opts = {"splits": [int(v) for v in args.splits.split(",") if v], "fold": args.fold,
             "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg,
             "alt_m": [int(v) for v in args.alt_m.split(",") if v],
@@ -229,6 +262,9 @@ def main():
             "imad_splits": [int(v) for v in args.imad_splits.split(",") if v],
             "probe": [int(v) for v in args.probe.split(",") if v], "grow": args.grow, "grow2": args.grow2,
             "stages1": args.stages1, "spf": args.spf,
+            "fold_tiles": [tuple(int(u) for u in v.split(":")) for v in args.fold_tiles.split(",") if v],
+            "growsw": [tuple(int(u) for u in v.split(":")) for v in args.growsw.split(",") if v],
+            "nofold": args.nofold, "stages": [int(v) for v in args.stages.split(",") if v],
             "tiles": [tuple(int(u) for u in v.split(":")) for v in args.tiles.split(",") if v]}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
@@ -249,7 +285,7 @@ def main():
     print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
     meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    rows, entries = [], {"dflt": {}, "fold1": {}, "imad2": {}, "grow1": {}, "grow2": {}, "spf": {}}
+    rows, entries = [], {"dflt": {}, "fold1": {}, "imad2": {}, "grow1": {}, "grow2": {}, "spf": {}, "growsw": {}}
 
     def dump():
         json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
@@ -312,7 +348,8 @@ def main():
                 from kestrel.kernels.configs import cache_key, m_bucket
                 for tag_e, modes in (("dflt", (None,)), ("fold1", (None, "fold")),
                                      ("imad2", (None, "imad2")), ("grow1", (None, "grow")),
-                                     ("grow2", (None, "grow2")), ("spf", (None, "spf"))):
+                                     ("grow2", (None, "grow2")), ("spf", (None, "spf")),
+                                     ("growsw", (None, "growsw"))):
                     # entries for the module defaults, FOLD_E8M0 / E2M1_IMAD 2 / GROUP_ROWS / + PARTIAL on
                     best = min((r for r in pt if r["fold"] in modes), key=lambda r: r["us"], default=None)
                     if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:

@@ -218,7 +218,8 @@ def test_mvs_block_m_8(spec, m):
 @pytest.mark.parametrize("mag", [1e-4, 1.0, 300.0])
 def test_mxfp4_scale_fold(fold, dt, mag, monkeypatch):
     # e8m0 scales folded into the decoded weights (mv / mvs, bf16; fp16 keeps the per-group scale) vs not, over
-    # scales from ~2^-20 to ~2^6 (inside the exact range of FOLD_EXP), split-K and a masked two-block step
+    # scales from ~2^-20 to ~2^6 (inside the exact range of FOLD_EXP), split-K and a masked two-block step; the
+    # folded path reads the 4 codes of a block from one word (SCALE_WORDS: fails with a wrong byte)
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "FOLD_E8M0", fold)  # (default off until GPU-measured)
     spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
@@ -226,6 +227,7 @@ def test_mxfp4_scale_fold(fold, dt, mag, monkeypatch):
     fmt = {"IS_INT": False, "SCALE_KIND": 1, "PER_CHANNEL": False, "EXP_BITS": 2, "MAN_BITS": 1, "GROUP_SIZE": 32,
            "R": 16}
     assert sm.fold_e8m0(fmt, dt) == (fold and dt == torch.bfloat16)
+    assert sm.scale_words({**fmt, "EPW": 8}, sm.fold_e8m0(fmt, dt)) == (fold and dt == torch.bfloat16)  # e8m0_words
     _check(qw, 3, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2), dtype=dt)
     _check(qw, 7, ComputeConfig("mvs", 8, 16, 0, split_k=3, num_warps=1, num_stages=3), dtype=dt)
     _check(qw, 2, ComputeConfig("mv", 16, 16, 0, split_k=1, num_warps=1, num_stages=1), dtype=dt)
@@ -283,6 +285,7 @@ def test_mv_group_rows(spec, monkeypatch):
     # past the limit (and int formats) take the usual path
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "GROUP_ROWS", True)
+    monkeypatch.setattr(sm, "FOLD_E8M0", False)  # (FOLD takes precedence over GROUP_ROWS for bf16 MXFP4)
     monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", False)
     qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(17)), spec)
     g = 128 // spec.group_size
@@ -303,6 +306,7 @@ def test_mv_group_rows_partial(spec, monkeypatch):
     # with split-K, one-stage register prefetch, N not a tile multiple, K padded; M = 9..16 the usual path
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "GROUP_ROWS", True)
+    monkeypatch.setattr(sm, "FOLD_E8M0", False)  # (FOLD takes precedence over GROUP_ROWS for bf16 MXFP4)
     monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", True)
     qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(19)), spec)
     g = 128 // spec.group_size
@@ -322,6 +326,7 @@ def test_mv_scale_prefetch(m, monkeypatch):
     # and on mvs), split-K, N not a tile multiple, K padded
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "SCALE_PREFETCH", True)
+    monkeypatch.setattr(sm, "FOLD_E8M0", False)  # (SCALE_PREFETCH is the path without FOLD)
     monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", True)
     spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
     qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(21)), spec)
@@ -331,3 +336,21 @@ def test_mv_scale_prefetch(m, monkeypatch):
     assert sm.prefetch_scales(fmt, cfg, 1, 2) and not sm.prefetch_scales(fmt, cfg, 1, 4)  # off with all 4 groups
     _check(qw, m, cfg, seed=m)
     _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=3), seed=m + 1)
+
+
+@pytest.mark.parametrize("m", [1, 4, 7, 8, 16])
+def test_mv_scale_words_group_rows(m, monkeypatch):
+    # SCALE_WORDS_GROW: the GROUP_ROWS passes (all 4 groups on the rows at M <= 4, 2 per pass at M = 5..8) read the
+    # block's 4 e8m0 codes from one int32 of e8m0_words; M = 16 (no GROUP_ROWS) keeps the scale rows. Split-K, one-
+    # stage register prefetch, N not a tile multiple, K padded; fails with a wrong byte
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "SCALE_WORDS_GROW", True)
+    monkeypatch.setattr(sm, "GROUP_ROWS", True)
+    monkeypatch.setattr(sm, "FOLD_E8M0", False)  # (FOLD takes precedence over GROUP_ROWS for bf16 MXFP4)
+    monkeypatch.setattr(sm, "GROUP_ROWS_PARTIAL", True)
+    spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
+    qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(23)), spec)
+    fmt = {"R": 16, "EPW": 8, "GROUP_SIZE": 32, "PER_CHANNEL": False, "SCALE_KIND": 1}
+    assert sm.scale_words(fmt, False, 2) and sm.scale_words(fmt, False, 4) and not sm.scale_words(fmt, False, 0)
+    _check(qw, m, ComputeConfig("mv", 16, 32, 0, split_k=2, num_warps=4, num_stages=2), seed=m)
+    _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=1), seed=m + 1)

@@ -106,12 +106,18 @@ _ASM_FP4_ODD_F16 = _asm_fp4_field(True, True)
 # 2^FOLD_EXP goes back on the fp32 accumulator once. FOLD_EXP = 16: scales 2^-109 .. 2^17 exact, and the folded
 # weights (>= 0.5 * 2^(e-143)) stay bf16-normal for e >= 18. Real MXFP4 scales are ~2^-20 .. 2^2.
 FOLD_EXP = tl.constexpr(16)
-# A/B switch (bench/wna16_mvs8_sweep.py); off until measured on the GPU: on this Triton's ptxas (offline sm_90
-# SASS, bench/wna16_mv_sass.py) the fold saves the per-group scale FMAs but adds register moves (4-12 % more
-# loop instructions). False = the group scale is applied on each group's fp32 MMA partial.
-FOLD_E8M0 = False
-# bf16 e2m1 decode through _asm_fp4_imad: 0 off, 1 even fields, 2 all fields (A/B switch until GPU-timed)
-E2M1_IMAD = 0
+# On by measurement with SCALE_WORDS (mv / mvs, MXFP4, bf16 activations; it takes precedence over GROUP_ROWS):
+# H200 2026-12-04 (bench/results/gemm_wna16_smallm.md, session 10 R1), same process, default tile, FOLD + SCALE_WORDS
+# + E2M1_IMAD 1 vs the session 9 defaults (SCALE_PREFETCH at M > 4, GROUP_ROWS at M <= 8) on the 8 Llama shapes:
+# M = 16 1.08-1.24x, M = 8 1.04-1.13x, M = 4 0.99-1.09x, M = 1 0.97-1.07x (mv defaults). Without SCALE_WORDS
+# (session 9) it lost: 0.70-0.95x. False = the group scale is applied on each group's fp32 MMA partial.
+FOLD_E8M0 = True
+# bf16 e2m1 decode through _asm_fp4_imad with FOLD: 0 off, 1 even fields, 2 all fields. 2 by measurement on the
+# H200, FOLD + SCALE_WORDS on the default tile (bench/results/gemm_wna16_smallm.md, session 10): R1 imad1 vs 0
+# 1.02-1.07x at M = 16 on the 8 Llama shapes (964 -> 899 instructions per loop, bn128 w2); R2 imad2 vs imad1
+# 1.01-1.06x on 27 of the 30 mv points at M = 1..16 (8B qkv M = 16 1.006x, 8B o M = 16 0.999x, 70B qkv M = 8
+# 0.97x). Without FOLD it is not used (the GROUP_ROWS / SCALE_PREFETCH paths were timed without it only).
+E2M1_IMAD = 2
 # Cost probe, timing only (results are WRONG on purpose; bench/wna16_mvs8_sweep.py --probe): which part of the
 # MXFP4 mv loop the GPU time goes to. Bit flags on the e2m1 (ASM, no FOLD) path: 1 = no group scale (no scale
 # load / decode / accumulator FMA: acc += d), 2 = the e2m1 fields decoded as int4 nibbles (_nibble_pairs: PRMT +
@@ -141,6 +147,17 @@ GROUP_ROWS_PARTIAL = True
 # R2), MXFP4 best tile with it vs the default: M = 16 1.04-1.19x, M = 8 1.05-1.17x on the 8 Llama shapes (winners
 # merged into the tune cache's M = 8 / 16 buckets).
 SCALE_PREFETCH = True
+# With FOLD_E8M0 (mv / mvs), e8m0 scales with 4 groups per planar block (MXFP4): the kernel reads e8m0_words(qw)
+# (the block's 4 codes of a column in one int32) instead of the scale rows. On the per-row uint8 loads Triton puts
+# a shared-memory layout conversion (2 CTA barriers) per group between the coalesced load and the MMA operand
+# layout of the multiplier; the int32 word load is pipelined with the word tile and read from shared memory in
+# that layout directly (offline sm_90 SASS, bench/wna16_mv_sass.py, MXFP4 bn128 w2 M-tile 16: 8 -> 2 barriers,
+# 204 -> 160 registers, 1216 -> 964 instructions per loop; SCALE_PREFETCH's default 1047 / 183 / 8).
+SCALE_WORDS = True
+# The same word load for the GROUP_ROWS passes (mv, M <= 8; A/B switch until GPU-timed): offline sm_90 SASS
+# (MXFP4, M-tile 16) bn64 w1 all 4 groups on the rows 979 -> 926 instructions per loop (156 -> 197 registers),
+# 2 groups per pass 1029 -> 1001 (217 -> 212).
+SCALE_WORDS_GROW = False
 
 
 @triton.jit
@@ -239,13 +256,16 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr, MASK_B: tl.constexpr,
               PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False,
               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0, row_g=None,
-              PRE_G: tl.constexpr = False):
+              PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
     s_pre its group-scale row when PRE_S, or with PRE_G its 4 e8m0 group codes packed (_scale_word), both
     prefetched by the caller. FOLD (e2m1 + e8m0, bf16): the group scale is
     folded into the decoded weights (times 2^-FOLD_EXP, exact), so every field's MMA chains straight into acc
     (the caller multiplies acc by 2^FOLD_EXP at the end); a block past the split's end has zero words (masked
-    load), so it adds exact zeros."""
+    load), so it adds exact zeros. With SCALE_WORDS (FOLD or GROW, 4 groups per block) s_ptr is e8m0_words(qw): one
+    int32 load per column per block, which Triton pipelines (cp.async, with the word tile) and reads from shared
+    memory straight into the layout it is used in (the multiplier's MMA operand layout, or the accumulator's): no
+    layout conversion, no extra CTA barrier."""
     PB: tl.constexpr = R * EPW
     # fields per quantization group run: all of a block when one group covers it
     FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
@@ -256,12 +276,19 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
     # a block past this split's end (MASK_B) reads an in-range x block and is weighted 0
     bc = tl.minimum(b, n_blocks - 1)
     okf = (b < b1).to(tl.float32)
+    if SCALE_WORDS:  # the block's 4 e8m0 codes per column (e8m0_words), pipelined by Triton with the word tile
+        sw = tl.load(s_ptr + b * N + offs_n, mask=nb_mask, other=0)
+        if not FOLD:
+            s_pre = sw
     for i in tl.static_range(EPW):
         # field i of the tile: k = b*PB + i*R + r, decoded where the MMA operand lives (Triton moves the word
         # tile, not the decoded values, through shared memory)
         if FOLD and i % FPG == 0:  # this group's e8m0 codes -> the folded multiplier (see FOLD_EXP)
             g = (b * PB + i * R) // GROUP_SIZE
-            e = tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.int32)
+            if SCALE_WORDS:  # byte (group in block) of the block's word
+                e = (sw >> (8 * ((i * R) // GROUP_SIZE))) & 0xFF
+            else:
+                e = tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.int32)
             if ASM:
                 mb = tl.minimum(tl.maximum(e + (126 - FOLD_EXP), 1), 254) << 7  # bf16 bits of 2^(e-1-FOLD_EXP)
                 mulq = tl.broadcast_to((mb | (mb << 16))[None, :], q.shape)
@@ -329,7 +356,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 if MASK_B:
                     d = d * okf
                 g0 = (b * PB + (i + 1 - FPP) * R) // GROUP_SIZE  # the pass's first group
-                if PRE_G:  # code of row r's group: byte (pass's first group in the block + r % GROW)
+                if PRE_G or SCALE_WORDS:  # code of row r's group: byte (pass's first group in the block + r % GROW)
                     sg = (s_pre[None, :] >> (8 * (((i + 1 - FPP) * R) // GROUP_SIZE + row_g))[:, None]) & 0xFF
                 else:
                     sg = tl.load(s_ptr + (g0 + row_g)[:, None] * N + offs_n[None, :],
@@ -371,7 +398,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
             else:
                 if PRE_S:
                     s = decode_scale(s_pre, SCALE_KIND)
-                elif PRE_G:
+                elif PRE_G or SCALE_WORDS:
                     s = decode_scale((s_pre >> (8 * (((i + 1 - FPG) * R) // GROUP_SIZE))) & 0xFF, SCALE_KIND)
                 else:
                     s = decode_scale(tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0), SCALE_KIND)
@@ -392,7 +419,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
                RED_STEP: tl.constexpr, FOLD: tl.constexpr = False,
                IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0,
-               PRE_G: tl.constexpr = False):
+               PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -456,7 +483,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
-                            IMAD, PROBE, GROW, row_g)
+                            IMAD, PROBE, GROW, row_g, SCALE_WORDS=SCALE_WORDS)
     else:
         if PRE_G:  # (KB = 1, e8m0, 4 groups per block: SCALE_PREFETCH) block b0's scale codes
             s_nx = _scale_word(s_ptr, b0, N, offs_n, n_mask & ((offs_n * 0 + b0) < b1))
@@ -476,7 +503,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                 acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask,
                                 nb_mask, K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET,
                                 HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM,
-                                KB > 1, False, R, FOLD, IMAD, PROBE, GROW, row_g, PRE_G)
+                                KB > 1, False, R, FOLD, IMAD, PROBE, GROW, row_g, PRE_G,
+                                SCALE_WORDS=SCALE_WORDS)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
@@ -656,6 +684,24 @@ def prefetch_scales(fmt: dict, cfg, kb: int, grow: int = 0) -> bool:
             and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"] and kb == 1 and cfg.num_stages > 1 and grow < 4)
 
 
+def e8m0_words(qw) -> torch.Tensor:
+    """int32 [G / 4, N]: byte j of word (b, n) = e8m0 code of group 4b + j, column n (SCALE_WORDS). Built once
+    per weight and kept on it (the first call should be outside CUDA-graph capture, as the engine's warm-up is)."""
+    w = getattr(qw, "_e8m0_words", None)
+    if w is None or w.device != qw.scales.device:
+        g, n = qw.scales.shape
+        w = qw.scales.view(g // 4, 4, n).transpose(1, 2).contiguous().view(torch.int32).view(g // 4, n)
+        qw._e8m0_words = w
+    return w
+
+
+def scale_words(fmt: dict, fold: bool, grow: int = 0) -> bool:
+    """The kernel reads e8m0_words: e8m0 scales, 4 groups per planar block, with FOLD (SCALE_WORDS) or on the
+    GROUP_ROWS passes (grow > 0, SCALE_WORDS_GROW)."""
+    return ((SCALE_WORDS and fold or SCALE_WORDS_GROW and grow > 0) and fmt["SCALE_KIND"] == 1
+            and not fmt["PER_CHANNEL"] and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"])
+
+
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     """x2 [M, K] contiguous (act-order already applied) -> y [M, N] in x2's dtype, kernel cfg.kernel in
     ("gemv", "mv", "mvs": mv with W as the MMA A operand). `fmt` is gemm_wna16's format constexpr dict."""
@@ -672,7 +718,8 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     if cfg.kernel == "gemv":
         grid = (triton.cdiv(n, cfg.block_n), m, split)
     else:
-        grow = group_rows(fmt, cfg, m) if cfg.kernel == "mv" else 0
+        # FOLD (all of a block's groups in one MMA chain, no per-group accumulator work) before GROUP_ROWS
+        grow = group_rows(fmt, cfg, m) if cfg.kernel == "mv" and not fold_e8m0(fmt, x2.dtype) else 0
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m // max(grow, 1)), split)
     if split > 1:
         if grid[0] * grid[1] > _CNT_SLOTS:
@@ -688,13 +735,16 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                            split, KB=kb, **common)
     else:
         common["PDL"] = (2 if PDL_LATE else 1) if pdl else 0
-        _mv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
+        fold = fold_e8m0(fmt, x2.dtype) and not grow
+        sw = scale_words(fmt, fold, grow)
+        _mv_kernel[grid](x2, qw.qweight, e8m0_words(qw) if sw else qw.scales, z, gsc, y, ws, cnt, m, n, k,
+                         x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
-                         RED_STEP=RED_STEP, FOLD=fold_e8m0(fmt, x2.dtype) and not grow, GROW=grow,
-                         PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not (fold_e8m0(fmt, x2.dtype) and not grow),
-                         IMAD=E2M1_IMAD if is_e2m1 and x2.dtype == torch.bfloat16 else 0,
+                         RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw,
+                         PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold and not sw,
+                         IMAD=E2M1_IMAD if is_e2m1 and fold else 0,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
     return y
