@@ -254,6 +254,16 @@ def _swap_dec(q, sraw, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_
     return gl.convert_layout(gl.reshape(w, (BLOCK_N, NF * R)), a_layout)  # a register renaming (same linear layout)
 
 
+@gluon.jit
+def _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, j, cnt, STAGES: gl.constexpr):
+    """TMA of K step j of [s0, s0 + cnt) (nothing past its end) into ring slot (g + j) % STAGES: the prologue's
+    fills, and each step's refill of the slot a retired wgmma freed (after the fence + CTA barrier)."""
+    sl = (g + j) % STAGES
+    mbarrier.expect(bars.index(sl), x_desc.block_type.nbytes + q_desc.block_type.nbytes, pred=j < cnt)
+    tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + j) * BK], bars.index(sl), x_smem.index(sl), pred=j < cnt)
+    tma.async_copy_global_to_shared(q_desc, [(s0 + j) * R, off_n], bars.index(sl), q_smem.index(sl), pred=j < cnt)
+
+
 # The async wgmma reads its A operand from registers until a wait retires it (PTX ISA, wgmma.mma_async: touching
 # them before that is undefined). A loop of one decode + one wgmma per step with one wgmma left in flight rewrites
 # the A registers of step i - 1's wgmma with step i's decode while that wgmma may still read them: the PTX names
@@ -272,7 +282,6 @@ def _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0,
     kept alive up to that wait), refill its ring slot with step i + STAGES - 1. g: ring steps consumed before (the
     slot and mbarrier phase go on from it). -> (acc, the next step's scales, A)."""
     SPS: gl.constexpr = 4 if FP4 else 1  # scale rows per K step
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
     slot = (g + i) % STAGES
     sraw = s_next
     s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)  # prefetched a step ahead
@@ -285,13 +294,7 @@ def _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0,
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
     fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
     gl.thread_barrier()  # ... in every warpgroup, before one thread refills them
-    nxt = i + STAGES - 1
-    ns = (g + nxt) % STAGES
-    mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
-    tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
-                                    pred=nxt < cnt)
-    tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
-                                    pred=nxt < cnt)
+    _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, i + STAGES - 1, cnt, STAGES)
     return acc, s_next, a
 
 
@@ -359,12 +362,8 @@ def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0
     with 8 warps: _swap_half_step) or K halves (_swap_khalf_step); 1: two K steps per iteration (_swap_step);
     0: the racy one-register-set loop of sessions 4-9 (A/B timing only)."""
     SPS: gl.constexpr = 4 if FP4 else 1
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
     for i in gl.static_range(STAGES - 1):
-        sl = (g + i) % STAGES
-        mbarrier.expect(bars.index(sl), nbytes, pred=i < cnt)
-        tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + i) * BK], bars.index(sl), x_smem.index(sl), pred=i < cnt)
-        tma.async_copy_global_to_shared(q_desc, [(s0 + i) * R, off_n], bars.index(sl), q_smem.index(sl), pred=i < cnt)
+        _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, i, cnt, STAGES)
     if LOOP == 2 and BLOCK_N == 32 * num_warps:
         HN: gl.constexpr = BLOCK_N // 2
         L3h: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
@@ -380,13 +379,7 @@ def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0
                                                                a_layout, HN, STAGES, FP4)
             fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
             gl.thread_barrier()  # ... in every warpgroup, before one thread refills step i - 1's slot (retired)
-            nxt = i + STAGES - 1
-            ns = (g + nxt) % STAGES
-            mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
-            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
-                                            pred=nxt < cnt)
-            tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
-                                            pred=nxt < cnt)
+            _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, i + STAGES - 1, cnt, STAGES)
         acc1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1))
         # rows h * HN + r of the tile: the full tile's wgmma layout up to the order of registers
         return gl.convert_layout(gl.reshape(gl.permute(gl.join(acc0, acc1), (2, 0, 1)), (BLOCK_N, BLOCK_M)),
@@ -403,15 +396,9 @@ def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0
             acc, s_next0, s_next1, a1 = _swap_khalf_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0,
                                                          s_next1, acc, a1, sel0, sel1, zb, s_offs0, s_offs1, L3k,
                                                          a_layout, BLOCK_N, STAGES, FP4)
-            fence_async_shared()
-            gl.thread_barrier()
-            nxt = i + STAGES - 1
-            ns = (g + nxt) % STAGES
-            mbarrier.expect(bars.index(ns), nbytes, pred=nxt < cnt)
-            tma.async_copy_global_to_shared(x_desc, [off_m, (s0 + nxt) * BK], bars.index(ns), x_smem.index(ns),
-                                            pred=nxt < cnt)
-            tma.async_copy_global_to_shared(q_desc, [(s0 + nxt) * R, off_n], bars.index(ns), q_smem.index(ns),
-                                            pred=nxt < cnt)
+            fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
+            gl.thread_barrier()  # ... in every warpgroup, before one thread refills step i - 1's slot (retired)
+            _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, i + STAGES - 1, cnt, STAGES)
         acc, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a1))
         return acc
     sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
