@@ -24,12 +24,9 @@ from kestrel.spec.head_gemm import fused_slots
 
 
 @triton.jit
-def _readout_kernel(s_ptr, s_stride, lm_ptr, pmax_ptr, pidx_ptr, N, V, H, NB,
-                    BN: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr):
-    pn, pv = tl.program_id(0), tl.program_id(1)
-    rows = pn * BN + tl.arange(0, BN)
-    cols = pv * BV + tl.arange(0, BV)
-    mr, mc = rows < N, cols < V
+def _logit_tile(s_ptr, s_stride, lm_ptr, rows, cols, mr, mc, H, BN: tl.constexpr, BV: tl.constexpr,
+                BH: tl.constexpr):
+    """[BN, BV] fp32 logits s[rows] . L_sub[cols] (tensor cores), -inf past the draft vocabulary (mc false)."""
     acc = tl.zeros([BN, BV], dtype=tl.float32)
     for h0 in range(0, H, BH):
         oh = h0 + tl.arange(0, BH)
@@ -37,7 +34,17 @@ def _readout_kernel(s_ptr, s_stride, lm_ptr, pmax_ptr, pidx_ptr, N, V, H, NB,
         s = tl.load(s_ptr + rows[:, None] * s_stride + oh[None, :], mask=mr[:, None] & mh[None, :], other=0.0)
         w = tl.load(lm_ptr + cols[:, None] * H + oh[None, :], mask=mc[:, None] & mh[None, :], other=0.0)
         acc += tl.dot(s, tl.trans(w.to(s.dtype)))
-    acc = tl.where(mc[None, :], acc, float("-inf"))
+    return tl.where(mc[None, :], acc, float("-inf"))
+
+
+@triton.jit
+def _readout_kernel(s_ptr, s_stride, lm_ptr, pmax_ptr, pidx_ptr, N, V, H, NB,
+                    BN: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr):
+    pn, pv = tl.program_id(0), tl.program_id(1)
+    rows = pn * BN + tl.arange(0, BN)
+    cols = pv * BV + tl.arange(0, BV)
+    mr = rows < N
+    acc = _logit_tile(s_ptr, s_stride, lm_ptr, rows, cols, mr, cols < V, H, BN, BV, BH)
     m = tl.max(acc, 1)
     i = tl.argmax(acc, 1)  # first maximum, as torch.argmax
     tl.store(pmax_ptr + rows * NB + pv, m, mask=mr)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kestrel.spec.head_fused import FusedGreedyDraft, _refine_in, _refine_out_kernel
+from kestrel.spec.head_fused import FusedGreedyDraft, _logit_tile, _refine_in, _refine_out_kernel
 from kestrel.spec.head_gemm import fused_slots
 
 
@@ -33,15 +33,8 @@ def _readout_topw_kernel(s_ptr, s_stride, lm_ptr, pval_ptr, pidx_ptr, N, V, H, N
     rows = pn * BN + tl.arange(0, BN)
     lc = tl.arange(0, BV)
     cols = pv * BV + lc
-    mr, mc = rows < N, cols < V
-    acc = tl.zeros([BN, BV], dtype=tl.float32)
-    for h0 in range(0, H, BH):
-        oh = h0 + tl.arange(0, BH)
-        mh = oh < H
-        s = tl.load(s_ptr + rows[:, None] * s_stride + oh[None, :], mask=mr[:, None] & mh[None, :], other=0.0)
-        w = tl.load(lm_ptr + cols[:, None] * H + oh[None, :], mask=mc[:, None] & mh[None, :], other=0.0)
-        acc += tl.dot(s, tl.trans(w.to(s.dtype)))
-    acc = tl.where(mc[None, :], acc, float("-inf"))
+    mr = rows < N
+    acc = _logit_tile(s_ptr, s_stride, lm_ptr, rows, cols, mr, cols < V, H, BN, BV, BH)
     for t in tl.static_range(W):  # the block's w largest, largest first (each taken out before the next)
         m = tl.max(acc, 1)
         i = tl.argmax(acc, 1)
