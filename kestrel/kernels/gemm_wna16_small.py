@@ -718,8 +718,12 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     if cfg.kernel == "gemv":
         grid = (triton.cdiv(n, cfg.block_n), m, split)
     else:
-        # FOLD (all of a block's groups in one MMA chain, no per-group accumulator work) before GROUP_ROWS
-        grow = group_rows(fmt, cfg, m) if cfg.kernel == "mv" and not fold_e8m0(fmt, x2.dtype) else 0
+        # FOLD (all of a block's groups in one MMA chain, no per-group accumulator work) before GROUP_ROWS; not
+        # with the manual register prefetch of num_stages 1: compiled on the H200 (PTX decode) that form gives rel
+        # err 0.2-0.25 at every M / tile / split tried (session 10 lead check; stages 2 and 3: 1.5e-3), so it keeps
+        # the unfolded path there
+        fold = fold_e8m0(fmt, x2.dtype) and cfg.num_stages > 1
+        grow = group_rows(fmt, cfg, m) if cfg.kernel == "mv" and not fold else 0
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m // max(grow, 1)), split)
     if split > 1:
         if grid[0] * grid[1] > _CNT_SLOTS:
@@ -735,7 +739,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                            split, KB=kb, **common)
     else:
         common["PDL"] = (2 if PDL_LATE else 1) if pdl else 0
-        fold = fold_e8m0(fmt, x2.dtype) and not grow
+        fold = fold and not grow
         sw = scale_words(fmt, fold, grow)
         _mv_kernel[grid](x2, qw.qweight, e8m0_words(qw) if sw else qw.scales, z, gsc, y, ws, cnt, m, n, k,
                          x2.stride(0), y.stride(0),
