@@ -87,9 +87,14 @@ def main() -> int:
     paths = [False]
     if args.prefill_graphs:
         t0 = time.perf_counter()
-        engine.runner.enable_prefill_graphs(engine.max_model_len)
-        print(f"prefill graphs {engine.runner.prefill_graphs.buckets} captured in {time.perf_counter() - t0:.1f}s")
-        paths = [False, True]
+        try:  # a failed capture must not cost the eager measurement
+            engine.runner.enable_prefill_graphs(engine.max_model_len)
+            print(f"prefill graphs {engine.runner.prefill_graphs.buckets} captured in {time.perf_counter() - t0:.1f}s")
+            paths = [False, True]
+        except Exception:
+            import traceback
+            traceback.print_exc()
+            engine.runner.prefill_graphs, args.prefill_graphs = None, False
     name = {False: "eager prefill", True: "prefill graph"}
     for g in paths:
         engine.runner.use_prefill_graphs = g

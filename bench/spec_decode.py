@@ -230,9 +230,13 @@ def main(argv=None):
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
     if args.prefill_graphs:
         t0 = time.perf_counter()
-        engine.runner.enable_prefill_graphs(engine.max_model_len)
-        print(f"prefill graphs {engine.runner.prefill_graphs.buckets} ready in {time.perf_counter() - t0:.1f}s",
-              flush=True)
+        try:  # a failed capture must not cost the eager measurements
+            engine.runner.enable_prefill_graphs(engine.max_model_len)
+            print(f"prefill graphs {engine.runner.prefill_graphs.buckets} ready in {time.perf_counter() - t0:.1f}s",
+                  flush=True)
+        except Exception:
+            traceback.print_exc()
+            engine.runner.prefill_graphs, args.prefill_graphs = None, False
     run_once(engine, chat_prompts(engine.tokenizer, 2), SamplingParams(max_tokens=8, temperature=0))  # warm-up
     t0 = time.perf_counter()
     decoders = build_modes(engine, args)
