@@ -204,6 +204,9 @@ def main(argv=None):
                     help="CUDA-graph batch buckets (default: the engine's; fewer = shorter start-up)")
     ap.add_argument("--tie-check", action="store_true",
                     help="greedy: at each first divergence from no-spec, recompute the target's logits (tie_report)")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="also capture the engine's prefill CUDA graphs (kestrel/engine/prefill_graphs.py) and run "
+                         "every mode twice in this process: eager prefill, and prefill from the graphs (named *+pg)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="append a markdown section with the results to this file")
     args = ap.parse_args(argv)
@@ -225,6 +228,15 @@ def main(argv=None):
                                     enable_prefix_caching=False, max_num_batched_tokens=4096, progress=False,
                                     async_scheduling=args.async_scheduling, cuda_graphs=args.cuda_graphs))
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    if args.prefill_graphs:
+        t0 = time.perf_counter()
+        try:  # a failed capture must not cost the eager measurements
+            engine.runner.enable_prefill_graphs(engine.max_model_len)
+            print(f"prefill graphs {engine.runner.prefill_graphs.buckets} ready in {time.perf_counter() - t0:.1f}s",
+                  flush=True)
+        except Exception:
+            traceback.print_exc()
+            engine.runner.prefill_graphs, args.prefill_graphs = None, False
     run_once(engine, chat_prompts(engine.tokenizer, 2), SamplingParams(max_tokens=8, temperature=0))  # warm-up
     t0 = time.perf_counter()
     decoders = build_modes(engine, args)
@@ -268,6 +280,8 @@ def build_modes(engine, args) -> dict:
             make()  # capture now, not inside a timed run
             name = f"{d}-{m0}" if len(args.drafter) > 1 or d != "ngram" else m0
             modes[name + ("-sync" if lp == "off" and (len(args.loop) > 1 or lp not in args.loop) else "")] = make
+    if args.prefill_graphs:  # the same decoders, prefill from the engine's prefill graphs
+        modes.update({name + "+pg": make for name, make in list(modes.items())})
     return modes
 
 
@@ -286,6 +300,8 @@ def report(engine, args, decoders, temp, workload, argv):
             for mode in order:
                 make = decoders[mode]
                 engine.spec = None if make is None else make()
+                if args.prefill_graphs:  # only the +pg modes prefill from the graphs
+                    engine.runner.use_prefill_graphs = mode.endswith("+pg")
                 # no-spec runs with the engine's asynchronous scheduling (its best, on by default on CUDA); the
                 # speculative step is synchronous, and an engine with an async stepper would bypass it
                 if hasattr(engine, "async_stepper"):
@@ -340,7 +356,9 @@ def report(engine, args, decoders, temp, workload, argv):
              "decode-phase per-user tok/s (after the first token) | decode-phase vs no-spec |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == "nospec"), None)
+        # +pg modes against no-spec with the same (graph) prefill: both sides of a ratio prefill alike
+        bname = "nospec+pg" if r["mode"].endswith("+pg") and any(b["mode"] == "nospec+pg" for b in rows) else "nospec"
+        base = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == bname), None)
         mode, sync = (r["mode"][:-5], "-sync") if r["mode"].endswith("-sync") else (r["mode"], "")
         k1name = (mode.rsplit("-", 1)[0] + "-k1" if "-" in mode else "k1") + sync
         k1 = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == k1name), None)

@@ -28,11 +28,11 @@ class ForwardContext:
 class StepInputs:
     """One step's inputs, prepared on the CPU (ModelRunner.prepare) and consumed by ModelRunner.execute."""
 
-    __slots__ = ("ids", "positions", "meta", "order", "rows", "graph_args")
+    __slots__ = ("ids", "positions", "meta", "order", "rows", "graph_args", "prefill_args")
 
     def __init__(self):
         self.ids: list[int] = []
-        self.positions = self.meta = self.graph_args = None
+        self.positions = self.meta = self.graph_args = self.prefill_args = None
         self.order: list[int] = []
         self.rows: list[int] = []
 
@@ -64,6 +64,8 @@ class ModelRunner:
 
             prepack_linears(model)
         self.graphs = None  # DecodeCudaGraphs once enable_cuda_graphs() ran
+        self.prefill_graphs = None  # PrefillCudaGraphs (prefill_graphs.py) once enable_prefill_graphs() ran
+        self.use_prefill_graphs = True  # benches turn it off to compare with the eager prefill in one process
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, progress: bool = True) -> None:
         """Capture decode steps of up to max_num_seqs sequences in CUDA graphs (GPU only; see cuda_graphs.py)."""
@@ -76,6 +78,27 @@ class ModelRunner:
         if self.kv_groups is not None:  # a hybrid model: each layer's own window
             self.graphs.windows = [int(w or 0) for w in self.kv_groups.layer_windows]
         self.graphs.capture(progress)
+        from .prefill_graphs import wanted
+        if wanted():
+            self.enable_prefill_graphs(max_model_len)
+
+    def enable_prefill_graphs(self, max_model_len: int, buckets=None, capture: bool = True) -> None:
+        """Replay single-sequence prefill chunks of up to max(buckets) tokens from CUDA graphs (prefill_graphs.py):
+        the eager prefill of a short prompt is host-bound. capture=False (or a CPU model): the same padded step,
+        run eagerly (tests)."""
+        from .prefill_graphs import DEFAULT_BUCKETS, PrefillCudaGraphs
+
+        if self.kv_groups is not None:
+            raise ValueError("prefill graphs: models with one KV layout only (no hybrid / bounded SWA KV)")
+        self.prefill_graphs = PrefillCudaGraphs(self.model, self.backend.k_cache, self.backend.v_cache,
+                                                -(-max_model_len // self.block_size), self.cfg.sliding_window,
+                                                buckets or DEFAULT_BUCKETS, capture)
+        self.prefill_graphs.capture()
+
+    def prefill_graph_fits(self, seq, n: int) -> bool:
+        """A lone prefill chunk of n tokens that a captured prefill graph holds."""
+        pg = self.prefill_graphs
+        return pg is not None and self.use_prefill_graphs and pg.fits(n, len(seq.block_table))
 
     @torch.inference_mode()
     def forward_step(self, batch: ScheduledBatch):
@@ -101,6 +124,12 @@ class ModelRunner:
         for i in prefill:
             s, n = batch.seqs[i], batch.num_new_tokens[i]
             st.ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
+        if not decode and len(prefill) == 1 and self.prefill_graph_fits(seqs[prefill[0]], len(st.ids)):
+            s = seqs[prefill[0]]
+            # a snapshot of the table: it may grow before the (async) launch reads it
+            st.prefill_args = (s.num_computed_tokens, list(s.block_table))
+            st.order = prefill if s.num_computed_tokens + len(st.ids) == s.num_tokens else []
+            return st
         if self.kv_groups is not None:
             st.meta, st.positions = self.kv_groups.build([batch.seqs[i] for i in decode],
                                                          [(batch.seqs[i], batch.num_new_tokens[i]) for i in prefill])
@@ -124,6 +153,9 @@ class ModelRunner:
         if st.graph_args is not None:
             logits = self.graphs.run_seqs(st.ids, *st.graph_args)
             return st.order, logits.float()
+        if st.prefill_args is not None:
+            logits, _ = self.prefill_graphs.run(st.ids, *st.prefill_args)
+            return st.order, (logits.float() if st.order else None)
         # st.ids may already be a device tensor (async scheduling gathers tokens still being sampled there)
         input_ids = to_device(st.ids, torch.long, self.device)
         pos = to_device(st.positions, torch.long, self.device)

@@ -182,6 +182,9 @@ class SpecDecoder:
 
     def _eager_forward(self, runner, seqs, ns, decode_idx, drafts):
         """Mixed step (plain decodes, prefill chunks, verifications) in one eager forward: any batch."""
+        fits = getattr(runner, "prefill_graph_fits", None)  # (tensor-parallel runners have no prefill graphs)
+        if not decode_idx and len(seqs) == 1 and fits is not None and fits(seqs[0], ns[0]):
+            return self._prefill_graph_forward(runner, seqs[0], ns[0])
         plain_dec = [i for i in decode_idx if i not in drafts]
         plain_set = set(plain_dec)
         chunks = [i for i in range(len(seqs)) if i not in drafts and i not in plain_set]
@@ -227,6 +230,15 @@ class SpecDecoder:
             self._verify(seqs, spec, drafts, spec_rows, logits[len(plain):], hidden, emitted, out_hidden)
 
         return emitted, out_hidden
+
+    def _prefill_graph_forward(self, runner, s, n):
+        """A lone prefill chunk through the engine's prefill graphs (the same prefill the no-spec step gets)."""
+        start = s.num_computed_tokens
+        logits, hid = runner.prefill_graphs.run(s.token_ids[start:start + n], start, s.block_table)
+        if start + n < s.num_tokens:  # a chunk before the prompt's end: nothing to sample
+            return {}, {}
+        toks, lps = runner.sampler(logits.float(), [s.params], [s.output_token_ids], [s.generator])
+        return {0: ([toks[0]], [lps[0]])}, {0: hid[0].clone()}  # copied out of the graph's static output
 
     def _graph_forward(self, runner, seqs, drafts):
         """All-decode step through a captured verify graph: every request is a (1 + k)-token chunk padded to K + 1

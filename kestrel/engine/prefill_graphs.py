@@ -1,0 +1,136 @@
+"""CUDA graphs of one sequence's short prefill chunk, one graph per padded token-count bucket.
+
+Why: a ~40-token chat prompt's eager prefill of SmolLM2-135M is ~378 kernel launches, ~20 ms of host time for
+0.9 ms of device work (bench/prefill_ttft.py, session 10 R3): that is the whole time to first token, in no-spec
+and speculative modes alike. Here a chunk of n tokens (on top of `start` cached tokens: 0 for a fresh prompt) is
+padded to the smallest bucket S >= n and replayed from the graph captured at S. Padding never touches real data
+(the scheme of kestrel/spec/verify_graph.py):
+  - padding tokens get cache slot -1 (their K/V are not stored) and the last real position (a valid rope angle);
+  - the prefill attention kernel places query j at position seq_len - S + j, so seq_len = start + S puts the real
+    queries at their true positions, and causality keeps them off every key after them (padding keys included);
+  - only the last real row (a static row index) leaves the graph: its hidden state and its logits.
+On a CPU (tests, under TRITON_INTERPRET=1) the same padded step runs without capture.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kestrel.kernels.attention import paged_prefill_attention, store_kvcache
+
+DEFAULT_BUCKETS = (16, 32, 48, 64, 96, 128)
+
+
+def wanted() -> bool:
+    """Opt-in (KESTREL_PREFILL_GRAPHS=1) until GPU-checked: the eager prefill stays the default."""
+    return os.environ.get("KESTREL_PREFILL_GRAPHS", "0") == "1"
+
+
+class _PrefillCtx:
+    """The model's attention context inside a captured prefill chunk: store the chunk's K/V, then paged attention."""
+
+    def __init__(self, k_caches, v_caches, windows, scale, slot_mapping, block_tables, cu_q, seq_lens, max_q):
+        self.k_caches, self.v_caches, self.windows, self.scale = k_caches, v_caches, windows, scale
+        self.slot_mapping, self.block_tables, self.cu_q, self.seq_lens, self.max_q = \
+            slot_mapping, block_tables, cu_q, seq_lens, max_q
+
+    def attention(self, layer, q, k, v):
+        kc, vc = self.k_caches[layer], self.v_caches[layer]
+        store_kvcache(k, v, kc, vc, self.slot_mapping)
+        out = paged_prefill_attention(q, kc, vc, self.block_tables, self.cu_q, self.seq_lens, self.scale,
+                                      max_q_len=self.max_q, window=self.windows[layer])
+        return out.view(q.shape[0], -1)
+
+
+class PrefillCudaGraphs:
+    """`run(token_ids, start, block_table)` -> (logits [1, V], hidden [1, H]) of the chunk's last token: views of
+    static outputs (consume or copy them before the next run). `fits(n)`: a bucket holds an n-token chunk."""
+
+    def __init__(self, model, k_caches, v_caches, max_blocks_per_seq: int, sliding_window: int | None = None,
+                 buckets=DEFAULT_BUCKETS, capture: bool = True):
+        self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
+        self.dev = dev = k_caches[0].device
+        self.use_graphs = capture and dev.type == "cuda"
+        _, self.block_size, _, head_dim = k_caches[0].shape
+        self.scale = head_dim ** -0.5
+        self.windows = [int(sliding_window or 0)] * len(k_caches)
+        self.buckets = sorted(buckets)
+        S = self.buckets[-1]
+        # padding queries look up to S - 1 positions past the chunk's end: room for them in the block table
+        self.width = max_blocks_per_seq + -(-S // self.block_size) + 1
+        self.input_ids = torch.zeros(S, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(S, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((S,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(1, self.width, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.last_row = torch.zeros(1, dtype=torch.long, device=dev)
+        self.cu_q = {b: torch.tensor([0, b], dtype=torch.int32, device=dev) for b in self.buckets}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple] = {}
+        self.pool = None
+        self.num_runs = 0  # chunks served (tests and benches check the path was taken)
+
+    def _step(self, S: int):
+        ctx = _PrefillCtx(self.k_caches, self.v_caches, self.windows, self.scale, self.slot_mapping[:S],
+                          self.block_tables, self.cu_q[S], self.seq_lens, S)
+        hidden = self.model(self.input_ids[:S], self.positions[:S], ctx)
+        h = hidden.index_select(0, self.last_row)
+        return self.model.compute_logits(h), h
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.use_graphs:
+            return
+        self.slot_mapping.fill_(-1)  # capture state: nothing stored, nothing attended
+        self.seq_lens.zero_()
+        for S in sorted(self.buckets, reverse=True):  # largest first: the smaller graphs reuse its pool
+            side = torch.cuda.Stream()  # warm-up outside the graph (Triton JIT, cuBLAS handles)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step(S)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.outputs[S] = self._step(S)
+            self.pool = g.pool() if self.pool is None else self.pool
+            self.graphs[S] = g
+        torch.cuda.synchronize()
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def fits(self, n: int, table_len: int) -> bool:
+        return 0 < n <= self.buckets[-1] and table_len <= self.width
+
+    @torch.inference_mode()
+    def run(self, token_ids, start: int, block_table, pad_token: int = 0):
+        """token_ids: the chunk's n tokens (positions start .. start + n - 1, their blocks in block_table)."""
+        n = len(token_ids)
+        S = self.bucket(n)
+        if S is None or len(block_table) > self.width:
+            raise ValueError(f"prefill chunk of {n} tokens / {len(block_table)} blocks exceeds the captured shapes")
+        bs = self.block_size
+        pos = list(range(start, start + n))
+        slots = [block_table[p // bs] * bs + p % bs for p in pos] + [-1] * (S - n)
+        host = torch.tensor([*token_ids, *[pad_token] * (S - n),  # ids
+                             *pos, *[start + n - 1] * (S - n),  # positions (padding: the last real one)
+                             *slots, start + S, n - 1], dtype=torch.long)  # seq_len: query j at start + j
+        bt = torch.zeros(self.width, dtype=torch.int32)
+        bt[:len(block_table)] = torch.tensor(block_table, dtype=torch.int32)
+        if self.dev.type == "cuda":  # pinned: a pageable copy would wait for the step in flight
+            host, bt = host.pin_memory(), bt.pin_memory()
+        host = host.to(self.dev, non_blocking=True)  # one copy for all the small inputs
+        self.input_ids[:S].copy_(host[:S])
+        self.positions[:S].copy_(host[S:2 * S])
+        self.slot_mapping[:S].copy_(host[2 * S:3 * S])
+        self.seq_lens.copy_(host[3 * S:3 * S + 1])
+        self.last_row.copy_(host[3 * S + 1:])
+        self.block_tables[0].copy_(bt, non_blocking=True)
+        self.num_runs += 1
+        if self.use_graphs:
+            self.graphs[S].replay()
+            return self.outputs[S]
+        return self._step(S)
