@@ -27,11 +27,15 @@ def wanted() -> bool:
     return os.environ.get("KESTREL_PREFILL_GRAPHS", "0") == "1"
 
 
-class _PrefillCtx:
-    """The model's attention context inside a captured prefill chunk: store the chunk's K/V, then paged attention."""
+class PagedChunkCtx:
+    """The model's attention context inside a captured chunk step (a prefill chunk here, a verify chunk in
+    kestrel/spec/verify_graph.py): store the chunk's K/V, then varlen paged attention (tree_mask: [T] int64
+    ancestor bits of a draft-tree verify, kestrel/spec/tree.py, or None)."""
 
-    def __init__(self, k_caches, v_caches, windows, scale, slot_mapping, block_tables, cu_q, seq_lens, max_q):
-        self.k_caches, self.v_caches, self.windows, self.scale = k_caches, v_caches, windows, scale
+    def __init__(self, k_caches, v_caches, window, scale, slot_mapping, block_tables, cu_q, seq_lens, max_q,
+                 tree_mask=None):
+        self.k_caches, self.v_caches, self.window, self.scale = k_caches, v_caches, window, scale
+        self.tree_mask = tree_mask
         self.slot_mapping, self.block_tables, self.cu_q, self.seq_lens, self.max_q = \
             slot_mapping, block_tables, cu_q, seq_lens, max_q
 
@@ -39,7 +43,7 @@ class _PrefillCtx:
         kc, vc = self.k_caches[layer], self.v_caches[layer]
         store_kvcache(k, v, kc, vc, self.slot_mapping)
         out = paged_prefill_attention(q, kc, vc, self.block_tables, self.cu_q, self.seq_lens, self.scale,
-                                      max_q_len=self.max_q, window=self.windows[layer])
+                                      max_q_len=self.max_q, window=self.window, tree_mask=self.tree_mask)
         return out.view(q.shape[0], -1)
 
 
@@ -54,7 +58,7 @@ class PrefillCudaGraphs:
         self.use_graphs = capture and dev.type == "cuda"
         _, self.block_size, _, head_dim = k_caches[0].shape
         self.scale = head_dim ** -0.5
-        self.windows = [int(sliding_window or 0)] * len(k_caches)
+        self.window = int(sliding_window or 0)
         self.buckets = sorted(buckets)
         S = self.buckets[-1]
         # padding queries look up to S - 1 positions past the chunk's end: room for them in the block table
@@ -72,8 +76,8 @@ class PrefillCudaGraphs:
         self.num_runs = 0  # chunks served (tests and benches check the path was taken)
 
     def _step(self, S: int):
-        ctx = _PrefillCtx(self.k_caches, self.v_caches, self.windows, self.scale, self.slot_mapping[:S],
-                          self.block_tables, self.cu_q[S], self.seq_lens, S)
+        ctx = PagedChunkCtx(self.k_caches, self.v_caches, self.window, self.scale, self.slot_mapping[:S],
+                            self.block_tables, self.cu_q[S], self.seq_lens, S)
         hidden = self.model(self.input_ids[:S], self.positions[:S], ctx)
         h = hidden.index_select(0, self.last_row)
         return self.model.compute_logits(h), h

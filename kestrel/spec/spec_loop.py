@@ -52,9 +52,10 @@ import numpy as np
 import torch
 
 from kestrel.engine.attention import to_device
+from kestrel.engine.prefill_graphs import PagedChunkCtx
 from kestrel.spec.ngram import ngram_draft_device
 from kestrel.spec.tree import KVCompactor, tree_accept
-from kestrel.spec.verify_graph import _VerifyCtx, capture_graphs, pad_rows
+from kestrel.spec.verify_graph import capture_graphs, pad_rows
 
 
 class _Launched:
@@ -207,8 +208,8 @@ class SpecLoop:
         rows = ctx[:, None] + torch.arange(S, device=self.dev)
         slots = torch.where(act[:, None], self._cache_slots(bs, rows), -1)
         seq_lens = torch.where(act, ctx + S, 0).to(torch.int32)
-        vctx = _VerifyCtx(self.k_caches, self.v_caches, self.window, self.scale, slots.reshape(-1),
-                          self.block_tables[:bs], self.cu_q[K][:bs + 1], seq_lens, S, tree_mask=tree_mask)
+        vctx = PagedChunkCtx(self.k_caches, self.v_caches, self.window, self.scale, slots.reshape(-1),
+                             self.block_tables[:bs], self.cu_q[K][:bs + 1], seq_lens, S, tree_mask=tree_mask)
         h = self.model(ids.reshape(-1), pos.reshape(-1), vctx)
         return h, self.model.compute_logits(h).argmax(-1).view(bs, S)
 

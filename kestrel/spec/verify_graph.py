@@ -20,7 +20,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kestrel.kernels.attention import paged_prefill_attention, store_kvcache
+from kestrel.engine.prefill_graphs import PagedChunkCtx
 
 
 def default_k_buckets(k_max: int) -> list[int]:
@@ -98,24 +98,6 @@ def _pack_lists(rows, K: int, bs: int, block_size: int):
             torch.tensor(tables, dtype=torch.int32).view(n, nb))
 
 
-class _VerifyCtx:
-    """The model's attention context inside a verify step: store the chunk's K/V, then varlen paged attention."""
-
-    def __init__(self, k_caches, v_caches, window, scale, slot_mapping, block_tables, cu_q, seq_lens, max_q,
-                 tree_mask=None):
-        self.k_caches, self.v_caches, self.window, self.scale = k_caches, v_caches, window, scale
-        self.tree_mask = tree_mask  # [T] int64 ancestor bits (draft-tree verify, kestrel/spec/tree.py) or None
-        self.slot_mapping, self.block_tables, self.cu_q, self.seq_lens, self.max_q = \
-            slot_mapping, block_tables, cu_q, seq_lens, max_q
-
-    def attention(self, layer, q, k, v):
-        kc, vc = self.k_caches[layer], self.v_caches[layer]
-        store_kvcache(k, v, kc, vc, self.slot_mapping)
-        out = paged_prefill_attention(q, kc, vc, self.block_tables, self.cu_q, self.seq_lens, self.scale,
-                                      max_q_len=self.max_q, window=self.window, tree_mask=self.tree_mask)
-        return out.view(q.shape[0], -1)
-
-
 class VerifyGraphs:
     """Verify forwards for (batch bucket, K bucket) shapes. `run(rows)` -> (logits [n, K+1, V], argmax [n, K+1],
     hidden [n, K+1, H]), views of static outputs: consume (or copy) them before the next run.
@@ -146,8 +128,8 @@ class VerifyGraphs:
 
     def _step(self, bs: int, K: int):
         T = bs * (K + 1)
-        ctx = _VerifyCtx(self.k_caches, self.v_caches, self.window, self.scale, self.slot_mapping[:T],
-                         self.block_tables[:bs], self.cu_q[K][:bs + 1], self.seq_lens[:bs], K + 1)
+        ctx = PagedChunkCtx(self.k_caches, self.v_caches, self.window, self.scale, self.slot_mapping[:T],
+                            self.block_tables[:bs], self.cu_q[K][:bs + 1], self.seq_lens[:bs], K + 1)
         hidden = self.model(self.input_ids[:T], self.positions[:T], ctx)
         logits = self.model.compute_logits(hidden)
         return logits, logits.argmax(-1), hidden
