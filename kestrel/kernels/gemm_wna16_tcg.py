@@ -255,6 +255,18 @@ def _swap_dec(q, sraw, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_
 
 
 @gluon.jit
+def _swap_ring(x_desc, q_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The swap kernels' TMA ring (plain and stream-K): STAGES slots of an x tile [BM, 128] and a word tile
+    [16, BN], one mbarrier each (initialised)."""
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    return x_smem, q_smem, bars
+
+
+@gluon.jit
 def _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, j, cnt, STAGES: gl.constexpr):
     """TMA of K step j of [s0, s0 + cnt) (nothing past its end) into ring slot (g + j) % STAGES: the prologue's
     fills, and each step's refill of the slot a retired wgmma freed (after the fence + CTA barrier)."""
@@ -481,11 +493,7 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
         n_red = gl.num_programs(0)
     gl.assume(cnt > 0)
 
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
-    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    x_smem, q_smem, bars = _swap_ring(x_desc, q_desc, BLOCK_M, BLOCK_N, STAGES)
     # wgmma M = BLOCK_N (weight rows), N = BLOCK_M (x rows): warps along the weight rows
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])

@@ -20,7 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from kestrel.kernels.gemm_wna16_tcg import BK, R, _decode_layout, _swap_kloop, _swap_store
+from kestrel.kernels.gemm_wna16_tcg import BK, _decode_layout, _swap_kloop, _swap_ring, _swap_store
 
 
 def plan(tiles: int, steps: int, num_sms: int) -> tuple[int, int, int, int]:
@@ -65,11 +65,7 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
     S = K // BK
     num_pid_m = gl.cdiv(M, BLOCK_M)
     n_tiles = num_pid_m * (N // BLOCK_N)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
-    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    x_smem, q_smem, bars = _swap_ring(x_desc, q_desc, BLOCK_M, BLOCK_N, STAGES)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
