@@ -47,32 +47,42 @@ class PagedChunkCtx:
         return out.view(q.shape[0], -1)
 
 
-class PrefillCudaGraphs:
-    """`run(token_ids, start, block_table)` -> (logits [1, V], hidden [1, H]) of the chunk's last token: views of
-    static outputs (consume or copy them before the next run). `fits(n)`: a bucket holds an n-token chunk."""
+class ChunkGraphBuffers:
+    """What the captured chunk steps share (PrefillCudaGraphs here, kestrel/spec/verify_graph.VerifyGraphs): the
+    model, its paged caches and their geometry, and the static inputs a replay reads for up to `seqs` sequences of
+    up to S tokens each (padding slots -1: nothing stored), plus the graphs, their outputs and one memory pool."""
 
-    def __init__(self, model, k_caches, v_caches, max_blocks_per_seq: int, sliding_window: int | None = None,
-                 buckets=DEFAULT_BUCKETS, capture: bool = True):
+    def __init__(self, model, k_caches, v_caches, seqs: int, S: int, max_blocks_per_seq: int,
+                 sliding_window: int | None, capture: bool):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.dev = dev = k_caches[0].device
         self.use_graphs = capture and dev.type == "cuda"
         _, self.block_size, _, head_dim = k_caches[0].shape
         self.scale = head_dim ** -0.5
         self.window = int(sliding_window or 0)
-        self.buckets = sorted(buckets)
-        S = self.buckets[-1]
-        # padding queries look up to S - 1 positions past the chunk's end: room for them in the block table
+        # padding queries look up to S - 1 positions past a sequence's end: room for them in the block table
         self.width = max_blocks_per_seq + -(-S // self.block_size) + 1
-        self.input_ids = torch.zeros(S, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(S, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((S,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(1, self.width, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.input_ids = torch.zeros(seqs * S, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(seqs * S, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((seqs * S,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(seqs, self.width, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=dev)
+        self.graphs: dict = {}
+        self.outputs: dict = {}
+        self.pool = None
+
+
+class PrefillCudaGraphs(ChunkGraphBuffers):
+    """`run(token_ids, start, block_table)` -> (logits [1, V], hidden [1, H]) of the chunk's last token: views of
+    static outputs (consume or copy them before the next run). `fits(n)`: a bucket holds an n-token chunk."""
+
+    def __init__(self, model, k_caches, v_caches, max_blocks_per_seq: int, sliding_window: int | None = None,
+                 buckets=DEFAULT_BUCKETS, capture: bool = True):
+        self.buckets = sorted(buckets)
+        super().__init__(model, k_caches, v_caches, 1, self.buckets[-1], max_blocks_per_seq, sliding_window, capture)
+        dev = self.dev
         self.last_row = torch.zeros(1, dtype=torch.long, device=dev)
         self.cu_q = {b: torch.tensor([0, b], dtype=torch.int32, device=dev) for b in self.buckets}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple] = {}
-        self.pool = None
         self.num_runs = 0  # chunks served (tests and benches check the path was taken)
 
     def _step(self, S: int):

@@ -20,7 +20,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kestrel.engine.prefill_graphs import PagedChunkCtx
+from kestrel.engine.prefill_graphs import ChunkGraphBuffers, PagedChunkCtx
 
 
 def default_k_buckets(k_max: int) -> list[int]:
@@ -98,7 +98,7 @@ def _pack_lists(rows, K: int, bs: int, block_size: int):
             torch.tensor(tables, dtype=torch.int32).view(n, nb))
 
 
-class VerifyGraphs:
+class VerifyGraphs(ChunkGraphBuffers):
     """Verify forwards for (batch bucket, K bucket) shapes. `run(rows)` -> (logits [n, K+1, V], argmax [n, K+1],
     hidden [n, K+1, H]), views of static outputs: consume (or copy) them before the next run.
 
@@ -106,25 +106,11 @@ class VerifyGraphs:
 
     def __init__(self, model, k_caches, v_caches, batch_sizes: list[int], k_sizes: list[int], max_blocks_per_seq: int,
                  sliding_window: int | None = None, capture: bool = True):
-        self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
-        self.dev = dev = k_caches[0].device
-        self.use_graphs = capture and dev.type == "cuda"
-        _, self.block_size, _, head_dim = k_caches[0].shape
-        self.scale = head_dim ** -0.5
-        self.window = int(sliding_window or 0)
         self.batch_sizes, self.k_sizes = sorted(batch_sizes), sorted(k_sizes)
-        B, S = self.batch_sizes[-1], self.k_sizes[-1] + 1
-        # padding queries may look up to K positions past a full context: room for them in the block table
-        self.width = max_blocks_per_seq + -(-S // self.block_size) + 1
-        self.input_ids = torch.zeros(B * S, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(B * S, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((B * S,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(B, self.width, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.cu_q = {K: (torch.arange(B + 1, dtype=torch.int32) * (K + 1)).to(dev) for K in self.k_sizes}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple] = {}
-        self.pool = None
+        B = self.batch_sizes[-1]
+        super().__init__(model, k_caches, v_caches, B, self.k_sizes[-1] + 1, max_blocks_per_seq, sliding_window,
+                         capture)  # graphs / outputs keyed by (batch bucket, K bucket)
+        self.cu_q = {K: (torch.arange(B + 1, dtype=torch.int32) * (K + 1)).to(self.dev) for K in self.k_sizes}
 
     def _step(self, bs: int, K: int):
         T = bs * (K + 1)
