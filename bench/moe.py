@@ -54,7 +54,14 @@ TCG_MODES = {"int4t2": {"USE_TCG": "2"}, "int4t3": {"USE_TCG": "3"}, "int4t3b128
              # (WS with the fenced release for <= 64-row blocks, 128-row tcgp above 192 slots per expert)
              "int4t5b80": {"USE_TCG": "5", "TCG_BM": "80"}, "int4t5b96": {"USE_TCG": "5", "TCG_BM": "96"},
              "int4t5b64": {"USE_TCG": "5", "TCG_BM": ""},
-             "int4t5s9": {"USE_TCG": "5", "TCG_BM": "128", "TCG_WS": 1}}
+             "int4t5s9": {"USE_TCG": "5", "TCG_BM": "128", "TCG_WS": 1},
+             # session 11: the WS loop without the register-A race (TcgConfig.LOOP 2, row halves), default blocks
+             # / 64 / 80 / 96 rows
+             "int4t5l2": {"USE_TCG": "5", "TCG_LOOP": 2}, "int4t5b64l2": {"USE_TCG": "5", "TCG_BM": "", "TCG_LOOP": 2},
+             "int4t5b80l2": {"USE_TCG": "5", "TCG_BM": "80", "TCG_LOOP": 2},
+             "int4t5b96l2": {"USE_TCG": "5", "TCG_BM": "96", "TCG_LOOP": 2},
+             "int4t3b128l2": {"USE_TCG": "3", "TCG_BM": "128", "TCG_LOOP": 2},
+             "int4t3b64l2": {"USE_TCG": "3", "TCG_BM": "", "TCG_LOOP": 2}}
 FMT.update({f: FMT["int4"] for f in TCG_MODES})
 HUMMING = {"fp8": ({"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}),
            "int4": ({"dtype": "int4", "group_size": 128}, None)}

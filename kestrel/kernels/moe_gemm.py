@@ -205,7 +205,8 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
             # 128-row blocks: BN 128 keeps the fp32 accumulator at 64 registers a thread, as 64 x 256 does
             return TcgConfig(BM=bm, BN=256 if swap and (bm <= 64 or ws) else 128, num_warps=8,
                              num_stages=4 if tcgp else 3, GROUP_M=8, SWAP=2 if tcgp else int(swap),
-                             PERSIST=int(USE_TCG == "4"), WS=TCG_WS if ws else 0)
+                             PERSIST=int(USE_TCG == "4"), WS=TCG_WS if ws else 0,
+                             LOOP=TCG_LOOP if tcgp and USE_TCG != "4" else 0)
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)
@@ -233,6 +234,11 @@ TCG_BM = os.environ.get("KESTREL_MOE_TCG_BM", "auto")
 # fence before it, 1 with the fence (session 9). H200 R1 (same process): 194.7 / 121.5 / 1274.4 us vs 195.7 / 121.6
 # / 1273.3 on Qwen3 up / down / Mixtral up, err on every slot identical: neutral, one barrier a step less
 TCG_WS = int(os.environ.get("KESTREL_MOE_TCG_WS", "2"))
+# KESTREL_MOE_TCG_LOOP: the tcgp / WS loops' K loop (TcgConfig.LOOP): 2 = two wgmma a step on the weight tile's row
+# (or K) halves, each A register set rewritten only after its wgmma retired (session 11: the one-A loop writes the in-flight wgmma's
+# A registers, ~230 SASS writes a loop, offline sm_90a compile; race count 0 with 2, same registers); 0 (default until
+# a GPU check) the one-A loop, right on the H200 so far by ptxas' schedule
+TCG_LOOP = int(os.environ.get("KESTREL_MOE_TCG_LOOP", "0"))
 
 # relative cost of one expert block (one weight tile's loads + decode + its rows' x loads + wgmma) of the WS loop by
 # rows: H200 session 10 R1, Qwen3-30B-A3B up projection M = 1024 (195.7 / 165.3 / 177.4 us for 64 / 80 / 96 rows

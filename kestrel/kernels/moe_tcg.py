@@ -52,6 +52,10 @@ class TcgConfig:
     PERSIST: int = 0  # SWAP 2: 1 = one program per SM walking its tiles through one load ring (_moe_tcgq_kernel)
     WS: int = 0  # SWAP 2: 1 = a loader partition feeds the ring, mbarrier hand-over (_moe_tcgw_kernel); 2 the same
     # without the fence before the slot release (one partition barrier a step instead of two)
+    LOOP: int = 0  # SWAP 2 (tcgp / WS): 2 = the K loop without the register-A race (two wgmma a step, each A
+    # rewritten only after its wgmma retired: _ws_consume_halves, _tcgp_kloop2; WS needs BN >= 32 warps); 0 = the
+    # one-A loop of sessions 5-10 (writes the in-flight wgmma's A registers: right on the H200 so far by ptxas'
+    # schedule only)
     SPLIT_K = 1  # no K split (class constant, as TcConfig)
 
     def as_dict(self) -> dict:
@@ -310,13 +314,93 @@ def _put_slots(out, otok, row_ok, offs_n, n_ok, y_ptr, topk_w_ptr, out_div, stri
 
 
 @gluon.jit
+def _tcgp_kloop2(q_desc, x_smem, q_smem, bars, x_ptrs, qrow0, s_base, off_n, N, n_steps, L3: gl.constexpr,
+                 a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """the tcgp K loop without the register-A race (TcgConfig.LOOP 2; the ring's prologue already issued): each K
+    step as two wgmma, each on its own A registers, rewritten only after the wait that retired the wgmma reading
+    them (see _ws_consume_halves) - on the tile's row halves where a warp holds two 16-row slices (BN >= 32 warps:
+    64 x 256), else on the step's K halves (fields 0-3 / 4-7: 128 x 128 with 8 warps), as gemm_wna16_tcg's
+    _swap_half_step / _swap_khalf_step. -> acc [BN, BM] (mma_layout, all wgmma retired)."""
+    ROWS: gl.constexpr = BLOCK_N >= 32 * num_warps
+    HN: gl.constexpr = BLOCK_N // 2 if ROWS else BLOCK_N
+    L3s: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [HN, BK if ROWS else BK // 2]))
+    if ROWS:
+        sel0, zb, s_offs = dense._swap_consts(L3s, N, 0, HN, 8, False)  # columns 0 .. HN of the half [HN, 1, 1]
+        sel1 = sel0
+        acc1 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        a1 = gl.zeros((HN, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's second wgmma": none in flight
+        s_h1 = s_base + s_offs + off_n + HN
+        s_ok1 = s_offs + off_n + HN < N
+        s_next1 = gl.load(s_h1, mask=s_ok1, other=0.0)
+    else:
+        sel0, zb, s_offs = dense._swap_consts(L3s, N, 0, BLOCK_N, 8, False, 4, 0)
+        sel1, zb, s_offs = dense._swap_consts(L3s, N, 0, BLOCK_N, 8, False, 4, 4)  # (int4: one scale per column)
+        acc1 = gl.zeros((16, 16), dtype=gl.float32, layout=mma_layout)  # (unused)
+        a1 = gl.zeros((BLOCK_N, BK // 2), dtype=gl.bfloat16, layout=a_layout)
+    s_h0 = s_base + s_offs + off_n
+    s_ok0 = s_offs + off_n < N
+    s_next0 = gl.load(s_h0, mask=s_ok0, other=0.0)
+    acc0 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(n_steps):
+        slot = i % STAGES
+        nx = gl.minimum(i + 1, n_steps - 1) * N  # the next step's scales, loaded a step ahead
+        sraw0 = s_next0.to(gl.bfloat16)
+        s_next0 = gl.load(s_h0 + nx, mask=s_ok0, other=0.0)
+        if ROWS:
+            sraw1 = s_next1.to(gl.bfloat16)
+            s_next1 = gl.load(s_h1 + nx, mask=s_ok1, other=0.0)
+        else:
+            sraw1 = sraw0
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        xs = x_smem.index(slot)
+        if ROWS:
+            q = q_smem.index(slot)
+            a0 = dense._swap_a(q.slice(0, HN, dim=1), sraw0, sel0, zb, L3s, a_layout, HN, False)
+            x0 = xs.permute((1, 0))
+            x1 = x0
+        else:
+            qk = gl.expand_dims(q_smem.index(slot).permute((1, 0)).load(gl.SliceLayout(1, L3s)), 1)  # [BN, 1, 16]
+            a0 = dense._swap_dec(qk, sraw0, sel0, zb, L3s, a_layout, BLOCK_N, 4, False)
+            x0 = xs.slice(0, BK // 2, dim=1).permute((1, 0))
+            x1 = xs.slice(BK // 2, BK // 2, dim=1).permute((1, 0))
+        async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step i landed (one group per step)
+        fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
+        gl.thread_barrier()  # ... from every thread
+        acc0 = warpgroup_mma(a0, x0, acc0, is_async=True)
+        if ROWS:  # step i - 1's second wgmma retired: its A (a1) may be rewritten, its ring slot is free
+            acc1, a1, acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1, a1, acc0))
+            a1 = dense._swap_a(q.slice(HN, HN, dim=1), sraw1, sel1, zb, L3s, a_layout, HN, False)
+            acc1 = warpgroup_mma(a1, x1, acc1, is_async=True)
+            acc0, a0, acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, a0, acc1))
+        else:
+            acc0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, a1))
+            a1 = dense._swap_dec(qk, sraw1, sel1, zb, L3s, a_layout, BLOCK_N, 4, False)
+            acc0 = warpgroup_mma(a1, x1, acc0, is_async=True)
+            acc0, a0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, a0))
+        gl.thread_barrier()  # every warpgroup past step i - 1's wgmma, before one thread refills its slot
+        nxt = i + STAGES - 1
+        ns = nxt % STAGES
+        _issue_xq(q_desc, bars.index(ns), q_smem.index(ns), x_smem.index(ns), x_ptrs, qrow0, off_n, nxt,
+                  nxt < n_steps)
+    if ROWS:
+        acc1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1))
+        # rows h * HN + r of the tile: the full tile's wgmma layout up to the order of registers (as the dense loop)
+        acc = gl.convert_layout(gl.reshape(gl.permute(gl.join(acc0, acc1), (2, 0, 1)), (BLOCK_N, BLOCK_M)),
+                                mma_layout)
+    else:
+        acc, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a1))
+    return acc
+
+
+@gluon.jit
 def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                      out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr,
-                     REDUCE: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr):
+                     REDUCE: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr, LOOP: gl.constexpr = 0):
     """acc^T [BN, BM] = W tile (decoded into registers by gemm_wna16_tcg's swap decode) @ x^T (shared), the loop of
     the dense swap kernel: step i's wgmma is issued behind step i - 1's (one in flight: no tensor-core gap while a
-    slot is refilled), its scales loaded a step ahead (no L2 latency before the decode)."""
+    slot is refilled), its scales loaded a step ahead (no L2 latency before the decode). LOOP 2: _tcgp_kloop2."""
     pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(npost_ptr):  # padding blocks past the last expert's run
         return
@@ -340,38 +424,42 @@ def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
-    sel, zb, s_offs = dense._swap_consts(L3, N, off_n, BLOCK_N, 8, False)  # s_offs: the tile's columns [BN, 1, 1]
-    s_ok = s_offs < N
-    s_base = s_ptr + (expert * n_steps).to(gl.int64) * N + s_offs  # fp32 scales [E * K / 128, N]
-    s_next = gl.load(s_base, mask=s_ok, other=0.0)
-    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-    if PROBE != 0:
-        keep = gl.zeros((BLOCK_N, BK), dtype=gl.bfloat16, layout=a_layout)
-    for i in range(n_steps):
-        slot = i % STAGES
-        sraw = s_next.to(gl.bfloat16)
-        s_next = gl.load(s_base + gl.minimum(i + 1, n_steps - 1) * N, mask=s_ok, other=0.0)
-        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        if PROBE == 1:
-            a = keep
-        else:
-            a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
-        async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step i landed (one group per step)
-        fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
-        gl.thread_barrier()  # ... from every thread
+    if LOOP == 2:
+        acc = _tcgp_kloop2(q_desc, x_smem, q_smem, bars, x_ptrs, qrow0, s_ptr + (expert * n_steps).to(gl.int64) * N,
+                           off_n, N, n_steps, L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, num_warps)
+    else:
+        sel, zb, s_offs = dense._swap_consts(L3, N, off_n, BLOCK_N, 8, False)  # s_offs: the tile's columns [BN, 1, 1]
+        s_ok = s_offs < N
+        s_base = s_ptr + (expert * n_steps).to(gl.int64) * N + s_offs  # fp32 scales [E * K / 128, N]
+        s_next = gl.load(s_base, mask=s_ok, other=0.0)
+        acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        if PROBE != 0:
+            keep = gl.zeros((BLOCK_N, BK), dtype=gl.bfloat16, layout=a_layout)
+        for i in range(n_steps):
+            slot = i % STAGES
+            sraw = s_next.to(gl.bfloat16)
+            s_next = gl.load(s_base + gl.minimum(i + 1, n_steps - 1) * N, mask=s_ok, other=0.0)
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            if PROBE == 1:
+                a = keep
+            else:
+                a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
+            async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step i landed (one group per step)
+            fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
+            gl.thread_barrier()  # ... from every thread
+            if PROBE == 2:
+                keep = keep + a
+            else:
+                acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its ring slot is free
+            gl.thread_barrier()  # ... in every warpgroup, before one thread refills it
+            nxt = i + STAGES - 1
+            ns = nxt % STAGES
+            _issue_xq(q_desc, bars.index(ns), q_smem.index(ns), x_smem.index(ns), x_ptrs, qrow0, off_n, nxt,
+                      nxt < n_steps)
         if PROBE == 2:
-            keep = keep + a
-        else:
-            acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step i - 1 done: its ring slot is free
-        gl.thread_barrier()  # ... in every warpgroup, before one thread refills it
-        nxt = i + STAGES - 1
-        ns = nxt % STAGES
-        _issue_xq(q_desc, bars.index(ns), q_smem.index(ns), x_smem.index(ns), x_ptrs, qrow0, off_n, nxt,
-                  nxt < n_steps)
-    if PROBE == 2:
-        acc = warpgroup_mma(keep, x_smem.index(0).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            acc = warpgroup_mma(keep, x_smem.index(0).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     async_copy.wait_group(0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -562,6 +650,89 @@ def _ws_consume(x_smem, xb_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, 
 
 
 @gluon.jit
+def _half_wgmma(a, xs, xbs, acc, acc_b, a_layout_b: gl.constexpr, MB: gl.constexpr):
+    """the async wgmma(s) of one row half of a K step: over the block's first MA rows (xs), and with MB > 0 over
+    its last MB rows too (xbs), on one decoded A (acc_b: anything when MB == 0, returned as is)."""
+    acc = warpgroup_mma(a, xs, acc, is_async=True)
+    if MB > 0:  # (the A operand's registers are the same for both instruction shapes)
+        acc_b = warpgroup_mma(gl.convert_layout(a, a_layout_b), xbs, acc_b, is_async=True)
+    return acc, acc_b
+
+
+@gluon.jit
+def _retire_half(acc, acc_b, a, fly, fly_b, MB: gl.constexpr):
+    """wait until only the other half's wgmma(s) (fly, fly_b) are in flight: this half's (acc, acc_b) are retired,
+    and its A registers (kept alive up to here by deps) may be rewritten. All four accumulators come back as
+    tensors (a loop carries them so)."""
+    if MB > 0:
+        acc, acc_b, a, fly, fly_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_b, a, fly, fly_b))
+    else:
+        acc, a, fly = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, fly))
+    return acc, acc_b, a, fly, fly_b
+
+
+@gluon.jit
+def _ws_consume_halves(x_smem, xb_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps,
+                       mma_layout: gl.constexpr, mma_b: gl.constexpr, MA: gl.constexpr, MB: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RELEASE: gl.constexpr):
+    """_ws_consume without the register-A race (TcgConfig.LOOP 2; BLOCK_N >= 32 warps: two 16-row slices a warp).
+    The one-A loop decodes step i into the registers the PTX also names for step i - 1's A while that wgmma is still
+    in flight (undefined: the async wgmma reads A until a wait retires it; offline sm_90a SASS of the WS kernel:
+    ~230 such writes a loop). Here each K step is two wgmma (groups) on the tile's two row halves, as
+    gemm_wna16_tcg._swap_half_step: half 0 is decoded while step i - 1's half 1 is in flight, half 1 while half 0
+    is, each A rewritten only after the wait that retired the wgmma reading it. Same registers as one full A.
+    -> (acc rows 0 .. HN, acc rows HN .. BN[, the same two over the last MB rows])."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    a_layout_b: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_b, k_width=2)
+    HN: gl.constexpr = BLOCK_N // 2
+    L3h: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
+    sel, zb, s_offs = dense._swap_consts(L3h, N, off_n, HN, 8, False)  # s_offs: half 0's columns [HN, 1, 1]
+    s_ok0 = s_offs < N
+    s_ok1 = s_offs + HN < N
+    s_base = s_ptr + (expert * n_steps).to(gl.int64) * N + s_offs
+    s_next0 = gl.load(s_base, mask=s_ok0, other=0.0)
+    s_next1 = gl.load(s_base + HN, mask=s_ok1, other=0.0)
+    acc0 = gl.zeros((HN, MA), dtype=gl.float32, layout=mma_layout)
+    acc1 = gl.zeros((HN, MA), dtype=gl.float32, layout=mma_layout)
+    if MB > 0:
+        accb0 = gl.zeros((HN, MB), dtype=gl.float32, layout=mma_b)
+        accb1 = gl.zeros((HN, MB), dtype=gl.float32, layout=mma_b)
+    else:  # (no second row part: carried through untouched)
+        accb0 = gl.zeros((16, 16), dtype=gl.float32, layout=mma_layout)
+        accb1 = accb0
+    a1 = gl.zeros((HN, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's half 1": nothing in flight
+    for i in range(n_steps):
+        slot = i % STAGES
+        sraw0 = s_next0.to(gl.bfloat16)
+        sraw1 = s_next1.to(gl.bfloat16)
+        s_row = s_base + gl.minimum(i + 1, n_steps - 1) * N  # the next step's scales, both halves
+        s_next0 = gl.load(s_row, mask=s_ok0, other=0.0)
+        s_next1 = gl.load(s_row + HN, mask=s_ok1, other=0.0)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        q = q_smem.index(slot)
+        xs = x_smem.index(slot).permute((1, 0))
+        xbs = xb_smem.index(slot).permute((1, 0))
+        a0 = dense._swap_a(q.slice(0, HN, dim=1), sraw0, sel, zb, L3h, a_layout, HN, False)
+        fence_async_shared()  # the loader's cp.async rows (generic proxy) -> the async-proxy wgmma
+        acc0, accb0 = _half_wgmma(a0, xs, xbs, acc0, accb0, a_layout_b, MB)
+        acc1, accb1, a1, acc0, accb0 = _retire_half(acc1, accb1, a1, acc0, accb0, MB)  # step i - 1 done
+        a1 = dense._swap_a(q.slice(HN, HN, dim=1), sraw1, sel, zb, L3h, a_layout, HN, False)
+        acc1, accb1 = _half_wgmma(a1, xs, xbs, acc1, accb1, a_layout_b, MB)
+        acc0, accb0, a0, acc1, accb1 = _retire_half(acc0, accb0, a0, acc1, accb1, MB)  # half 0 done
+        ps = (i + STAGES - 1) % STAGES  # step i - 1's slot: its decode and wgmma are done
+        if RELEASE == 1:
+            fence_async_shared()  # the word loads of the decode before the TMA refill of the slot
+        mbarrier.arrive(empty.index(ps), pred=i > 0)
+    if MB > 0:
+        acc1, accb1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, accb1, a1))
+        res = (acc0, acc1, accb0, accb1)
+    else:
+        acc1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1))
+        res = (acc0, acc1)
+    return res
+
+
+@gluon.jit
 def _ws_load(q_desc, x_smem, xb_smem, q_smem, ready, empty, x_ptr, sorted_ptr, row0, num_valid, a_div, stride_xm,
              qrow0, off_n, n_steps, MA: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
              LOAD_WARPS: gl.constexpr):
@@ -595,7 +766,7 @@ def _ws_load(q_desc, x_smem, xb_smem, q_smem, ready, empty, x_ptr, sorted_ptr, r
 def _moe_tcgw_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                      out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr,
-                     REDUCE: gl.constexpr, RELEASE: gl.constexpr, num_warps: gl.constexpr):
+                     REDUCE: gl.constexpr, RELEASE: gl.constexpr, num_warps: gl.constexpr, LOOP: gl.constexpr = 0):
     """The tcgp loop warp-specialised (WS 1 / 2 = RELEASE): a 4-warp loader partition issues the ring's TMA +
     cp.async loads, the kernel's warps decode + wgmma, handing slots over by mbarriers (session 9 R1: the
     persistent loop did not help, so the per-step barriers / load issue are the next suspect).
@@ -633,17 +804,33 @@ def _moe_tcgw_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
     LOAD_WARPS: gl.constexpr = 4
     row0 = pid_m * BLOCK_M
-    res = gl.warp_specialize([
-        (_ws_consume, (x_smem, xb_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, L3, mma_layout,
-                       mma_b, MA, MB, BLOCK_N, STAGES, RELEASE)),
-        (_ws_load, (q_desc, x_smem, xb_smem, q_smem, ready, empty, x_ptr, sorted_ptr, row0, num_valid, a_div,
-                    stride_xm, expert * (K // 8), off_n, n_steps, MA, MB, STAGES, STAGES - 2, LOAD_WARPS)),
-    ], [LOAD_WARPS], [80])
-    _store_t(res[0], y_ptr, topk_w_ptr, sorted_ptr, row0, off_n, N, num_valid, out_div, stride_ym, MA, BLOCK_N,
-             MUL_ROUTED, REDUCE, num_warps)
-    if MB > 0:
-        _store_t(res[1], y_ptr, topk_w_ptr, sorted_ptr, row0 + MA, off_n, N, num_valid, out_div, stride_ym, MB,
-                 BLOCK_N, MUL_ROUTED, REDUCE, num_warps)
+    qrow0 = expert * (K // 8)
+    if LOOP == 2:  # the race-free consumer: results by row half (h) and row part (A: MA rows, B: MB rows)
+        res = gl.warp_specialize([
+            (_ws_consume_halves, (x_smem, xb_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps,
+                                  mma_layout, mma_b, MA, MB, BLOCK_N, STAGES, RELEASE)),
+            (_ws_load, (q_desc, x_smem, xb_smem, q_smem, ready, empty, x_ptr, sorted_ptr, row0, num_valid, a_div,
+                        stride_xm, qrow0, off_n, n_steps, MA, MB, STAGES, STAGES - 2, LOAD_WARPS)),
+        ], [LOAD_WARPS], [80])
+        HN: gl.constexpr = BLOCK_N // 2
+        for h in gl.static_range(2):
+            _store_t(res[h], y_ptr, topk_w_ptr, sorted_ptr, row0, off_n + h * HN, N, num_valid, out_div, stride_ym,
+                     MA, HN, MUL_ROUTED, REDUCE, num_warps)
+            if MB > 0:
+                _store_t(res[2 + h], y_ptr, topk_w_ptr, sorted_ptr, row0 + MA, off_n + h * HN, N, num_valid,
+                         out_div, stride_ym, MB, HN, MUL_ROUTED, REDUCE, num_warps)
+    else:
+        res = gl.warp_specialize([
+            (_ws_consume, (x_smem, xb_smem, q_smem, ready, empty, s_ptr, expert, off_n, N, n_steps, L3, mma_layout,
+                           mma_b, MA, MB, BLOCK_N, STAGES, RELEASE)),
+            (_ws_load, (q_desc, x_smem, xb_smem, q_smem, ready, empty, x_ptr, sorted_ptr, row0, num_valid, a_div,
+                        stride_xm, qrow0, off_n, n_steps, MA, MB, STAGES, STAGES - 2, LOAD_WARPS)),
+        ], [LOAD_WARPS], [80])
+        _store_t(res[0], y_ptr, topk_w_ptr, sorted_ptr, row0, off_n, N, num_valid, out_div, stride_ym, MA, BLOCK_N,
+                 MUL_ROUTED, REDUCE, num_warps)
+        if MB > 0:
+            _store_t(res[1], y_ptr, topk_w_ptr, sorted_ptr, row0 + MA, off_n, N, num_valid, out_div, stride_ym, MB,
+                     BLOCK_N, MUL_ROUTED, REDUCE, num_warps)
 
 
 LAST_COMPILED = [None]  # the compiled kernel of the last launch (benches log its registers / spills / smem)
@@ -679,6 +866,9 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             and (cfg.SWAP != 2 or cfg.num_stages >= 4)
             and (not cfg.PERSIST or cfg.SWAP == 2)
             and (not cfg.WS or (cfg.SWAP == 2 and not cfg.PERSIST and cfg.WS <= 2))
+            # LOOP 2: the tcgp / WS loops (WS: row halves only)
+            and cfg.LOOP in (0, 2) and (not cfg.LOOP or (cfg.SWAP == 2 and not cfg.PERSIST
+                                                         and (not cfg.WS or cfg.BN >= 32 * cfg.num_warps)))
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
@@ -712,12 +902,14 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
     if cfg.WS:
         kern, args = _moe_tcgw_kernel, (x, q_desc, w.scales, *tail, blocks)
         meta["RELEASE"] = cfg.WS
+        meta["LOOP"] = cfg.LOOP
     elif cfg.PERSIST:  # the grid bound by the SMs; the kernel reads the real block count (num_post)
         kern, args = _moe_tcgq_kernel, (x, q_desc, w.scales, *tail)
         grid = (min(grid[0], _num_sms(x.device)),)
     elif cfg.SWAP == 2:
         kern, args = _moe_tcgp_kernel, (x, q_desc, w.scales, *tail, blocks)
         meta["PROBE"] = cfg.PROBE
+        meta["LOOP"] = cfg.LOOP
     elif cfg.SWAP == 1:
         kern, args = _moe_tcgs_kernel, (x, q_desc, s_desc, w.scales, *tail, blocks)
         meta["EARLY_REFILL"] = bool(cfg.REFILL)

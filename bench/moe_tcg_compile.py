@@ -1,0 +1,85 @@
+"""Offline sm_90a compile of the grouped Gluon MoE kernels (moe_tcg.py) with the H200's Triton 3.6 + ptxas on a
+machine without a GPU: registers, stack, shared memory, K-loop SASS, and the K loops' writes to registers an
+in-flight wgmma may still read as A (the race gemm_wna16_tcg fixed with _swap_kloop: must be 0). Not a correctness
+check (Gluon runs only on a Hopper GPU). The compile is moe_tcg_sass.compile_tcgp, the race count and ptxas'
+C7511 check bench/wna16_tcg_compile.py's.
+
+  PYTHONPATH=/tmp/t36:$PWD python bench/moe_tcg_compile.py            # the configs serving uses (+ SWAP 2 / 1 / 0)
+  PYTHONPATH=/tmp/t36:$PWD python bench/moe_tcg_compile.py 80:256:8:4:8:2:0:0:0:0:2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from wna16_tcg_compile import inflight_a_writes, wgmma_serialised  # noqa: E402  (also the Triton 3.6 aliases)
+from moe_tcg_sass import compile_tcgp  # noqa: E402
+from wna16_tc_sass import BIN, sass_loop  # noqa: E402
+
+from kestrel.kernels.moe_tcg import TcgConfig  # noqa: E402
+
+# BM:BN:warps:stages:GROUP_M:SWAP:REFILL:MAXNREG:PROBE:PERSIST:WS[:LOOP]. Serving (moe_gemm._projection_config,
+# KESTREL_MOE_TCG=5 on Hopper): the WS loop with 64 / 80 / 96-row blocks, BN 256; 128-row blocks (KESTREL_MOE_TCG_BM
+# =128 or =3) the tcgp loop with BN 128; =4 the persistent tcgp; =2 the old swapped loop
+SERVING = ("64:256:8:4:8:2:0:0:0:0:2", "80:256:8:4:8:2:0:0:0:0:2", "96:256:8:4:8:2:0:0:0:0:2",
+           "128:128:8:4:8:2", "64:256:8:4:8:2", "64:256:8:4:8:2:0:0:0:1", "64:256:8:3:8:1")
+
+
+def k_step(kern) -> str:
+    """the innermost K loop (the shortest backward branch whose body holds a wgmma; sass_loop's longest one spans
+    the WS partitions' epilogue too): instructions, HGMMA, WARPGROUP.DEPBAR (wgmma waits) and BAR per K step."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kern.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = None
+    for addr, text in ins:
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if any("HGMMA" in t for t in body) and (best is None or len(body) < len(best)):
+                best = body
+    op = lambda t: re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
+    return (f"K step {len(best)} SASS ({sum(op(t).startswith('HGMMA') for t in best)} HGMMA, "
+            f"{sum(op(t).startswith('WARPGROUP.DEPBAR') for t in best)} wgmma waits, "
+            f"{sum(op(t).startswith('BAR') for t in best)} BAR)")
+
+
+def parse(c: str) -> TcgConfig:
+    return TcgConfig(*(int(v) for v in c.split(":")))
+
+
+def report(c: str, reduce: bool) -> bool:
+    tag = f"{c} {'reduce' if reduce else 'store'}"
+    try:
+        k = compile_tcgp(parse(c), reduce)
+        loop, regs, stack = sass_loop(k)
+        print(f"{tag}: regs {regs} stack {stack} shared {k.metadata.shared} {k_step(k)}, "
+              f"longest HGMMA loop {len(loop)} SASS, writes to in-flight wgmma A registers "
+              f"{inflight_a_writes(k)}{', wgmma SERIALISED (C7511)' if wgmma_serialised(k) else ''}", flush=True)
+        return True
+    except Exception as ex:  # report every variant, fail at the end
+        print(f"{tag}: FAILED {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
+        return False
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("configs", nargs="*", default=list(SERVING))
+    p.add_argument("--store-only", action="store_true", help="skip the down projection's routed atomic epilogue")
+    args = p.parse_args()
+    ok = True
+    for c in args.configs:
+        for red in (False,) if args.store_only else (False, True):
+            ok &= report(c, red)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
