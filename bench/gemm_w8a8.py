@@ -59,6 +59,7 @@ class LogRow(dict):
 
 LEAN = [False]  # --lean: the headline columns only (no tile variants, no plain-pair / fast-accum / a16 extras)
 WARM_ONLY = [False]  # --warm-only: run every call once (fills the Triton / Humming JIT caches), time nothing
+W4A8_CFGS: list = []  # --w4a8-cfgs: swapped W4A8 tile configs timed beside the default (M = 64 grid-fill options)
 
 
 def safe_us(fns) -> float | None:
@@ -290,6 +291,13 @@ def run_w4(N, K, ms, rows, budget, sections):
                 fused = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
                 r["kestrel_w4a8_fused_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i], config=fused)
                                                            for i in range(nc)])
+            for cfg in W4A8_CFGS:  # each: err vs dequant, GEMM alone and with the per-token act quant
+                tag = f"kestrel_w4a8_bm{cfg.BM}bn{cfg.BN}s{cfg.SPLIT_K}w{cfg.num_warps}st{cfg.num_stages}"
+                r[f"{tag}_err"] = rel(gemm_w4a8(a, s, w4[0], config=cfg),
+                                      aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
+                r[f"{tag}_gemm_us"] = safe_us([lambda i=i, c=cfg: gemm_w4a8(a, s, w4[i], config=c) for i in range(nc)])
+                r[f"{tag}_e2e_us"] = safe_us([lambda i=i, c=cfg: gemm_w4a8(*aq.quant_fp8(x), w4[i], config=c)
+                                              for i in range(nc)])
             if wna:
                 r["kestrel_wna16_int4_us"] = safe_us([lambda i=i: gemm_wna16(x, wna[i]) for i in range(nc)])
             if hum is not None:
@@ -422,8 +430,12 @@ def main():
     p.add_argument("--sections", default="fp8,int8,w4a8,w4a4", help="comma list of fp8,int8,w4a8,w4a4")
     p.add_argument("--shapes", default="8192x8192,28672x8192", help="comma list of NxK weight shapes")
     p.add_argument("--ms", default="1,16,64,256,1024,4096", help="comma list of batch sizes M")
+    p.add_argument("--w4a8-cfgs", default="", help="W4A8 swapped configs to time beside the default: "
+                   "BM:BN:SPLIT:WARPS:STAGES,... (e.g. 64:64:2:4:4 for a K split at M = 64)")
     add_run_args(p, budget_s=200)
     args = p.parse_args()
+    W4A8_CFGS[:] = [GemmConfig(BM=bm, BN=bn, BK=128, SPLIT_K=sk, num_warps=w, num_stages=st, SWAP_AB=1)
+                    for bm, bn, sk, w, st in (map(int, c.split(":")) for c in args.w4a8_cfgs.split(",") if c)]
     meta = start_run(args, "bench/gemm_w8a8.py")
     secs = args.sections.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]

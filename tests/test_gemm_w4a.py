@@ -149,6 +149,45 @@ def test_w4a8_halves_packing(group):
     assert quantize_weight_w4(w, "int4", 32).kernel_layout().layout == "pairs"  # groups < 128: unchanged
 
 
+@pytest.mark.parametrize("layout", ["halves", "pairs"])
+@pytest.mark.parametrize("bm,split", [(64, 1), (64, 2), (64, 4), (32, 1), (32, 4)])
+def test_w4a8_m64_split_and_small_tiles(bm, split, layout):
+    """the M = 64 options for W4A8's under-filled grid (KESTREL_W4A8_SPLIT, the tune candidates): swapped 64- or
+    32-row tiles, K split in up to 4 fp32-atomic parts (each part whole 128-groups), bf16 out, vs dequant-matmul."""
+    M, N, K = 64, 128, 1024
+    x, w = _data(M, N, K, 11)
+    qw = quantize_weight_w4(w, "int4", 128)
+    if layout == "halves":
+        qw = qw.kernel_layout()
+    a, s = aq.ref_quant_fp8(x)
+    ref = aq.dequant_8bit(a, s) @ qw.dequantize().t()
+    cfg = GemmConfig(BM=bm, BN=64, BK=128, SPLIT_K=split, num_warps=4, num_stages=4, SWAP_AB=1)
+    assert _rel(gemm_w4a8(a, s, qw, torch.float32, cfg), ref) < 1e-5
+    y = gemm_w4a8(a, s, qw, torch.bfloat16, cfg)
+    assert y.dtype == torch.bfloat16 and _rel(y, ref) < 4e-3
+
+
+def test_w4a8_split_heuristic(monkeypatch):
+    """KESTREL_W4A8_SPLIT (lowbit_gemm.W4A8_SPLIT): off (1, the default) the session-10 M = 64 tile; on, K parts
+    only while the grid is under one wave, and never a part of fewer than four 128-groups."""
+    from kestrel.kernels import lowbit_gemm as lg
+    h = lambda M, N, K: lg.heuristic_config(M, N, K, lg.A_FP8, lg.W_INT4)
+    monkeypatch.setattr(lg, "W4A8_SPLIT", 1)
+    assert (h(64, 4096, 14336).BM, h(64, 4096, 14336).BN, h(64, 4096, 14336).SPLIT_K) == (64, 64, 1)
+    monkeypatch.setattr(lg, "W4A8_SPLIT", 4)
+    assert h(64, 4096, 14336).SPLIT_K == 4  # 64 CTAs -> 128 -> 256: stops past one wave
+    assert h(64, 8192, 28672).SPLIT_K == 2  # 128 CTAs -> 256
+    assert h(64, 28672, 4096).SPLIT_K == 1  # 448 CTAs: no split
+    assert h(64, 256, 1024).SPLIT_K == 2  # K 1024: parts of 512 at most two
+    assert h(1024, 4096, 14336).SPLIT_K == 1  # large M: the 128 x 128 tile, no split
+    x, w = _data(64, 128, 1024, 12)
+    qw = quantize_weight_w4(w, "int4", 128).kernel_layout()
+    a, s = aq.ref_quant_fp8(x)
+    cfg = h(64, 128, 1024)
+    assert cfg.SPLIT_K == 2
+    assert _rel(gemm_w4a8(a, s, qw, torch.float32, cfg), aq.dequant_8bit(a, s) @ qw.dequantize().t()) < 1e-5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX decode runs on the GPU only")
 def test_w4a8_asm_decode_matches_reference():
     """DECODE_ASM (inline-PTX int4 -> e4m3 of the swapped halves path) vs float64 dequantize-then-matmul."""

@@ -13,6 +13,7 @@ value (2 significant bits) times an e8m0 / e4m3 scale (1 / 4 significant bits) f
 on the bf16 MMA. FP8 MMA would be 2x the peak rate but the 32/16-wide scale blocks would force a scaled partial every
 16-32 K (an fp8 wgmma step is 32 deep), and scale x value products overflow e4m3's range; bf16 keeps one MMA per tile.
 """
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -430,6 +431,22 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
     return out
 
 
+# W4A8 at 16 < M <= 256: the swapped BM x 64 tile makes one CTA per 64 weight rows, so N = 4096 / 8192 fill 64 / 128
+# of the H200's 132 SMs (session 10: M = 64 0.34 / 0.50x Humming W4A8). KESTREL_W4A8_SPLIT=S (> 1): split K (fp32
+# atomics, as the decode tiles) in up to S parts while the grid is under one wave (w4a8_split). 1 (default until a
+# GPU measurement): no split, the session-10 heuristic
+W4A8_SPLIT = int(os.environ.get("KESTREL_W4A8_SPLIT", "1"))
+
+
+def w4a8_split(tiles: int, K: int, max_split: int, num_sms: int = 132) -> int:
+    """K parts for a W4A8 grid of `tiles` CTAs: doubled while the grid is under one wave, every part keeps at least
+    four 128-deep K tiles (group-128 scales stay whole per part) and K divides evenly."""
+    split = 1
+    while tiles * split < num_sms and split < max_split and K % (128 * split * 2) == 0 and K // (split * 2) >= 512:
+        split *= 2
+    return split
+
+
 def heuristic_config(M: int, N: int, K: int, a_fmt: int, w_fmt: int, num_sms: int = 132) -> GemmConfig:
     """Default compute config when the tune cache has no entry. The 8-bit-MMA choices are the H200 sweep's best on
     average over nine Llama-3 shapes (bench/results/gemm_w8a8_sweep.md); 6 stages at 16 < M <= 256 and the fused
@@ -440,8 +457,9 @@ def heuristic_config(M: int, N: int, K: int, a_fmt: int, w_fmt: int, num_sms: in
         if w4:  # W4A8: swapped (weight rows on the MMA's 64-row side). (Expand-to-fp8 + TMA, config TMA=1, measured
             # slower: its per-K-tile group scaling stalls the wgmma pipeline.)
             if M <= 256:
-                return GemmConfig(BM=min(128, triton.next_power_of_2(M)), BN=64, BK=128, num_warps=4, num_stages=4,
-                                  SWAP_AB=1)
+                bm = min(128, triton.next_power_of_2(M))
+                split = w4a8_split(triton.cdiv(M, bm) * triton.cdiv(N, 64), K, W4A8_SPLIT, num_sms)
+                return GemmConfig(BM=bm, BN=64, BK=128, SPLIT_K=split, num_warps=4, num_stages=4, SWAP_AB=1)
             return GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
         if M <= 256:  # TMA kernel (per-token x per-channel scales; other scale layouts reuse the tiles unTMA'd).
             # BN 64 when 64x128 tiles leave SMs idle (H200 8192x8192 M = 64: 64 -> 128 CTAs, 22.8 -> 22.0 us,
@@ -481,8 +499,10 @@ def candidate_configs(M: int, a_fmt: int, w_fmt: int | None = None) -> list[Gemm
                         warps = 8 if bm * bn >= 128 * 128 else 4
                         out.append(GemmConfig(BM=bm, BN=bn, BK=bk, SPLIT_K=split, num_warps=warps, num_stages=stages))
     if not dq16:  # swapped operands (8-bit MMA) and, above decode sizes, the TMA kernel
-        for bm in ((16,) if M <= 16 else (64, 128)):
-            for bn, split in ((64, 1), (64, 2), (128, 1), (128, 2), (256, 1)):
+        # (16 < M <= 64: also 32-row tiles, twice the CTAs, and 4 K parts: W4A8's under-filled grid at small N)
+        for bm in ((16,) if M <= 16 else (32, 64, 128) if M <= 64 else (64, 128)):
+            for bn, split in ((64, 1), (64, 2), (128, 1), (128, 2), (256, 1)) + (((64, 4), (128, 4)) if 16 < M <= 64
+                                                                               else ()):
                 w = 8 if bm * bn >= 128 * 128 else 4
                 out.append(GemmConfig(BM=bm, BN=bn, BK=128, SPLIT_K=split, num_warps=w, num_stages=4, SWAP_AB=1))
         if M > 16:
