@@ -59,6 +59,7 @@ class LogRow(dict):
 
 LEAN = [False]  # --lean: the headline columns only (no tile variants, no plain-pair / fast-accum / a16 extras)
 WARM_ONLY = [False]  # --warm-only: run every call once (fills the Triton / Humming JIT caches), time nothing
+W8A8_CFGS: list = []  # --fp8-cfgs: FP8 TMA configs (incl. in-kernel split-K) timed beside the default
 W4A8_CFGS: list = []  # --w4a8-cfgs: swapped W4A8 tile configs timed beside the default (M = 64 grid-fill options)
 
 
@@ -174,6 +175,12 @@ def run_fp8(N, K, ms, rows, budget):
         r["kestrel_gemm_us"] = safe_us([lambda i=i: gemm_w8a8(a, s, *q[i]) for i in range(nc)])
         r["kestrel_e2e_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i]) for i in range(nc)])
         pdl_case(r, x, q, nc)
+        for cfg in W8A8_CFGS:  # each: err vs dequant, GEMM alone and e2e (quant + GEMM, no PDL)
+            tag = f"kestrel_fp8_bm{cfg.BM}bn{cfg.BN}s{cfg.SPLIT_K}w{cfg.num_warps}st{cfg.num_stages}t{cfg.TMA}"
+            r[f"{tag}_err"] = rel(gemm_w8a8(a, s, *q[0], config=cfg), ref_gemm_w8a8(a, s, *q[0]))
+            r[f"{tag}_gemm_us"] = safe_us([lambda i=i, c=cfg: gemm_w8a8(a, s, *q[i], config=c) for i in range(nc)])
+            r[f"{tag}_e2e_us"] = safe_us([lambda i=i, c=cfg: gemm_w8a8(*aq.quant_fp8(x), *q[i], config=c)
+                                          for i in range(nc)])
         if 16 < M <= 256 and not LEAN[0]:  # deeper TMA pipelines than the swept ones (the swept best was 0.91-0.99x cuBLASLt here)
             # (run 5: 6 stages = the default, BK 256 slower.) BN 64 / 32: 2-4x the CTAs of the 64x128 tiles
             # (8192 wide at M = 64: 64 CTAs for 132 SMs), and the swapped pointer kernel with a K split
@@ -432,8 +439,12 @@ def main():
     p.add_argument("--ms", default="1,16,64,256,1024,4096", help="comma list of batch sizes M")
     p.add_argument("--w4a8-cfgs", default="", help="W4A8 swapped configs to time beside the default: "
                    "BM:BN:SPLIT:WARPS:STAGES,... (e.g. 64:64:2:4:4 for a K split at M = 64)")
+    p.add_argument("--fp8-cfgs", default="", help="FP8 TMA configs to time beside the default: "
+                   "BM:BN:SPLIT:WARPS:STAGES,... (e.g. 64:64:2:4:6: K split summed in the kernel)")
     add_run_args(p, budget_s=200)
     args = p.parse_args()
+    W8A8_CFGS[:] = [GemmConfig(BM=bm, BN=bn, BK=128, SPLIT_K=sk, num_warps=w, num_stages=st, TMA=1)
+                    for bm, bn, sk, w, st in (map(int, c.split(":")) for c in args.fp8_cfgs.split(",") if c)]
     W4A8_CFGS[:] = [GemmConfig(BM=bm, BN=bn, BK=128, SPLIT_K=sk, num_warps=w, num_stages=st, SWAP_AB=1)
                     for bm, bn, sk, w, st in (map(int, c.split(":")) for c in args.w4a8_cfgs.split(",") if c)]
     meta = start_run(args, "bench/gemm_w8a8.py")

@@ -43,10 +43,10 @@ def k_step(kern) -> str:
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if any("HGMMA" in t for t in body) and (best is None or len(body) < len(best)):
+            if any("GMMA" in t for t in body) and (best is None or len(body) < len(best)):
                 best = body
     op = lambda t: re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
-    return (f"K step {len(best)} SASS ({sum(op(t).startswith('HGMMA') for t in best)} HGMMA, "
+    return (f"K step {len(best)} SASS ({sum('GMMA' in op(t) for t in best)} HGMMA/QGMMA, "
             f"{sum(op(t).startswith('WARPGROUP.DEPBAR') for t in best)} wgmma waits, "
             f"{sum(op(t).startswith('BAR') for t in best)} BAR)")
 

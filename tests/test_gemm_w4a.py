@@ -169,7 +169,7 @@ def test_w4a8_m64_split_and_small_tiles(bm, split, layout):
 
 def test_w4a8_split_heuristic(monkeypatch):
     """KESTREL_W4A8_SPLIT (lowbit_gemm.W4A8_SPLIT): off (1, the default) the session-10 M = 64 tile; on, K parts
-    only while the grid is under one wave, and never a part of fewer than four 128-groups."""
+    only while the grid is under one wave (grid_fill_split), and never a part of fewer than four 128-groups."""
     from kestrel.kernels import lowbit_gemm as lg
     h = lambda M, N, K: lg.heuristic_config(M, N, K, lg.A_FP8, lg.W_INT4)
     monkeypatch.setattr(lg, "W4A8_SPLIT", 1)

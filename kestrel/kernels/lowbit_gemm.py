@@ -433,13 +433,17 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
 
 # W4A8 at 16 < M <= 256: the swapped BM x 64 tile makes one CTA per 64 weight rows, so N = 4096 / 8192 fill 64 / 128
 # of the H200's 132 SMs (session 10: M = 64 0.34 / 0.50x Humming W4A8). KESTREL_W4A8_SPLIT=S (> 1): split K (fp32
-# atomics, as the decode tiles) in up to S parts while the grid is under one wave (w4a8_split). 1 (default until a
-# GPU measurement): no split, the session-10 heuristic
+# atomics, as the decode tiles) in up to S parts while the grid is under one wave (grid_fill_split). 1 (default until
+# a GPU measurement): no split, the session-10 heuristic
 W4A8_SPLIT = int(os.environ.get("KESTREL_W4A8_SPLIT", "1"))
+# the same for the FP8 / INT8 TMA kernel at 16 < M <= 256 (4096 x 14336 at M = 64: 64 CTAs, GEMM 27.2 us where the
+# weight stream alone is ~12; 0.80x Humming W8A8 e2e, session 10): KESTREL_W8A8_SPLIT=S, K parts summed in the kernel
+# (lowbit_tma.launch_tma). 1 (default until a GPU measurement): no split
+W8A8_SPLIT = int(os.environ.get("KESTREL_W8A8_SPLIT", "1"))
 
 
-def w4a8_split(tiles: int, K: int, max_split: int, num_sms: int = 132) -> int:
-    """K parts for a W4A8 grid of `tiles` CTAs: doubled while the grid is under one wave, every part keeps at least
+def grid_fill_split(tiles: int, K: int, max_split: int, num_sms: int = 132) -> int:
+    """K parts for a grid of `tiles` CTAs: doubled while the grid is under one wave, every part keeps at least
     four 128-deep K tiles (group-128 scales stay whole per part) and K divides evenly."""
     split = 1
     while tiles * split < num_sms and split < max_split and K % (128 * split * 2) == 0 and K // (split * 2) >= 512:
@@ -458,14 +462,15 @@ def heuristic_config(M: int, N: int, K: int, a_fmt: int, w_fmt: int, num_sms: in
             # slower: its per-K-tile group scaling stalls the wgmma pipeline.)
             if M <= 256:
                 bm = min(128, triton.next_power_of_2(M))
-                split = w4a8_split(triton.cdiv(M, bm) * triton.cdiv(N, 64), K, W4A8_SPLIT, num_sms)
+                split = grid_fill_split(triton.cdiv(M, bm) * triton.cdiv(N, 64), K, W4A8_SPLIT, num_sms)
                 return GemmConfig(BM=bm, BN=64, BK=128, SPLIT_K=split, num_warps=4, num_stages=4, SWAP_AB=1)
             return GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
         if M <= 256:  # TMA kernel (per-token x per-channel scales; other scale layouts reuse the tiles unTMA'd).
             # BN 64 when 64x128 tiles leave SMs idle (H200 8192x8192 M = 64: 64 -> 128 CTAs, 22.8 -> 22.0 us,
             # bench/results/moe_h200_run6.md)
             bn = 64 if triton.cdiv(M, 64) * triton.cdiv(N, 128) < num_sms else 128
-            return GemmConfig(BM=64, BN=bn, BK=128, num_warps=4, num_stages=6, TMA=1)
+            split = grid_fill_split(triton.cdiv(M, 64) * triton.cdiv(N, bn), K, W8A8_SPLIT, num_sms)
+            return GemmConfig(BM=64, BN=bn, BK=128, SPLIT_K=split, num_warps=4, num_stages=6, TMA=1)
         return GemmConfig(BM=128, BN=256, BK=128, num_warps=8, num_stages=3, TMA=1)
     bk = 64 if dq16 else 128
     if M <= 16:
@@ -510,6 +515,9 @@ def candidate_configs(M: int, a_fmt: int, w_fmt: int | None = None) -> list[Gemm
                                   (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3)):
                 for tma in (1, 2):
                     out.append(GemmConfig(BM=bm, BN=bn, BK=128, num_warps=w, num_stages=st, TMA=tma))
+            if M <= 64:  # small grids: narrower tiles and in-kernel K parts (lowbit_tma SPLIT)
+                for bn, split in ((32, 1), (64, 2), (64, 4), (128, 2)):
+                    out.append(GemmConfig(BM=64, BN=bn, BK=128, SPLIT_K=split, num_warps=4, num_stages=6, TMA=1))
     return out
 
 
@@ -527,7 +535,7 @@ def run_dense(a: Operand, w: Operand, M: int, N: int, K: int, out_dtype: torch.d
         return torch.empty((0, N), dtype=out_dtype, device=a.data.device)
     if cfg is None:
         cfg = heuristic_config(M, N, K, a.fmt, w.fmt)
-    if cfg.TMA and cfg.SPLIT_K == 1 and _tma_shape(a, w):
+    if cfg.TMA and (cfg.SPLIT_K == 1 or cfg.TMA == 1) and _tma_shape(a, w):  # (TMA 1: K parts summed in-kernel)
         from kestrel.kernels.lowbit_tma import launch_tma, tma_ok
         out = torch.empty((M, N), dtype=out_dtype, device=a.data.device)
         if tma_ok(a.data, w.data, out):

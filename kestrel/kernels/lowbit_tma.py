@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.gemm_wna16_tc import _epilogue, _split_counters
 from kestrel.kernels.lowbit import round_bf16
 from kestrel.kernels.lowbit_gemm import int4_to_e4m3
 
@@ -27,10 +28,17 @@ def _prefetch_l2(ptrs):
                                      is_pure=False, pack=1)
 
 
+_SEM = tl.constexpr("relaxed")  # (_epilogue's atomic order argument: unused by its in-kernel reduction)
+
+
 @triton.jit
 def _w8a8_tma_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, w_ptr, M, N, K, num_progs, stride_wsn, stride_w,
                      INT8: tl.constexpr, WG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP_M: tl.constexpr, OUT_DT: tl.constexpr, PDL_LINES: tl.constexpr):
+                     GROUP_M: tl.constexpr, OUT_DT: tl.constexpr, PDL_LINES: tl.constexpr, SPLIT: tl.constexpr = 1,
+                     part_ptr=None, cnt_ptr=None, c_ptr=None, stride_cm=0):
+    """SPLIT > 1 (launch_tma's split_k, non-persistent grid (tiles, SPLIT)): program (tile, p) runs K part p and
+    the tile's last part to finish sums the fp32 partials (part_ptr slabs, cnt_ptr tickets: gemm_wna16_tc's
+    in-kernel reduction) into c_ptr - one launch, no zeroed fp32 output, no cast (small-M grids under one wave)."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     num_tiles = num_pid_m * num_pid_n
@@ -56,7 +64,13 @@ def _w8a8_tma_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, w_ptr, M, N, K, num
             acc = tl.zeros((BM, BN), tl.int32)
         else:
             acc = tl.zeros((BM, BN), tl.float32)
-        for ki in range(k_tiles):
+        k_lo = 0
+        k_hi = k_tiles
+        if SPLIT > 1:  # this program's K part
+            per = tl.cdiv(k_tiles, SPLIT)
+            k_lo = tl.program_id(1) * per
+            k_hi = tl.minimum(k_lo + per, k_tiles)
+        for ki in range(k_lo, k_hi):
             a = a_desc.load([om, ki * BK])
             w = w_desc.load([on, ki * BK])
             if WG > 0:  # weight group scales along K (W4A8 int4 g128): scale each K tile's partial product
@@ -69,7 +83,10 @@ def _w8a8_tma_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, w_ptr, M, N, K, num
         out = acc.to(tl.float32) * tl.load(as_ptr + rm, mask=rm < M, other=0.0)[:, None]
         if WG == 0:
             out = out * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[None, :]
-        if OUT_DT == 0:
+        if SPLIT > 1:  # (the scales are linear: each part is scaled before the sum)
+            _epilogue(out, c_ptr, as_ptr, as_ptr, rm, rn, rn, M, N, stride_cm, True, 0, False, False, 0, True, 1,
+                      part_ptr, cnt_ptr, tile, num_tiles, tl.program_id(1), _SEM, SPLIT)
+        elif OUT_DT == 0:
             c_desc.store([om, on], round_bf16(out).to(tl.bfloat16))
         elif OUT_DT == 1:
             c_desc.store([om, on], out.to(tl.float16))
@@ -118,6 +135,18 @@ def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+def split_parts(cfg, K: int, bk: int) -> int:
+    """K parts of a TMA launch: cfg.SPLIT_K on the non-persistent grid (TMA 1), none persistent (TMA 2); fewer
+    where K has fewer K tiles than that (no empty part)."""
+    if cfg.TMA != 1 or cfg.SPLIT_K <= 1:
+        return 1
+    k_tiles = triton.cdiv(K, bk)
+    split = min(cfg.SPLIT_K, k_tiles)
+    while split > 1 and (split - 1) * triton.cdiv(k_tiles, split) >= k_tiles:  # an empty last part
+        split -= 1
+    return split
+
+
 def launch_tma(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
                cfg, group: int = 0, pdl: bool = False) -> torch.Tensor:
     """out[M, N] = (a * a_scale[M]) @ (w * w_scale)^T; a, w both fp8 or both int8 (K contiguous); w_scale [N]
@@ -137,7 +166,12 @@ def launch_tma(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
     progs = min(tiles, num_sms(a.device)) if cfg.TMA == 2 else tiles
     lines = min(PDL_PREFETCH_BYTES, triton.next_power_of_2(K * w.element_size())) // 128 if pdl else 0
     extra = {"launch_pdl": True} if pdl else {}
-    _w8a8_tma_kernel[(progs,)](a_desc, w_desc, c_desc, a_scale, w_scale, w, M, N, K, progs,
+    split = split_parts(cfg, K, bk)
+    if split > 1:  # K parts summed in the kernel: a slab per (part, tile) + a ticket counter per tile
+        extra.update(SPLIT=split, part_ptr=torch.empty(split * tiles * cfg.BM * cfg.BN, device=a.device,
+                                                        dtype=torch.float32),
+                     cnt_ptr=_split_counters(a.device, tiles), c_ptr=out, stride_cm=out.stride(0))
+    _w8a8_tma_kernel[(progs, split)](a_desc, w_desc, c_desc, a_scale, w_scale, w, M, N, K, progs,
                                w_scale.stride(0) if group else 1, w.stride(0), INT8=a.dtype == torch.int8, WG=group,
                                BM=cfg.BM, BN=cfg.BN, BK=bk, GROUP_M=cfg.GROUP_M,
                                OUT_DT=_OUT_DT[out.dtype], PDL_LINES=lines, num_warps=cfg.num_warps,
