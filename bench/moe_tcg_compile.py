@@ -6,10 +6,13 @@ C7511 check bench/wna16_tcg_compile.py's.
 
   PYTHONPATH=/tmp/t36:$PWD python bench/moe_tcg_compile.py            # the configs serving uses (+ SWAP 2 / 1 / 0)
   PYTHONPATH=/tmp/t36:$PWD python bench/moe_tcg_compile.py 80:256:8:4:8:2:0:0:0:0:2
+  ... --md5     # also the md5 of each variant's whole SASS: run in two trees (e.g. a `git archive` of main) and
+                # diff, to show a change leaves a default compile identical
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import subprocess
@@ -30,14 +33,24 @@ SERVING = ("64:256:8:4:8:2:0:0:0:0:2", "80:256:8:4:8:2:0:0:0:0:2", "96:256:8:4:8
            "128:128:8:4:8:2", "64:256:8:4:8:2", "64:256:8:4:8:2:0:0:0:1", "64:256:8:3:8:1")
 
 
-def k_step(kern) -> str:
-    """the innermost K loop (the shortest backward branch whose body holds a wgmma; sass_loop's longest one spans
-    the WS partitions' epilogue too): instructions, HGMMA, WARPGROUP.DEPBAR (wgmma waits) and BAR per K step."""
+def sass_text(kern) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kern.asm["cubin"])
         f.flush()
-        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+        return subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+
+
+def sass_md5(kern) -> str:
+    """md5 of the kernel's SASS instructions (addresses and encodings dropped)."""
+    body = "\n".join(m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass_text(kern)))
+    return hashlib.md5(body.encode()).hexdigest()
+
+
+def k_step(kern) -> str:
+    """the innermost K loop (the shortest backward branch whose body holds a wgmma; sass_loop's longest one spans
+    the WS partitions' epilogue too): instructions, HGMMA, WARPGROUP.DEPBAR (wgmma waits) and BAR per K step."""
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass_text(kern))]
     best = None
     for addr, text in ins:
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
@@ -55,14 +68,15 @@ def parse(c: str) -> TcgConfig:
     return TcgConfig(*(int(v) for v in c.split(":")))
 
 
-def report(c: str, reduce: bool) -> bool:
+def report(c: str, reduce: bool, md5: bool = False) -> bool:
     tag = f"{c} {'reduce' if reduce else 'store'}"
     try:
         k = compile_tcgp(parse(c), reduce)
         loop, regs, stack = sass_loop(k)
         print(f"{tag}: regs {regs} stack {stack} shared {k.metadata.shared} {k_step(k)}, "
               f"longest HGMMA loop {len(loop)} SASS, writes to in-flight wgmma A registers "
-              f"{inflight_a_writes(k)}{', wgmma SERIALISED (C7511)' if wgmma_serialised(k) else ''}", flush=True)
+              f"{inflight_a_writes(k)}{', wgmma SERIALISED (C7511)' if wgmma_serialised(k) else ''}"
+              f"{', SASS md5 ' + sass_md5(k) if md5 else ''}", flush=True)
         return True
     except Exception as ex:  # report every variant, fail at the end
         print(f"{tag}: FAILED {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
@@ -73,11 +87,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("configs", nargs="*", default=list(SERVING))
     p.add_argument("--store-only", action="store_true", help="skip the down projection's routed atomic epilogue")
+    p.add_argument("--md5", action="store_true", help="also print each variant's SASS md5")
     args = p.parse_args()
     ok = True
     for c in args.configs:
         for red in (False,) if args.store_only else (False, True):
-            ok &= report(c, red)
+            ok &= report(c, red, args.md5)
     sys.exit(0 if ok else 1)
 
 

@@ -314,9 +314,9 @@ def _put_slots(out, otok, row_ok, offs_n, n_ok, y_ptr, topk_w_ptr, out_div, stri
 
 
 @gluon.jit
-def _tcgp_kloop2(q_desc, x_smem, q_smem, bars, x_ptrs, qrow0, s_base, off_n, N, n_steps, L3: gl.constexpr,
-                 a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _tcgp_kloop2(q_desc, x_smem, q_smem, bars, x_ptrs, qrow0, s_base, off_n, N, n_steps, a_layout: gl.constexpr,
+                 mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 num_warps: gl.constexpr):
     """the tcgp K loop without the register-A race (TcgConfig.LOOP 2; the ring's prologue already issued): each K
     step as two wgmma, each on its own A registers, rewritten only after the wait that retired the wgmma reading
     them (see _ws_consume_halves) - on the tile's row halves where a warp holds two 16-row slices (BN >= 32 warps:
@@ -426,7 +426,7 @@ def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     L3: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK]))
     if LOOP == 2:
         acc = _tcgp_kloop2(q_desc, x_smem, q_smem, bars, x_ptrs, qrow0, s_ptr + (expert * n_steps).to(gl.int64) * N,
-                           off_n, N, n_steps, L3, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, num_warps)
+                           off_n, N, n_steps, a_layout, mma_layout, BLOCK_M, BLOCK_N, STAGES, num_warps)
     else:
         sel, zb, s_offs = dense._swap_consts(L3, N, off_n, BLOCK_N, 8, False)  # s_offs: the tile's columns [BN, 1, 1]
         s_ok = s_offs < N
