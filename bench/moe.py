@@ -61,7 +61,8 @@ TCG_MODES = {"int4t2": {"USE_TCG": "2"}, "int4t3": {"USE_TCG": "3"}, "int4t3b128
              "int4t5b80l2": {"USE_TCG": "5", "TCG_BM": "80", "TCG_LOOP": 2},
              "int4t5b96l2": {"USE_TCG": "5", "TCG_BM": "96", "TCG_LOOP": 2},
              "int4t3b128l2": {"USE_TCG": "3", "TCG_BM": "128", "TCG_LOOP": 2},
-             "int4t3b64l2": {"USE_TCG": "3", "TCG_BM": "", "TCG_LOOP": 2}}
+             "int4t3b64l2": {"USE_TCG": "3", "TCG_BM": "", "TCG_LOOP": 2},
+             "int4t4b64l2": {"USE_TCG": "4", "TCG_BM": "", "TCG_LOOP": 2}}
 FMT.update({f: FMT["int4"] for f in TCG_MODES})
 HUMMING = {"fp8": ({"dtype": "float8e4m3"}, {"dtype": "float8e4m3"}),
            "int4": ({"dtype": "int4", "group_size": 128}, None)}

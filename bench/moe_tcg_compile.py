@@ -64,6 +64,40 @@ def k_step(kern) -> str:
             f"{sum(op(t).startswith('BAR') for t in best)} BAR)")
 
 
+def inflight_a_writes_skipping(kern) -> int:
+    """inflight_a_writes on the path that takes every forward branch inside a K loop (the persistent loop's
+    tile epilogue, `if last:`, holds a wait(0) that the straight-line replay would otherwise always count as run):
+    the same count (wna16_tcg_compile's), fed the SASS without those skipped regions."""
+    sass = sass_text(kern)
+    ins = [(int(m.group(1), 16), m.group(0)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"BRA (0x[0-9a-f]+)", t)]
+             if m and int(m.group(1), 16) < a]
+    skip = []
+    for a, t in ins:
+        m = re.search(r"@!?U?P\w+\s+BRA (0x[0-9a-f]+)", t)
+        if m and int(m.group(1), 16) > a and any(lo <= a and int(m.group(1), 16) <= hi for lo, hi in loops):
+            skip.append((a, int(m.group(1), 16)))
+    drop = {t for a, t in ins if any(lo < a < hi for lo, hi in skip)}
+    kept = "\n".join(line for line in sass.splitlines() if not any(d in line for d in drop))
+    real = subprocess.run
+    subprocess.run = lambda *a, **k: type("R", (), {"stdout": kept})() if "-sass" in a[0] else real(*a, **k)
+    try:
+        return inflight_a_writes(kern)
+    finally:
+        subprocess.run = real
+
+
+def ptxas_wgmma_notes(kern) -> list[str]:
+    """ptxas' C75xx notes on the kernel's PTX (Triton's bundled ptxas, -v): C7511 serialised wgmma, C7517 a
+    warpgroup.wait it injected (e.g. the persistent loop's: a full wait every step, no decode / MMA overlap)."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        open(src, "w").write(kern.asm["ptx"])
+        res = subprocess.run([f"{BIN}/ptxas", "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    return sorted(set(re.findall(r"\((C75\d\d)\)", res.stdout + res.stderr)))
+
+
 def parse(c: str) -> TcgConfig:
     return TcgConfig(*(int(v) for v in c.split(":")))
 
@@ -75,7 +109,8 @@ def report(c: str, reduce: bool, md5: bool = False) -> bool:
         loop, regs, stack = sass_loop(k)
         print(f"{tag}: regs {regs} stack {stack} shared {k.metadata.shared} {k_step(k)}, "
               f"longest HGMMA loop {len(loop)} SASS, writes to in-flight wgmma A registers "
-              f"{inflight_a_writes(k)}{', wgmma SERIALISED (C7511)' if wgmma_serialised(k) else ''}"
+              f"{inflight_a_writes(k)} (forward branches taken: {inflight_a_writes_skipping(k)}), ptxas wgmma notes "
+              f"{ptxas_wgmma_notes(k) or 'none'}{', wgmma SERIALISED (C7511)' if wgmma_serialised(k) else ''}"
               f"{', SASS md5 ' + sass_md5(k) if md5 else ''}", flush=True)
         return True
     except Exception as ex:  # report every variant, fail at the end

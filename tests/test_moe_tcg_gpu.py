@@ -1,8 +1,8 @@
 """The grouped Gluon int4 MoE kernels (moe_tcg.py) on a Hopper GPU vs a per-slot fp64 loop on the dequantized
-experts: the WS loop (the serving default) with 64 / 80 / 96-row expert blocks and the tcgp loop (64 x 256, 128 x
-128), each with its one-A K loop (LOOP 0) and the race-free two-wgmma loop (LOOP 2), bf16 slot stores (up
-projection) and the routed fp32-atomic token sums (down projection). Gluon has no CPU interpreter: skipped
-elsewhere."""
+experts: the WS loop (the serving default) with 64 / 80 / 96-row expert blocks, the tcgp loop (64 x 256, 128 x 128)
+and the persistent tcgp loop (64 x 256), each with its one-A K loop (LOOP 0) and the race-free two-wgmma loop
+(LOOP 2), bf16 slot stores (up projection) and the routed fp32-atomic token sums (down projection). Gluon has no CPU
+interpreter: skipped elsewhere."""
 import pytest
 import torch
 
@@ -37,17 +37,20 @@ def _rows_ok(got, ref):
 
 
 # the WS loop (WS 2, BN 256) and the plain tcgp loop (WS 0: 64 x 256 row halves, 128 x 128 K halves with LOOP 2)
+# and the persistent tcgp loop (PERSIST 1, 64 x 256)
 CFGS = ([dict(BM=bm, BN=256, WS=2, LOOP=loop) for bm in (64, 80, 96) for loop in (0, 2)]
-        + [dict(BM=bm, BN=bn, WS=0, LOOP=loop) for bm, bn in ((64, 256), (128, 128)) for loop in (0, 2)])
+        + [dict(BM=bm, BN=bn, WS=0, LOOP=loop) for bm, bn in ((64, 256), (128, 128)) for loop in (0, 2)]
+        + [dict(BM=64, BN=256, WS=0, PERSIST=1, LOOP=loop) for loop in (0, 2)])
 
 
 def _cfg(c):
     return moe_tcg.TcgConfig(BM=c["BM"], BN=c["BN"], num_warps=8, num_stages=4, GROUP_M=8, SWAP=2, WS=c["WS"],
-                             LOOP=c["LOOP"])
+                             PERSIST=c.get("PERSIST", 0), LOOP=c["LOOP"])
 
 
 def _id(c):
-    return f"{'ws' if c['WS'] else 'tcgp'}-bm{c['BM']}-bn{c['BN']}-loop{c['LOOP']}"
+    kind = "ws" if c["WS"] else "tcgq" if c.get("PERSIST") else "tcgp"
+    return f"{kind}-bm{c['BM']}-bn{c['BN']}-loop{c['LOOP']}"
 
 
 @pytest.mark.parametrize("c", CFGS, ids=_id)

@@ -206,7 +206,7 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
             return TcgConfig(BM=bm, BN=256 if swap and (bm <= 64 or ws) else 128, num_warps=8,
                              num_stages=4 if tcgp else 3, GROUP_M=8, SWAP=2 if tcgp else int(swap),
                              PERSIST=int(USE_TCG == "4"), WS=TCG_WS if ws else 0,
-                             LOOP=TCG_LOOP if tcgp and USE_TCG != "4" else 0)
+                             LOOP=TCG_LOOP if tcgp else 0)
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)

@@ -516,7 +516,7 @@ def _issue_step(q_desc, bar, q_slot, x_slot, i, total, p_t, p_s, p_n, p_e, p_x, 
 def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                      out_div, N, K, stride_xm, stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     num_warps: gl.constexpr, LOOP: gl.constexpr = 0):
     """The tcgp loop made persistent (PERSIST 1): one program per SM walks its tiles as one flat sequence of
     (tile, K step) steps through one load ring, so the loads of a tile's first steps are in flight while the tile
     before finishes its last wgmmas and its epilogue (session 8 probes: the tcgp loop spends ~145 of 198.6 us
@@ -563,24 +563,54 @@ def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     c_m, c_n, n_e = _tile_coords(0, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
     n_m = c_m
     n_n = c_n
-    s_next = gl.load(s_ptr + (n_e * n_steps).to(gl.int64) * N + n_n + cols, mask=n_n + cols < N, other=0.0)
-    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    if LOOP == 2:  # the race-free step (as _tcgp_kloop2's row halves; BN >= 32 warps): two wgmma on two A sets
+        HN: gl.constexpr = BLOCK_N // 2
+        L3h: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
+        selh, zbh, colh = dense._swap_consts(L3h, N, 0, HN, 8, False)  # half 0's columns from 0 [HN, 1, 1]
+        s_row = s_ptr + (n_e * n_steps).to(gl.int64) * N + n_n
+        s_next0 = gl.load(s_row + colh, mask=n_n + colh < N, other=0.0)
+        s_next1 = gl.load(s_row + HN + colh, mask=n_n + HN + colh < N, other=0.0)
+        acc0 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        acc1 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        a1 = gl.zeros((HN, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's half 1": nothing in flight
+    else:
+        s_next = gl.load(s_ptr + (n_e * n_steps).to(gl.int64) * N + n_n + cols, mask=n_n + cols < N, other=0.0)
+        acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
     for c in range(total):
         slot = c % STAGES
         last = s == n_steps - 1  # the tile's last step: the next one starts the next tile
         if last & (c + 1 < total):
             n_m, n_n, n_e = _tile_coords(c_t + 1, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
         s1 = gl.where(last, 0, s + 1)
-        sraw = s_next.to(gl.bfloat16)
-        s_next = gl.load(s_ptr + (n_e * n_steps + s1).to(gl.int64) * N + n_n + cols,
-                         mask=(n_n + cols < N) & (c + 1 < total), other=0.0)
-        mbarrier.wait(bars.index(slot), (c // STAGES) & 1)
-        a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
-        async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step c landed (one group per step)
-        fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
-        gl.thread_barrier()  # ... from every thread
-        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, use_acc=s != 0, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step c - 1 done: its ring slot is free
+        if LOOP == 2:
+            sraw0 = s_next0.to(gl.bfloat16)
+            sraw1 = s_next1.to(gl.bfloat16)
+            s_row = s_ptr + (n_e * n_steps + s1).to(gl.int64) * N + n_n
+            s_next0 = gl.load(s_row + colh, mask=(n_n + colh < N) & (c + 1 < total), other=0.0)
+            s_next1 = gl.load(s_row + HN + colh, mask=(n_n + HN + colh < N) & (c + 1 < total), other=0.0)
+            mbarrier.wait(bars.index(slot), (c // STAGES) & 1)
+            q = q_smem.index(slot)
+            xs = x_smem.index(slot).permute((1, 0))
+            a0 = dense._swap_a(q.slice(0, HN, dim=1), sraw0, selh, zbh, L3h, a_layout, HN, False)
+            async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step c landed (one group per step)
+            fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
+            gl.thread_barrier()  # ... from every thread
+            acc0 = warpgroup_mma(a0, xs, acc0, use_acc=s != 0, is_async=True)
+            acc1, a1, acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1, a1, acc0))  # step c - 1 done
+            a1 = dense._swap_a(q.slice(HN, HN, dim=1), sraw1, selh, zbh, L3h, a_layout, HN, False)
+            acc1 = warpgroup_mma(a1, xs, acc1, use_acc=s != 0, is_async=True)
+            acc0, a0, acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, a0, acc1))  # half 0 done
+        else:
+            sraw = s_next.to(gl.bfloat16)
+            s_next = gl.load(s_ptr + (n_e * n_steps + s1).to(gl.int64) * N + n_n + cols,
+                             mask=(n_n + cols < N) & (c + 1 < total), other=0.0)
+            mbarrier.wait(bars.index(slot), (c // STAGES) & 1)
+            a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
+            async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step c landed (one group per step)
+            fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
+            gl.thread_barrier()  # ... from every thread
+            acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, use_acc=s != 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step c - 1 done: its ring slot is free
         gl.thread_barrier()  # ... in every warpgroup, before one thread refills it
         nxt = c + STAGES - 1
         ns = nxt % STAGES
@@ -589,8 +619,15 @@ def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
                                               expert_ptr, x_ptr, sorted_ptr, num_valid, a_div, stride_xm, BLOCK_M,
                                               BLOCK_N, GROUP_M, num_warps)
         if last:  # its epilogue while the next tile's first loads are in flight
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            _store_t_staged(acc, epi, y_ptr, topk_w_ptr, sorted_ptr, c_m, c_n, N, num_valid, out_div, stride_ym,
+            if LOOP == 2:
+                acc1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1))
+                # rows h * HN + r of the tile (as _tcgp_kloop2)
+                tile = gl.convert_layout(gl.reshape(gl.permute(gl.join(acc0, acc1), (2, 0, 1)), (BLOCK_N, BLOCK_M)),
+                                         mma_layout)
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                tile = acc
+            _store_t_staged(tile, epi, y_ptr, topk_w_ptr, sorted_ptr, c_m, c_n, N, num_valid, out_div, stride_ym,
                             BLOCK_M, BLOCK_N, MUL_ROUTED, REDUCE, num_warps)
             c_m = n_m
             c_n = n_n
@@ -867,8 +904,8 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             and (not cfg.PERSIST or cfg.SWAP == 2)
             and (not cfg.WS or (cfg.SWAP == 2 and not cfg.PERSIST and cfg.WS <= 2))
             # LOOP 2: the tcgp / WS loops (WS: row halves only)
-            and cfg.LOOP in (0, 2) and (not cfg.LOOP or (cfg.SWAP == 2 and not cfg.PERSIST
-                                                         and (not cfg.WS or cfg.BN >= 32 * cfg.num_warps)))
+            and cfg.LOOP in (0, 2) and (not cfg.LOOP or (cfg.SWAP == 2 and (not (cfg.WS or cfg.PERSIST)
+                                                                             or cfg.BN >= 32 * cfg.num_warps)))
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
@@ -906,6 +943,7 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
     elif cfg.PERSIST:  # the grid bound by the SMs; the kernel reads the real block count (num_post)
         kern, args = _moe_tcgq_kernel, (x, q_desc, w.scales, *tail)
         grid = (min(grid[0], _num_sms(x.device)),)
+        meta["LOOP"] = cfg.LOOP
     elif cfg.SWAP == 2:
         kern, args = _moe_tcgp_kernel, (x, q_desc, w.scales, *tail, blocks)
         meta["PROBE"] = cfg.PROBE
