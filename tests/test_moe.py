@@ -315,3 +315,28 @@ def test_ws_block_rows_auto(monkeypatch):
     assert moe_config(8 * 1024, 128, "bf16", planar=True).BM == 80
     assert moe_config(2 * 1024, 8, "bf16", planar=True).BM == 96
     assert moe_config(8 * 1024, 128, "bf16", planar=False).BM == 64  # (the lowbit kernels: power-of-two tiles)
+
+
+def test_tcg_loop2_flag_reaches_the_gluon_configs(monkeypatch):
+    """KESTREL_MOE_TCG_LOOP=2 (moe_gemm.TCG_LOOP): the race-free K loop for the tcgp / WS / persistent configs the
+    heuristic makes, but only where moe_tcg.supports has that loop (the persistent one needs BN 256) - never a silent
+    fall-back to the Triton kernel; 0 (the default) leaves every config at LOOP 0."""
+    from kestrel.kernels import moe_gemm
+    if moe_gemm.moe_tcg is None:
+        pytest.skip("no Gluon in this Triton")
+    torch.manual_seed(10)
+    H, I, E, k = 128, 128, 2, 1
+    router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=128)
+    assert moe_gemm.TCG_LOOP == 0 and all(c.LOOP == 0 for c in moe_configs(200, k, E, "bf16", moe.w13, moe.w2))
+    monkeypatch.setattr(moe_gemm, "TCG_LOOP", 2)
+    for mode, bm, slots, want in (("5", "", 200, 2), ("3", "", 200, 2), ("3", "128", 400, 2), ("4", "", 200, 2),
+                                  ("4", "128", 400, 0), ("2", "", 200, 0)):
+        monkeypatch.setattr(moe_gemm, "USE_TCG", mode)
+        monkeypatch.setattr(moe_gemm, "TCG_BM", bm)
+        cfgs = moe_configs(slots, k, E, "bf16", moe.w13, moe.w2)
+        assert all(c.LOOP == want for c in cfgs), (mode, bm, cfgs)
+        assert all(moe_gemm.moe_tcg.loop_ok(c) for c in cfgs), cfgs  # (the Gluon kernel's gate, in supports)
+    assert not moe_gemm.moe_tcg.loop_ok(dataclasses.replace(cfgs[0], LOOP=2))  # SWAP 1 has no LOOP 2
+    assert not moe_gemm.moe_tcg.loop_ok(moe_gemm.TcgConfig(BM=128, BN=128, SWAP=2, PERSIST=1, LOOP=2))
+    assert not moe_gemm.moe_tcg.loop_ok(moe_gemm.TcgConfig(BM=64, BN=256, SWAP=2, LOOP=1))

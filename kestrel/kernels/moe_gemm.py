@@ -203,10 +203,12 @@ def _projection_config(base: GemmConfig, num_slots: int, num_experts: int, w: Ex
             # for blocks of up to 64 rows only
             ws = USE_TCG == "5" and (bm <= 64 or bm in (80, 96))  # (80 / 96: the WS kernel only)
             # 128-row blocks: BN 128 keeps the fp32 accumulator at 64 registers a thread, as 64 x 256 does
-            return TcgConfig(BM=bm, BN=256 if swap and (bm <= 64 or ws) else 128, num_warps=8,
-                             num_stages=4 if tcgp else 3, GROUP_M=8, SWAP=2 if tcgp else int(swap),
-                             PERSIST=int(USE_TCG == "4"), WS=TCG_WS if ws else 0,
-                             LOOP=TCG_LOOP if tcgp else 0)
+            bn = 256 if swap and (bm <= 64 or ws) else 128
+            # (LOOP 2 of the persistent loop: row halves only, BN 256)
+            loop = TCG_LOOP if tcgp and (USE_TCG != "4" or bn == 256) else 0
+            return TcgConfig(BM=bm, BN=bn, num_warps=8, num_stages=4 if tcgp else 3, GROUP_M=8,
+                             SWAP=2 if tcgp else int(swap), PERSIST=int(USE_TCG == "4"), WS=TCG_WS if ws else 0,
+                             LOOP=loop)
         return TcConfig(BM=bm, BN=128, num_warps=8, num_stages=3, DEC=2)
     # more rows per expert: swapped operands (the weight tile is the MMA's 128-row side, the block's tokens its N)
     return MvConfig(BM=bm, BN=128, num_warps=4, num_stages=3, SWAP=1 if bm >= 64 else 0)

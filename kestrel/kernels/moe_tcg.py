@@ -886,6 +886,13 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def loop_ok(cfg: TcgConfig) -> bool:
+    """cfg.LOOP is one the kernel has: 0 anywhere; 2 on the SWAP 2 loops (tcgp: row or K halves; WS and
+    persistent: row halves only, BN >= 32 warps)."""
+    return cfg.LOOP == 0 or (cfg.LOOP == 2 and cfg.SWAP == 2
+                             and (not (cfg.WS or cfg.PERSIST) or cfg.BN >= 32 * cfg.num_warps))
+
+
 def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
     """Hopper, bf16 row-major x with 16-byte aligned rows, int4 g128 planar weights, a tile the kernel handles."""
     E, N, K = w.shape
@@ -903,9 +910,7 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             and (cfg.SWAP != 2 or cfg.num_stages >= 4)
             and (not cfg.PERSIST or cfg.SWAP == 2)
             and (not cfg.WS or (cfg.SWAP == 2 and not cfg.PERSIST and cfg.WS <= 2))
-            # LOOP 2: the tcgp / WS loops (WS: row halves only)
-            and cfg.LOOP in (0, 2) and (not cfg.LOOP or (cfg.SWAP == 2 and (not (cfg.WS or cfg.PERSIST)
-                                                                             or cfg.BN >= 32 * cfg.num_warps)))
+            and loop_ok(cfg)
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
