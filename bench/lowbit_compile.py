@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moe_tcg_compile import k_step  # noqa: E402
+from moe_tcg_compile import inflight_a_writes_on, k_step, sass_text  # noqa: E402
 from wna16_tc_sass import analyse, sass_loop  # noqa: E402
 
 from kestrel.kernels import lowbit_gemm as lg  # noqa: E402
@@ -89,12 +89,16 @@ def main():
                  compile_w4a8(bm, bn, split, warps, stages, not args.pairs))
             a = analyse(k, warps)
             a["QGMMA"] = sum("QGMMA" in t for t in sass_loop(k)[0])  # (fp8 wgmma: QGMMA in SASS)
+            # writes to the A registers of an in-flight fp8 wgmma (the count reads HGMMA lines: renamed)
+            a["inflight_A_writes"] = ("n/a: A from shared memory" if args.tma else
+                                      inflight_a_writes_on(k, sass_text(k).replace("QGMMA", "HGMMA")))
             print(f"{name} BM {bm} BN {bn} split {split} w{warps} s{stages}: "
                   + json.dumps({k: a[k] for k in ("regs", "spill_bytes", "smem_KB", "ctas_per_sm", "loop_instrs",
-                                                  "QGMMA", "MMA_waits")}) + f", inner {k_step(k)}", flush=True)
+                                                  "QGMMA", "MMA_waits", "inflight_A_writes")})
+                  + f", inner {k_step(k)}", flush=True)
         except Exception as ex:  # every config reported, fail at the end
             ok = False
-            print(f"w4a8 BM {bm} BN {bn} split {split}: FAILED {type(ex).__name__}: {str(ex)[:1200]}", flush=True)
+            print(f"{name} BM {bm} BN {bn} split {split}: FAILED {type(ex).__name__}: {str(ex)[:1200]}", flush=True)
     sys.exit(0 if ok else 1)
 
 

@@ -78,9 +78,14 @@ def inflight_a_writes_skipping(kern) -> int:
         if m and int(m.group(1), 16) > a and any(lo <= a and int(m.group(1), 16) <= hi for lo, hi in loops):
             skip.append((a, int(m.group(1), 16)))
     drop = {t for a, t in ins if any(lo < a < hi for lo, hi in skip)}
-    kept = "\n".join(line for line in sass.splitlines() if not any(d in line for d in drop))
+    return inflight_a_writes_on(kern, "\n".join(line for line in sass.splitlines() if not any(d in line for d in drop)))
+
+
+def inflight_a_writes_on(kern, sass: str) -> int:
+    """wna16_tcg_compile.inflight_a_writes of kern, counted on the given (edited) SASS text instead of kern's own
+    (it runs cuobjdump itself: its answer is substituted for that one call)."""
     real = subprocess.run
-    subprocess.run = lambda *a, **k: type("R", (), {"stdout": kept})() if "-sass" in a[0] else real(*a, **k)
+    subprocess.run = lambda *a, **k: type("R", (), {"stdout": sass})() if "-sass" in a[0] else real(*a, **k)
     try:
         return inflight_a_writes(kern)
     finally:
