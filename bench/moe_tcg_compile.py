@@ -31,6 +31,7 @@ from kestrel.kernels.moe_tcg import TcgConfig  # noqa: E402
 # =128 or =3) the tcgp loop with BN 128; =4 the persistent tcgp; =2 the old swapped loop
 SERVING = ("64:256:8:4:8:2:0:0:0:0:2", "80:256:8:4:8:2:0:0:0:0:2", "96:256:8:4:8:2:0:0:0:0:2",
            "128:128:8:4:8:2", "64:256:8:4:8:2", "64:256:8:4:8:2:0:0:0:1", "64:256:8:3:8:1")
+SERVING = SERVING + tuple(c + ":0" * (10 - c.count(":")) + ":2" for c in SERVING[:6])  # + their LOOP 2 forms
 
 
 def sass_text(kern) -> str:
