@@ -255,6 +255,63 @@ def test_mv_fp4_fold_multiplier_ptx_semantics():
                 assert torch.equal(got, want * 2.0 ** (e - 127 - fe)), (e, f, got, want)
 
 
+def test_mv_fp4_fold_pair_multipliers_ptx_semantics():
+    # the two elements of a pair (adjacent registers of whatever layout Triton decodes in) need not share a column:
+    # with the manual register prefetch (num_stages 1) the first fields are decoded in the word load's blocked
+    # layout (a pair = columns n, n + 1). MUL16 (Triton packs the pair's two 16-bit multipliers into $5) gives each
+    # element its own scale; the int32 form (each multiplier twice, the asm reads $5 only) gave the second column
+    # the first one's scale, the H200's rel err 0.2 at s1 (session 10): that form must fail here
+    from test_gemm_wna16_tc import _run_ptx
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.kernels.configs import ComputeConfig
+    from kestrel.quant.formats import decode_minifloat
+    assert sm.pair_multipliers(ComputeConfig("mv", 16, 16, 0, split_k=1, num_warps=1, num_stages=1))
+    n_in = lambda cons: cons.value.count(",")  # inputs after "=r"
+    assert n_in(sm._FP4_CONS_MUL16) == 5 and n_in(sm._FP4_CONS) == 6
+    g = torch.Generator().manual_seed(19)
+    fe = sm.FOLD_EXP.value
+    mbits = lambda e: min(max(e + 126 - fe, 1), 254) << 7
+    for e0, e1 in ((120, 127), (127, 100), (fe - 5, 135), (130, 130)):
+        for _ in range(4):
+            w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+            for f in range(8):
+                b = f // 2
+                sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
+                want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
+                want = want * torch.tensor([2.0 ** (e0 - 127 - fe), 2.0 ** (e1 - 127 - fe)], dtype=torch.float64)
+                for imad in (0, 2):
+                    asm = ((sm._ASM_FP4_ODD_BF16_IMAD if imad else sm._ASM_FP4_ODD_BF16) if f % 2 else
+                           (sm._ASM_FP4_EVEN_BF16_IMAD if imad else sm._ASM_FP4_EVEN_BF16))
+                    for mul16 in (True, False):
+                        muls = ([mbits(e0) | (mbits(e1) << 16)] if mul16 else
+                                [mbits(e0) * 0x10001, mbits(e1) * 0x10001])
+                        out = _run_ptx(asm.value, [w0, w1, sel, sel] + muls)
+                        got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
+                            torch.bfloat16).double()
+                        ok = torch.equal(got, want)
+                        if mul16 or e0 == e1 or not want[1]:
+                            assert ok, (e0, e1, f, imad, mul16, got, want)
+                        else:  # the int32 form: element 1 scaled by element 0's multiplier
+                            assert not ok and got[1] == want[1] * 2.0 ** (e0 - e1), (e0, e1, f, imad, got, want)
+
+
+@pytest.mark.parametrize("m", [2, 16])
+@pytest.mark.parametrize("split", [1, 2])
+def test_mxfp4_scale_fold_stages_1(m, split, monkeypatch):
+    # FOLD with the manual register prefetch (num_stages 1; FOLD_S1, off by default) vs x @ dequant(W)^T: the
+    # session 10 H200 failure's shape (48 x 640, scales ~2^-14 .. 2^3) on every column pairing; on the GPU this
+    # runs the MUL16 PTX (the interpreter: the plain Triton fold)
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "FOLD_E8M0", True)
+    monkeypatch.setattr(sm, "FOLD_S1", True)
+    spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
+    W = torch.randn(48, 5 * 128, generator=torch.Generator().manual_seed(20))
+    W = W * torch.logspace(-4, 1, 48).view(48, 1)  # per-column scale spread: a shared multiplier is wrong
+    qw = quantize(W, spec)
+    for bn, w in ((16, 1), (32, 2)):
+        _check(qw, m, ComputeConfig("mv", 16, bn, 0, split_k=split, num_warps=w, num_stages=1), seed=split)
+
+
 def test_mv_fp4_imad_decode_ptx_semantics():
     # the FMA-pipe e2m1 PTX (E2M1_IMAD): value exactly (times the 2^126 multiplier) for every field of random word
     # pairs, so every code, both nibbles and both halves
