@@ -312,6 +312,47 @@ def test_mxfp4_scale_fold_stages_1(m, split, monkeypatch):
         _check(qw, m, ComputeConfig("mv", 16, bn, 0, split_k=split, num_warps=w, num_stages=1), seed=split)
 
 
+@pytest.mark.parametrize("mag", [1e-4, 1.0, 300.0])
+def test_mxfp4_fold_bias_words(mag, monkeypatch):
+    # FOLD_BIAS_WORDS: the scale words hold clamp(e + 126 - FOLD_EXP, 1, 254) (fold_words), byte j of word (b, n)
+    # for group 4b + j; vs x @ dequant(W)^T over scales ~2^-20 .. 2^9, mv (split-K, a masked two-block step) and
+    # mvs; fails with a wrong byte, bias or clamp. The PTX multiplier (byte * 0x00800080) is checked below
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "FOLD_E8M0", True)
+    monkeypatch.setattr(sm, "FOLD_BIAS_WORDS", True)
+    spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
+    qw = quantize(torch.randn(48, 5 * 128, generator=torch.Generator().manual_seed(21)) * mag, spec)
+    fw = sm.fold_words(qw).view(torch.uint8).view(-1, 48, 4)  # [G / 4, N, group in block]
+    want = (qw.scales.to(torch.int32) + 126 - sm.FOLD_EXP.value).clamp(1, 254)
+    assert torch.equal(fw.permute(0, 2, 1).reshape(-1, 48).to(torch.int32), want)
+    _check(qw, 3, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2))
+    _check(qw, 16, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=3))
+    _check(qw, 7, ComputeConfig("mvs", 8, 16, 0, split_k=2, num_warps=1, num_stages=3))
+
+
+def test_mv_fp4_fold_bias_multiplier_ptx_semantics():
+    # FOLD_BIAS_WORDS's multiplier register: fold_words byte c times 0x00800080 (c << 7 in both halves) in the
+    # e2m1 PTX gives value * 2^(e - 127 - FOLD_EXP) for the e8m0 code e, as the unbiased form does
+    from test_gemm_wna16_tc import _run_ptx
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.quant.formats import decode_minifloat
+    g = torch.Generator().manual_seed(22)
+    fe = sm.FOLD_EXP.value
+    for e in (fe - 5, 100, 120, 127, 135, fe + 128):
+        c = int((torch.tensor([e], dtype=torch.int16) + (126 - fe)).clamp(1, 254))  # as fold_words stores it
+        for _ in range(4):
+            w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+            for f in range(8):
+                b = f // 2
+                sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
+                asm = sm._ASM_FP4_ODD_BF16_IMAD if f % 2 else sm._ASM_FP4_EVEN_BF16_IMAD
+                out = _run_ptx(asm.value, [w0, w1, sel, sel, c * 0x00800080, c * 0x00800080])
+                got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
+                    torch.bfloat16).double()
+                want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
+                assert torch.equal(got, want * 2.0 ** (e - 127 - fe)), (e, f, got, want)
+
+
 def test_mv_fp4_imad_decode_ptx_semantics():
     # the FMA-pipe e2m1 PTX (E2M1_IMAD): value exactly (times the 2^126 multiplier) for every field of random word
     # pairs, so every code, both nibbles and both halves

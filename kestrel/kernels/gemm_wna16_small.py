@@ -166,6 +166,12 @@ MUL16 = False
 # FOLD at num_stages 1 (with MUL16 there): off until the H200 confirms the fix (job_decode.sh stage 1); off, s1 takes
 # the unfolded path (0ef148d).
 FOLD_S1 = False
+# With FOLD + SCALE_WORDS the words hold the folded multiplier's bf16 exponent field, clamp(e + 126 - FOLD_EXP, 1,
+# 254), instead of the e8m0 code e (fold_words, built once per weight like e8m0_words): the kernel's per group and
+# column clamp (VIMNMX) and bias go to pack time; byte << 7 duplicated is the multiplier (offline sm_90a SASS, see
+# bench/results/gemm_wna16_smallm.md session 11: MXFP4 bn128 w2 s3 900 -> 867 instructions per loop). A/B switch,
+# off until GPU-timed; not with MUL16 (more instructions there).
+FOLD_BIAS_WORDS = False
 # The same word load for the GROUP_ROWS passes (mv, M <= 8; A/B switch until GPU-timed): offline sm_90 SASS
 # (MXFP4, M-tile 16) bn64 w1 all 4 groups on the rows 979 -> 926 instructions per loop (156 -> 197 registers),
 # 2 groups per pass 1029 -> 1001 (217 -> 212).
@@ -280,7 +286,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False,
               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0, row_g=None,
               PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
-              MUL16: tl.constexpr = False):
+              MUL16: tl.constexpr = False, BIASED: tl.constexpr = False):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
     s_pre its group-scale row when PRE_S, or with PRE_G its 4 e8m0 group codes packed (_scale_word), both
     prefetched by the caller. FOLD (e2m1 + e8m0, bf16): the group scale is
@@ -314,11 +320,18 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
             else:
                 e = tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.int32)
             if ASM:
-                mb = tl.minimum(tl.maximum(e + (126 - FOLD_EXP), 1), 254) << 7  # bf16 bits of 2^(e-1-FOLD_EXP)
+                if BIASED:  # fold_words: the byte is the multiplier's bf16 exponent field already
+                    mb = e << 7
+                else:
+                    mb = tl.minimum(tl.maximum(e + (126 - FOLD_EXP), 1), 254) << 7  # bf16 bits of 2^(e-1-FOLD_EXP)
                 if MUL16:  # each element's own bf16 multiplier (right in any layout Triton decodes in)
                     mulq = tl.broadcast_to(mb.to(tl.int16).to(tl.bfloat16, bitcast=True)[None, :], q.shape)
+                elif BIASED:  # byte * 0x00800080: the exponent field in both halves (one IMAD after the extract)
+                    mulq = tl.broadcast_to((e * 0x00800080)[None, :], q.shape)
                 else:
                     mulq = tl.broadcast_to((mb | (mb << 16))[None, :], q.shape)
+            elif BIASED:  # e = clamp(e8m0 + 126 - FOLD_EXP): the same 2^(e8m0 - 127 - FOLD_EXP) as below
+                sf = (tl.minimum(tl.maximum(e - 126, 1), 254) << 23).to(tl.float32, bitcast=True)
             else:
                 sf = (tl.minimum(tl.maximum(e - FOLD_EXP, 1), 254) << 23).to(tl.float32, bitcast=True)
         if ASM and not IS_INT:  # e2m1: the exact value (FOLD: times scale * 2^-FOLD_EXP)
@@ -447,7 +460,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                RED_STEP: tl.constexpr, FOLD: tl.constexpr = False,
                IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0,
                PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
-               MUL16: tl.constexpr = False):
+               MUL16: tl.constexpr = False, BIASED: tl.constexpr = False):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -511,7 +524,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
-                            IMAD, PROBE, GROW, row_g, SCALE_WORDS=SCALE_WORDS, MUL16=MUL16)
+                            IMAD, PROBE, GROW, row_g, SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED)
     else:
         if PRE_G:  # (KB = 1, e8m0, 4 groups per block: SCALE_PREFETCH) block b0's scale codes
             s_nx = _scale_word(s_ptr, b0, N, offs_n, n_mask & ((offs_n * 0 + b0) < b1))
@@ -532,7 +545,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                                 nb_mask, K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET,
                                 HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM,
                                 KB > 1, False, R, FOLD, IMAD, PROBE, GROW, row_g, PRE_G,
-                                SCALE_WORDS=SCALE_WORDS, MUL16=MUL16)
+                                SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
@@ -723,6 +736,19 @@ def e8m0_words(qw) -> torch.Tensor:
     return w
 
 
+def fold_words(qw) -> torch.Tensor:
+    """int32 [G / 4, N] as e8m0_words, byte j = clamp(e + 126 - FOLD_EXP, 1, 254) for the e8m0 code e of group
+    4b + j: the bf16 exponent field of FOLD's multiplier 2^(e - 1 - FOLD_EXP) (FOLD_BIAS_WORDS). Built once per
+    weight and kept on it."""
+    w = getattr(qw, "_fold_words", None)
+    if w is None or w.device != qw.scales.device:
+        b = (qw.scales.to(torch.int16) + (126 - FOLD_EXP.value)).clamp(1, 254).to(torch.uint8)
+        g, n = b.shape
+        w = b.view(g // 4, 4, n).transpose(1, 2).contiguous().view(torch.int32).view(g // 4, n)
+        qw._fold_words = w
+    return w
+
+
 def scale_words(fmt: dict, fold: bool, grow: int = 0) -> bool:
     """The kernel reads e8m0_words: e8m0 scales, 4 groups per planar block, with FOLD (SCALE_WORDS) or on the
     GROUP_ROWS passes (grow > 0, SCALE_WORDS_GROW)."""
@@ -774,14 +800,16 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         common["PDL"] = (2 if PDL_LATE else 1) if pdl else 0
         fold = fold and not grow
         sw = scale_words(fmt, fold, grow)
-        _mv_kernel[grid](x2, qw.qweight, e8m0_words(qw) if sw else qw.scales, z, gsc, y, ws, cnt, m, n, k,
+        mul16 = fold and pair_multipliers(cfg)
+        biased = sw and fold and FOLD_BIAS_WORDS and not mul16  # (with MUL16: 942 -> 985 instructions at s1)
+        _mv_kernel[grid](x2, qw.qweight, (fold_words(qw) if biased else e8m0_words(qw)) if sw else qw.scales, z, gsc, y, ws, cnt, m, n, k,
                          x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
-                         RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw,
+                         RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw, BIASED=biased,
                          PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold and not sw,
-                         IMAD=E2M1_IMAD if is_e2m1 and fold else 0, MUL16=fold and pair_multipliers(cfg),
+                         IMAD=E2M1_IMAD if is_e2m1 and fold else 0, MUL16=mul16,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
     return y
