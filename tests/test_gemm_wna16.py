@@ -353,6 +353,32 @@ def test_mv_fp4_fold_bias_multiplier_ptx_semantics():
                 assert torch.equal(got, want * 2.0 ** (e - 127 - fe)), (e, f, got, want)
 
 
+@pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128), QuantSpec("int4", group_size=32),
+                                  QuantSpec("int8", group_size=-1), QuantSpec("int3", group_size=64),
+                                  QuantSpec("uint4", has_zero_point=True, group_size=32, scale_dtype="fp16")],
+                         ids=lambda s: s.name + f"-g{s.group_size}")
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_mv_int_xsum(spec, dt, monkeypatch):
+    # INT_XSUM: the x sum of each group from an MMA of x with a ones tile (d's layout), OFF + c kept by the decode,
+    # the offset corrected once per group; mv and mvs, split-K with a masked two-block step, one-stage register
+    # prefetch, N not a tile multiple, K padded, x with a nonzero mean (large x sums); zero points keep the tl.sum
+    # path. Fails with the correction's offset or sign wrong
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "INT_XSUM", True)
+    W = torch.randn(40, 5 * spec.k_multiple - (16 if spec.k_multiple > 16 else 0),
+                    generator=torch.Generator().manual_seed(24))
+    qw = quantize(W, spec)
+    for m, cfg in ((1, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2)),
+                   (16, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=1)),
+                   (5, ComputeConfig("mvs", 8, 16, 0, split_k=2, num_warps=1, num_stages=3))):
+        g = torch.Generator().manual_seed(m)
+        x = (torch.randn(m, qw.shape[1], generator=g) + 2.0).to(dt)
+        ref = x.double() @ dequantize(qw).double().t()
+        y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL, f"{spec.name} M={m} cfg={cfg}: rel err {err:.3g}"
+
+
 def test_mv_fp4_imad_decode_ptx_semantics():
     # the FMA-pipe e2m1 PTX (E2M1_IMAD): value exactly (times the 2^126 multiplier) for every field of random word
     # pairs, so every code, both nibbles and both halves

@@ -172,6 +172,12 @@ FOLD_S1 = False
 # bench/results/gemm_wna16_smallm.md session 11: MXFP4 bn128 w2 s3 900 -> 867 instructions per loop). A/B switch,
 # off until GPU-timed; not with MUL16 (more instructions there).
 FOLD_BIAS_WORDS = False
+# Integer weights without zero points (int4 g128, ...), mv / mvs: the group's x sum from one extra MMA per field
+# (x times a ones tile) so the decode keeps OFF + c and drops its packed FMA per register pair; the OFF + offset
+# correction is one FFMA per accumulator element per group (_mv_block XSD). Offline sm_90a SASS (Triton 3.6, int4
+# mv K loop): bn128 w2 s3 642 -> 555 instructions (HFMA2 128 -> 0, HMMA 64 -> 72, FFMA 32 -> 64), registers 147 ->
+# 160; bn128 w4 s2 351 -> 307 (96 -> 127 registers). A/B switch, off until GPU-timed.
+INT_XSUM = False
 # The same word load for the GROUP_ROWS passes (mv, M <= 8; A/B switch until GPU-timed): offline sm_90 SASS
 # (MXFP4, M-tile 16) bn64 w1 all 4 groups on the rows 979 -> 926 instructions per loop (156 -> 197 registers),
 # 2 groups per pass 1029 -> 1001 (217 -> 212).
@@ -286,7 +292,8 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False,
               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0, row_g=None,
               PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
-              MUL16: tl.constexpr = False, BIASED: tl.constexpr = False):
+              MUL16: tl.constexpr = False, BIASED: tl.constexpr = False,
+              XSUM: tl.constexpr = False):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
     s_pre its group-scale row when PRE_S, or with PRE_G its 4 e8m0 group codes packed (_scale_word), both
     prefetched by the caller. FOLD (e2m1 + e8m0, bf16): the group scale is
@@ -301,7 +308,13 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
     FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
     FPP: tl.constexpr = FPG * GROW  # GROW: fields per pass (one MMA chain, one scale tile)
     MANT: tl.constexpr = BITS < 8  # 1 + c/2^B is exact in bf16 only up to 7 mantissa bits
-    SUB: tl.constexpr = CODE_OFFSET - 1000 * HAS_ZERO  # < 0: keep OFF + c and correct through the x sum
+    # XSUM (ints without zero points): the group's x sum from an MMA of x with a ones tile, [BM, BN] in d's layout
+    # (every column the row's sum; ptxas keeps one MMA per field, the B operand being the same constant for every
+    # N tile), so the ASM decode keeps OFF + c (no packed FMA per pair) and the correction is one FFMA per acc element
+    XSD: tl.constexpr = IS_INT and not HAS_ZERO and XSUM
+    # < 0: keep OFF + c and correct through the x sum (zero points, XSUM)
+    SUB: tl.constexpr = CODE_OFFSET - 1000 if HAS_ZERO or XSD else CODE_OFFSET
+    XS: tl.constexpr = IS_INT and (not ASM or HAS_ZERO) and not XSD  # the group's x sum by tl.sum
     offs_k = tl.arange(0, R)
     # a block past this split's end (MASK_B) reads an in-range x block and is weighted 0
     bc = tl.minimum(b, n_blocks - 1)
@@ -366,7 +379,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
         if GROW:  # rows of the pass's other groups see x = 0 for this field
             xmask = xmask & (row_g == ((i * R) // GROUP_SIZE) % GROW)[:, None]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=xmask, other=0.0)
-        if IS_INT and not (ASM and not HAS_ZERO):
+        if XS:
             if i % FPG == 0:
                 xs = tl.sum(x.to(tl.float32), axis=1)
             else:
@@ -374,6 +387,18 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
         if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
             w = w.to(tl.float32)
             x = x.to(tl.float32)
+        if XSD:  # x @ ones (XSUM): every element of the tile holds its row's x sum
+            ones = tl.full(w.shape, 1.0, w.dtype)
+            if SWAP:
+                if i % FPG == 0:
+                    xsd = tl.dot(tl.trans(ones), tl.trans(x))
+                else:
+                    xsd = tl.dot(tl.trans(ones), tl.trans(x), xsd)
+            else:
+                if i % FPG == 0:
+                    xsd = tl.dot(x, ones)
+                else:
+                    xsd = tl.dot(x, ones, xsd)
         if FOLD:  # one fresh chain per block, added to acc once (chaining into acc itself cost ~160 register moves)
             if SWAP:
                 if i == 0:
@@ -417,7 +442,14 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 g = (b * PB) // GROUP_SIZE
             else:
                 g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
-            if IS_INT and not (ASM and not HAS_ZERO):
+            if XSD:  # d - (OFF + CODE_OFFSET) x sum, OFF as below
+                if ASM:
+                    d = d - (CODE_OFFSET + (1024.0 if x_ptr.dtype.element_ty == tl.float16 else 128.0)) * xsd
+                elif MANT:
+                    d = d * (1 << BITS) - (CODE_OFFSET + (1 << BITS)) * xsd
+                else:
+                    d = d - CODE_OFFSET * xsd
+            elif XS:
                 if HAS_ZERO:
                     zero = tl.load(z_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.float32)
                 else:
@@ -460,7 +492,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                RED_STEP: tl.constexpr, FOLD: tl.constexpr = False,
                IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0,
                PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
-               MUL16: tl.constexpr = False, BIASED: tl.constexpr = False):
+               MUL16: tl.constexpr = False, BIASED: tl.constexpr = False,
+               XSUM: tl.constexpr = False):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -524,7 +557,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
-                            IMAD, PROBE, GROW, row_g, SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED)
+                            IMAD, PROBE, GROW, row_g, SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED, XSUM=XSUM)
     else:
         if PRE_G:  # (KB = 1, e8m0, 4 groups per block: SCALE_PREFETCH) block b0's scale codes
             s_nx = _scale_word(s_ptr, b0, N, offs_n, n_mask & ((offs_n * 0 + b0) < b1))
@@ -545,7 +578,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                                 nb_mask, K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET,
                                 HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM,
                                 KB > 1, False, R, FOLD, IMAD, PROBE, GROW, row_g, PRE_G,
-                                SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED)
+                                SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED, XSUM=XSUM)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
@@ -808,6 +841,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
                          RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw, BIASED=biased,
+                         XSUM=INT_XSUM and fmt["IS_INT"] and not fmt["HAS_ZERO"],
                          PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold and not sw,
                          IMAD=E2M1_IMAD if is_e2m1 and fold else 0, MUL16=mul16,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
