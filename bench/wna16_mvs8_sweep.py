@@ -92,12 +92,12 @@ def variants(layer, m, gpu, fmt, opts=None):
             if (bn, w) != (base.block_n, base.num_warps):
                 out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-growsw",
                             dataclasses.replace(base, block_n=bn, num_warps=w), "growsw"))
-    for mode in opts["ab"]:  # session 11's opt-in switches (AB_MODES) on the default tile and the ab tiles
-        if mode in ("bias", "mul16", "fold-s1") and not fp4 or mode == "xsum" and fp4:
+    for mode in opts["ab"]:  # session 11's opt-in switches (AB_MODES, "+"-joined) on the default and the ab tiles
+        if set(mode.split("+")) & {"bias", "mul16", "fold-s1"} and not fp4 or "xsum" in mode and fp4:
             continue
         for bn, w in [(base.block_n, base.num_warps)] + [t for t in opts["ab_tiles"]
                                                          if t != (base.block_n, base.num_warps)]:
-            c = dataclasses.replace(base, block_n=bn, num_warps=w, num_stages=1 if mode == "fold-s1" else
+            c = dataclasses.replace(base, block_n=bn, num_warps=w, num_stages=1 if "fold-s1" in mode else
                                     base.num_stages)
             dtag = "dflt" if c == dflt else f"{c.kernel}{c.block_m} bn{bn} w{w} sk{c.split_k} s{c.num_stages}"
             if c != dflt and not any(cc == c and f is None for _, cc, f in out):  # the defaults on this tile
@@ -157,10 +157,11 @@ def set_mode(sm, mode, fold0, grow0):
     sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW = False, False
     for name, v in AB0.items():  # session 11's switches: their module defaults unless the mode sets one
         setattr(sm, name, v)
-    if mode in AB_MODES:  # the module defaults + one opt-in switch
+    if mode is not None and all(v in AB_MODES for v in mode.split("+")):  # the defaults + opt-in switches
         sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], grow0[2]
         sm.SCALE_WORDS_GROW = grow0[3]
-        setattr(sm, AB_MODES[mode], True)
+        for v in mode.split("+"):
+            setattr(sm, AB_MODES[v], True)
     elif mode is None:
         sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], grow0[2]
         sm.SCALE_WORDS_GROW = grow0[3]
@@ -270,8 +271,9 @@ def main():
                     "128:2,256:4")
     ap.add_argument("--probe", default="", help="MXFP4: also the mv tile with these gemm_wna16_small.PROBE cost "
                     "probes (timing only, results WRONG on purpose), e.g. 1,2,4,5")
-    ap.add_argument("--ab", default="", help="also these opt-in switches (" + ",".join(AB_MODES) + ") on the "
-                    "default tile (fold-s1: at num_stages 1), each next to the defaults on the same tile")
+    ap.add_argument("--ab", default="", help="also these opt-in switches (" + ",".join(AB_MODES) + "; '+' joins "
+                    "several, e.g. fold-s1+bias) on the default tile (fold-s1: at num_stages 1), each next to the "
+                    "defaults on the same tile")
     ap.add_argument("--ab-tiles", default="", help="... and on these BLOCK_N:warps tiles, e.g. 64:1,128:2,128:4")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
@@ -318,7 +320,7 @@ def main():
     meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     rows, entries = [], {"dflt": {}, "fold1": {}, "imad2": {}, "grow1": {}, "grow2": {}, "spf": {}, "growsw": {},
-                         **{m: {} for m in AB_MODES}}
+                         **{m: {} for m in opts["ab"]}}
 
     def dump():
         json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
@@ -382,7 +384,7 @@ def main():
                 for tag_e, modes in (("dflt", (None,)), ("fold1", (None, "fold")),
                                      ("imad2", (None, "imad2")), ("grow1", (None, "grow")),
                                      ("grow2", (None, "grow2")), ("spf", (None, "spf")),
-                                     ("growsw", (None, "growsw")), *((m, (None, m)) for m in AB_MODES)):
+                                     ("growsw", (None, "growsw")), *((m, (None, m)) for m in opts["ab"])):
                     # entries for the module defaults, FOLD_E8M0 / E2M1_IMAD 2 / GROUP_ROWS / + PARTIAL on
                     best = min((r for r in pt if r["fold"] in modes), key=lambda r: r["us"], default=None)
                     if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:

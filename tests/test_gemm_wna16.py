@@ -312,14 +312,18 @@ def test_mxfp4_scale_fold_stages_1(m, split, monkeypatch):
         _check(qw, m, ComputeConfig("mv", 16, bn, 0, split_k=split, num_warps=w, num_stages=1), seed=split)
 
 
+@pytest.mark.parametrize("mul16", [False, True], ids=["mul32", "mul16"])
 @pytest.mark.parametrize("mag", [1e-4, 1.0, 300.0])
-def test_mxfp4_fold_bias_words(mag, monkeypatch):
+def test_mxfp4_fold_bias_words(mag, mul16, monkeypatch):
     # FOLD_BIAS_WORDS: the scale words hold clamp(e + 126 - FOLD_EXP, 1, 254) (fold_words), byte j of word (b, n)
-    # for group 4b + j; vs x @ dequant(W)^T over scales ~2^-20 .. 2^9, mv (split-K, a masked two-block step) and
-    # mvs; fails with a wrong byte, bias or clamp. The PTX multiplier (byte * 0x00800080) is checked below
+    # for group 4b + j; vs x @ dequant(W)^T over scales ~2^-20 .. 2^9, mv (split-K, a masked two-block step, and
+    # num_stages 1 with FOLD_S1) and mvs, with the int32 or the 16-bit (MUL16) PTX multipliers on the GPU; fails
+    # with a wrong byte, bias or clamp. The PTX multiplier (byte * 0x00800080) is checked below
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "FOLD_E8M0", True)
     monkeypatch.setattr(sm, "FOLD_BIAS_WORDS", True)
+    monkeypatch.setattr(sm, "FOLD_S1", True)
+    monkeypatch.setattr(sm, "MUL16", mul16)
     spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
     qw = quantize(torch.randn(48, 5 * 128, generator=torch.Generator().manual_seed(21)) * mag, spec)
     fw = sm.fold_words(qw).view(torch.uint8).view(-1, 48, 4)  # [G / 4, N, group in block]
@@ -328,6 +332,7 @@ def test_mxfp4_fold_bias_words(mag, monkeypatch):
     _check(qw, 3, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2))
     _check(qw, 16, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=3))
     _check(qw, 7, ComputeConfig("mvs", 8, 16, 0, split_k=2, num_warps=1, num_stages=3))
+    _check(qw, 2, ComputeConfig("mv", 16, 32, 0, split_k=2, num_warps=2, num_stages=1))
 
 
 def test_mv_fp4_fold_bias_multiplier_ptx_semantics():

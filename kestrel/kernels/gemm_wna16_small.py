@@ -169,8 +169,8 @@ FOLD_S1 = False
 # With FOLD + SCALE_WORDS the words hold the folded multiplier's bf16 exponent field, clamp(e + 126 - FOLD_EXP, 1,
 # 254), instead of the e8m0 code e (fold_words, built once per weight like e8m0_words): the kernel's per group and
 # column clamp (VIMNMX) and bias go to pack time; byte << 7 duplicated is the multiplier (offline sm_90a SASS, see
-# bench/results/gemm_wna16_smallm.md session 11: MXFP4 bn128 w2 s3 900 -> 867 instructions per loop). A/B switch,
-# off until GPU-timed; not with MUL16 (more instructions there).
+# bench/results/gemm_wna16_smallm.md session 11: MXFP4 bn128 w2 s3 900 -> 867 instructions per loop; with MUL16
+# 899 -> 875, and at num_stages 1 (FOLD_S1) bn64 w1 1051 -> 985, spills 24 -> 0 B). A/B switch, off until GPU-timed.
 FOLD_BIAS_WORDS = False
 # Integer weights without zero points (int4 g128, ...), mv / mvs: the group's x sum from one extra MMA per field
 # (x times a ones tile) so the decode keeps OFF + c and drops its packed FMA per register pair; the OFF + offset
@@ -834,7 +834,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         fold = fold and not grow
         sw = scale_words(fmt, fold, grow)
         mul16 = fold and pair_multipliers(cfg)
-        biased = sw and fold and FOLD_BIAS_WORDS and not mul16  # (with MUL16: 942 -> 985 instructions at s1)
+        biased = sw and fold and FOLD_BIAS_WORDS
         _mv_kernel[grid](x2, qw.qweight, (fold_words(qw) if biased else e8m0_words(qw)) if sw else qw.scales, z, gsc, y, ws, cnt, m, n, k,
                          x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
