@@ -25,6 +25,7 @@ from kestrel.kernels import gemm_wna16_small as small  # noqa: E402
 from wna16_tc_sass import FMT, sass_loop  # noqa: E402  (same formats; cuobjdump + K-loop extraction)
 
 SCALE_T = {0: "*bf16", 1: "*u8"}
+FMT = {**FMT, "uint4": dict(FMT["int4"], CODE_OFFSET=0, HAS_ZERO=True)}  # zero points (bf16 scale + zero rows)
 
 
 def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = True, **extra):
@@ -87,6 +88,8 @@ def ab():
     fold = dict(base, FOLD=True, SCALE_WORDS=True, IMAD=2)
     rows = [("int4", bn, w, s, n, dict(base, **x)) for bn, w, s in ((128, 2, 3), (64, 1, 3), (256, 4, 3), (128, 4, 2))
             for n, x in (("default", {}), ("INT_XSUM", {"XSUM": 1}))]
+    rows += [("uint4", 128, 2, 3, f"g{g} {n}", dict(base, GROUP_SIZE=g, **x)) for g in (128, 32)
+             for n, x in (("default", {}), ("INT_XSUM", {"XSUM": 1}))]
     rows += [("mxfp4", bn, w, s, n, dict(fold, **x)) for bn, w, s in ((128, 2, 3), (64, 1, 3), (128, 4, 2))
              for n, x in (("fold default", {}), ("FOLD_BIAS_WORDS", {"BIASED": True}), ("MUL16", {"MUL16": True}),
                           ("MUL16 + FOLD_BIAS_WORDS", {"MUL16": True, "BIASED": True}))]

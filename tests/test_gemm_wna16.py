@@ -366,8 +366,8 @@ def test_mv_fp4_fold_bias_multiplier_ptx_semantics():
 def test_mv_int_xsum(spec, dt, monkeypatch):
     # INT_XSUM: the x sum of each group from an MMA of x with a ones tile (d's layout), OFF + c kept by the decode,
     # the offset corrected once per group; mv and mvs, split-K with a masked two-block step, one-stage register
-    # prefetch, N not a tile multiple, K padded, x with a nonzero mean (large x sums); zero points keep the tl.sum
-    # path. Fails with the correction's offset or sign wrong
+    # prefetch, N not a tile multiple, K padded, x with a nonzero mean (large x sums), zero points (per-column
+    # correction). Fails with the correction's offset or sign wrong
     from kestrel.kernels import gemm_wna16_small as sm
     monkeypatch.setattr(sm, "INT_XSUM", True)
     W = torch.randn(40, 5 * spec.k_multiple - (16 if spec.k_multiple > 16 else 0),

@@ -172,9 +172,9 @@ FOLD_S1 = False
 # bench/results/gemm_wna16_smallm.md session 11: MXFP4 bn128 w2 s3 900 -> 867 instructions per loop; with MUL16
 # 899 -> 875, and at num_stages 1 (FOLD_S1) bn64 w1 1051 -> 985, spills 24 -> 0 B). A/B switch, off until GPU-timed.
 FOLD_BIAS_WORDS = False
-# Integer weights without zero points (int4 g128, ...), mv / mvs: the group's x sum from one extra MMA per field
-# (x times a ones tile) so the decode keeps OFF + c and drops its packed FMA per register pair; the OFF + offset
-# correction is one FFMA per accumulator element per group (_mv_block XSD). Offline sm_90a SASS (Triton 3.6, int4
+# Integer weights (int4 g128, ...), mv / mvs: the group's x sum from one extra MMA per field (x times a ones tile)
+# so the decode keeps OFF + c and drops its packed FMA per register pair; the OFF + offset correction is one FFMA
+# per accumulator element per group (_mv_block XSD); with zero points it replaces the x sum by tl.sum. Offline sm_90a SASS (Triton 3.6, int4
 # mv K loop): bn128 w2 s3 642 -> 555 instructions (HFMA2 128 -> 0, HMMA 64 -> 72, FFMA 32 -> 64), registers 147 ->
 # 160; bn128 w4 s2 351 -> 307 (96 -> 127 registers). A/B switch, off until GPU-timed.
 INT_XSUM = False
@@ -311,7 +311,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
     # XSUM (ints without zero points): the group's x sum from an MMA of x with a ones tile, [BM, BN] in d's layout
     # (every column the row's sum; ptxas keeps one MMA per field, the B operand being the same constant for every
     # N tile), so the ASM decode keeps OFF + c (no packed FMA per pair) and the correction is one FFMA per acc element
-    XSD: tl.constexpr = IS_INT and not HAS_ZERO and XSUM
+    XSD: tl.constexpr = IS_INT and XSUM  # (with zero points: instead of tl.sum's shuffles and barriers)
     # < 0: keep OFF + c and correct through the x sum (zero points, XSUM)
     SUB: tl.constexpr = CODE_OFFSET - 1000 if HAS_ZERO or XSD else CODE_OFFSET
     XS: tl.constexpr = IS_INT and (not ASM or HAS_ZERO) and not XSD  # the group's x sum by tl.sum
@@ -442,7 +442,18 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 g = (b * PB) // GROUP_SIZE
             else:
                 g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
-            if XSD:  # d - (OFF + CODE_OFFSET) x sum, OFF as below
+            if XSD and HAS_ZERO:  # d - (OFF + zero) x sum, per column
+                zero = tl.load(z_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.float32)
+                if ASM:
+                    zero = zero + (1024.0 if x_ptr.dtype.element_ty == tl.float16 else 128.0)
+                elif MANT:
+                    d = d * (1 << BITS)
+                    zero = zero + (1 << BITS)
+                if SWAP:
+                    d = d - xsd * zero[:, None]
+                else:
+                    d = d - xsd * zero[None, :]
+            elif XSD:  # d - (OFF + CODE_OFFSET) x sum, OFF as below
                 if ASM:
                     d = d - (CODE_OFFSET + (1024.0 if x_ptr.dtype.element_ty == tl.float16 else 128.0)) * xsd
                 elif MANT:
@@ -841,7 +852,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
                          RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw, BIASED=biased,
-                         XSUM=INT_XSUM and fmt["IS_INT"] and not fmt["HAS_ZERO"],
+                         XSUM=INT_XSUM and fmt["IS_INT"],
                          PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold and not sw,
                          IMAD=E2M1_IMAD if is_e2m1 and fold else 0, MUL16=mul16,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
