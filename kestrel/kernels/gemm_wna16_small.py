@@ -157,9 +157,9 @@ SCALE_WORDS = True
 # FOLD's e2m1 PTX with each element's own 16-bit multiplier (_fp4_pairs MUL16; Triton packs a pair's two into one
 # register), right in whatever layout Triton decodes in. The int32 form (each multiplier twice, the asm reads the
 # pair's first) is right only where a pair is two k of one column (the MMA operand layout of num_stages 2 / 3); with
-# the manual register prefetch of num_stages 1 Triton decodes the first fields in the word load's blocked layout
-# (sizePerThread [1, 8] along N: offline sm_90 TTGIR, bench/wna16_mv_sass.py), where a pair is two columns, so the
-# second column took the first one's scale: the H200's rel err 0.2-0.25 of session 10. num_stages 1 always takes
+# the manual register prefetch of num_stages 1 Triton decodes all 8 fields in the word load's blocked layout
+# (sizePerThread [1, 8] along N: offline sm_90 TTGIR, bench/wna16_mv_sass.py --ab), where a pair is two columns, so
+# the second column took the first one's scale: the H200's rel err 0.2-0.25 of session 10. num_stages 1 always takes
 # MUL16 (with FOLD_S1); elsewhere an A/B switch until GPU-timed (offline sm_90 SASS at s2 / s3: 1 instruction less
 # per loop, IMAD -> LEA, not identical).
 MUL16 = False
@@ -174,9 +174,10 @@ FOLD_S1 = False
 FOLD_BIAS_WORDS = False
 # Integer weights (int4 g128, ...), mv / mvs: the group's x sum from one extra MMA per field (x times a ones tile)
 # so the decode keeps OFF + c and drops its packed FMA per register pair; the OFF + offset correction is one FFMA
-# per accumulator element per group (_mv_block XSD); with zero points it replaces the x sum by tl.sum. Offline sm_90a SASS (Triton 3.6, int4
-# mv K loop): bn128 w2 s3 642 -> 555 instructions (HFMA2 128 -> 0, HMMA 64 -> 72, FFMA 32 -> 64), registers 147 ->
-# 160; bn128 w4 s2 351 -> 307 (96 -> 127 registers). A/B switch, off until GPU-timed.
+# per accumulator element per group (_mv_block XSD); with zero points it replaces the x sum by tl.sum. Offline
+# sm_90a SASS (Triton 3.6, mv K loop): int4 bn128 w2 s3 642 -> 555 instructions (HFMA2 128 -> 0, HMMA 64 -> 72,
+# FFMA 32 -> 64), registers 147 -> 160; bn128 w4 s2 351 -> 307 (96 -> 127 registers); uint4 (zero points) g128
+# 819 -> 603. A/B switch, off until GPU-timed.
 INT_XSUM = False
 # The same word load for the GROUP_ROWS passes (mv, M <= 8; A/B switch until GPU-timed): offline sm_90 SASS
 # (MXFP4, M-tile 16) bn64 w1 all 4 groups on the rows 979 -> 926 instructions per loop (156 -> 197 registers),
@@ -308,7 +309,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
     FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
     FPP: tl.constexpr = FPG * GROW  # GROW: fields per pass (one MMA chain, one scale tile)
     MANT: tl.constexpr = BITS < 8  # 1 + c/2^B is exact in bf16 only up to 7 mantissa bits
-    # XSUM (ints without zero points): the group's x sum from an MMA of x with a ones tile, [BM, BN] in d's layout
+    # XSUM (ints): the group's x sum from an MMA of x with a ones tile, [BM, BN] in d's layout
     # (every column the row's sum; ptxas keeps one MMA per field, the B operand being the same constant for every
     # N tile), so the ASM decode keeps OFF + c (no packed FMA per pair) and the correction is one FFMA per acc element
     XSD: tl.constexpr = IS_INT and XSUM  # (with zero points: instead of tl.sum's shuffles and barriers)
@@ -802,7 +803,7 @@ def scale_words(fmt: dict, fold: bool, grow: int = 0) -> bool:
 
 def pair_multipliers(cfg) -> bool:
     """FOLD's e2m1 PTX takes each element's own 16-bit multiplier (MUL16): always with num_stages 1, whose
-    first fields Triton decodes in the word load's layout (a pair = two columns)."""
+    fields Triton decodes in the word load's blocked layout (a pair = two columns)."""
     return MUL16 or cfg.num_stages == 1
 
 
@@ -846,8 +847,8 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         sw = scale_words(fmt, fold, grow)
         mul16 = fold and pair_multipliers(cfg)
         biased = sw and fold and FOLD_BIAS_WORDS
-        _mv_kernel[grid](x2, qw.qweight, (fold_words(qw) if biased else e8m0_words(qw)) if sw else qw.scales, z, gsc, y, ws, cnt, m, n, k,
-                         x2.stride(0), y.stride(0),
+        words = (fold_words(qw) if biased else e8m0_words(qw)) if sw else qw.scales
+        _mv_kernel[grid](x2, qw.qweight, words, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
