@@ -6,6 +6,8 @@ the instruction count of its loop is the number to push down before spending GPU
   python bench/wna16_mv_sass.py                     # int4 + mxfp4, the usual tiles
   python bench/wna16_mv_sass.py --dump mxfp4 64 1   # also print the loop SASS of one (format, BLOCK_N, warps)
   python bench/wna16_mv_sass.py --scale-paths       # MXFP4: the e8m0 scale paths (barriers, registers, instrs)
+  python bench/wna16_mv_sass.py --ab                # session 11's opt-in switches vs the defaults, + the layout
+                                                    # Triton decodes FOLD's e2m1 in at num_stages 1 / 2 (TTGIR)
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from kestrel.kernels import gemm_wna16_small as small  # noqa: E402
 from wna16_tc_sass import FMT, sass_loop  # noqa: E402  (same formats; cuobjdump + K-loop extraction)
 
 SCALE_T = {0: "*bf16", 1: "*u8"}
+FMT = {**FMT, "uint4": dict(FMT["int4"], CODE_OFFSET=0, HAS_ZERO=True)}  # zero points (bf16 scale + zero rows)
 
 
 def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = True, **extra):
@@ -34,7 +37,8 @@ def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = Tr
     if extra.get("SCALE_WORDS"):  # s_ptr = gemm_wna16_small.e8m0_words(qw)
         ptrs["s_ptr"] = "*i32"
     const = dict(FMT[fmt], BLOCK_M=extra.pop("BLOCK_M", 16), BLOCK_N=block_n, SPLIT=split, NUM_STAGES=stages, SWAP=False, EVEN_K=True,
-                 DOT_F32=False, ASM=True, KB=1, PDL=0, PF=0, RED_STEP=2, FOLD=False)
+                 DOT_F32=False, ASM=True, KB=1, PDL=0, PF=0, RED_STEP=2, FOLD=False, MUL16=False, BIASED=False,
+                 XSUM=0)
     # every constexpr given explicitly: with FOLD left to its default, a FOLD=True and a FOLD=False compile
     # shared one on-disk cache entry (Triton 3.9 ASTSource key), so the second analysis reported the first kernel
     const.update(extra)
@@ -68,7 +72,45 @@ def scale_paths():
               f"BAR.SYNC {sum('BAR.SYNC' in t for t in a['sass'])}", flush=True)
 
 
+def asm_layouts(fmt, block_n, warps, stages, **extra):
+    """{layout of the inline-asm decode's result: count} from the TTGIR (a pack=2 pair is two adjacent registers
+    of that layout: two k of one column in the MMA operand layout, two columns in a blocked [1, 8] one)."""
+    ttgir = compile_mv(fmt, block_n, warps, stages, **extra).asm["ttgir"]
+    outs = re.findall(r"tt\.elementwise_inline_asm .*-> tensor<[^,]*, (#[\w.]+)", ttgir)
+    return dict(collections.Counter("dot_op" if o.startswith("#ttg.dot_op") else o for o in outs))
+
+
+def ab():
+    """(Run with a fresh TRITON_CACHE_DIR: kernels that differ only in a defaulted constexpr may share a cache
+    entry.) Session 11's opt-in switches (gemm_wna16_small.INT_XSUM, FOLD_BIAS_WORDS, MUL16, FOLD at num_stages 1)
+    against the defaults on the usual tiles: registers, spills, K-loop instructions."""
+    base = dict(GROW=0, IMAD=0, PROBE=0)
+    fold = dict(base, FOLD=True, SCALE_WORDS=True, IMAD=2)
+    rows = [("int4", bn, w, s, n, dict(base, **x)) for bn, w, s in ((128, 2, 3), (64, 1, 3), (256, 4, 3), (128, 4, 2))
+            for n, x in (("default", {}), ("INT_XSUM", {"XSUM": 1}))]
+    rows += [("uint4", 128, 2, 3, f"g{g} {n}", dict(base, GROUP_SIZE=g, **x)) for g in (128, 32)
+             for n, x in (("default", {}), ("INT_XSUM", {"XSUM": 1}))]
+    rows += [("mxfp4", bn, w, s, n, dict(fold, **x)) for bn, w, s in ((128, 2, 3), (64, 1, 3), (128, 4, 2))
+             for n, x in (("fold default", {}), ("FOLD_BIAS_WORDS", {"BIASED": True}), ("MUL16", {"MUL16": True}),
+                          ("MUL16 + FOLD_BIAS_WORDS", {"MUL16": True, "BIASED": True}))]
+    rows += [("mxfp4", bn, 1 if bn == 64 else 2, 1, n, dict(base, **x)) for bn in (64, 128)
+             for n, x in (("s1 unfolded (default)", {}), ("s1 fold + MUL16 (FOLD_S1)", dict(fold, MUL16=True)),
+                          ("s1 fold + MUL16 + FOLD_BIAS_WORDS", dict(fold, MUL16=True, BIASED=True)))]
+    print("| fmt | tile | variant | regs | spill B | loop instrs | thread-instrs / W elem |")
+    print("|---|---|---|---|---|---|---|")
+    for fmt, bn, w, s, name, extra in rows:
+        a = analyse(fmt, bn, w, s, **extra)
+        print(f"| {fmt} | 16x{bn} w{w} s{s} | {name} | {a['regs']} | {a['stack']} | {a['loop']} | "
+              f"{a['per_elem']:.2f} |", flush=True)
+    for s in (1, 2):
+        print(f"MXFP4 fold (int32 multipliers) bn32 w1 s{s}: e2m1 asm results in",
+              asm_layouts("mxfp4", 32, 1, s, **fold), flush=True)
+
+
 def main():
+    if "--ab" in sys.argv:
+        print(f"triton {triton.__version__}, sm_90")
+        return ab()
     if "--scale-paths" in sys.argv:
         print(f"triton {triton.__version__}, sm_90")
         return scale_paths()

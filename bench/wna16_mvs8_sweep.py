@@ -35,7 +35,8 @@ def variants(layer, m, gpu, fmt, opts=None):
     from kestrel.kernels.configs import TuningConfig
     opts = {"splits": [], "fold": False, "mvs8": True, "maxnreg": 0, "alt_m": [],
             "imad": [], "imad_splits": [], "probe": [], "grow": False, "grow2": False, "stages1": False,
-            "tiles": [], "spf": False, "fold_tiles": [], "growsw": [], "nofold": False, "stages": [], **(opts or {})}
+            "tiles": [], "spf": False, "fold_tiles": [], "growsw": [], "nofold": False, "stages": [], "ab": [],
+            "ab_tiles": [], **(opts or {})}
     dflt = TuningConfig(gpu).lookup(layer, m)
     base = dflt if dflt.kernel in ("mv", "mvs") else dataclasses.replace(dflt, kernel="mv", block_m=16,
                                                                          num_stages=3)
@@ -91,6 +92,17 @@ def variants(layer, m, gpu, fmt, opts=None):
             if (bn, w) != (base.block_n, base.num_warps):
                 out.append((f"{base.kernel}{base.block_m} bn{bn} w{w} sk{base.split_k}-growsw",
                             dataclasses.replace(base, block_n=bn, num_warps=w), "growsw"))
+    for mode in opts["ab"]:  # session 11's opt-in switches (AB_MODES, "+"-joined) on the default and the ab tiles
+        if set(mode.split("+")) & {"bias", "mul16", "fold-s1"} and not fp4 or "xsum" in mode and fp4:
+            continue
+        for bn, w in [(base.block_n, base.num_warps)] + [t for t in opts["ab_tiles"]
+                                                         if t != (base.block_n, base.num_warps)]:
+            c = dataclasses.replace(base, block_n=bn, num_warps=w, num_stages=1 if "fold-s1" in mode else
+                                    base.num_stages)
+            dtag = "dflt" if c == dflt else f"{c.kernel}{c.block_m} bn{bn} w{w} sk{c.split_k} s{c.num_stages}"
+            if c != dflt and not any(cc == c and f is None for _, cc, f in out):  # the defaults on this tile
+                out.append((dtag, c, None))  # (s1: the unfolded path of 0ef148d)
+            out.append((f"{dtag}-{mode}", c, mode))
     if opts["stages1"] and base.num_stages != 1:  # register prefetch: x through ld.global (L1) not cp.async (L2)
         c = dataclasses.replace(base, num_stages=1)
         out.append((f"{c.kernel}{c.block_m} bn{c.block_n} w{c.num_warps} sk{c.split_k} s1", c, None))
@@ -127,6 +139,13 @@ def variants(layer, m, gpu, fmt, opts=None):
     return [(t, c, f) for t, c, f in out if c.valid_for(layer)]
 
 
+# session 11's opt-in switches of gemm_wna16_small (all off by default), one per A/B mode: "mul16" = FOLD's 16-bit
+# pair multipliers at s2 / s3, "bias" = FOLD_BIAS_WORDS (MXFP4), "xsum" = INT_XSUM (ints), "fold-s1" = FOLD at
+# num_stages 1 (with MUL16: the session 10 bug's fix, checked for correctness first)
+AB_MODES = {"mul16": "MUL16", "bias": "FOLD_BIAS_WORDS", "xsum": "INT_XSUM", "fold-s1": "FOLD_S1"}
+AB0: dict = {}
+
+
 def set_mode(sm, mode, fold0, grow0):
     """Module switches of gemm_wna16_small for one variant's mode (see variants): None = the defaults; "fold" =
     FOLD_E8M0 (E2M1_IMAD as the default); "nofold" = the defaults without FOLD_E8M0 (session 9's: GROUP_ROWS
@@ -136,7 +155,14 @@ def set_mode(sm, mode, fold0, grow0):
     SCALE_PREFETCH, SCALE_WORDS_GROW, E2M1_IMAD) defaults."""
     sm.E2M1_IMAD, sm.PROBE, sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL = grow0[4], 0, False, False, False
     sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW = False, False
-    if mode is None:
+    for name, v in AB0.items():  # session 11's switches: their module defaults unless the mode sets one
+        setattr(sm, name, v)
+    if mode is not None and all(v in AB_MODES for v in mode.split("+")):  # the defaults + opt-in switches
+        sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], grow0[2]
+        sm.SCALE_WORDS_GROW = grow0[3]
+        for v in mode.split("+"):
+            setattr(sm, AB_MODES[v], True)
+    elif mode is None:
         sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], grow0[2]
         sm.SCALE_WORDS_GROW = grow0[3]
     elif mode == "nofold":
@@ -195,6 +221,7 @@ def _warm(items):
     from kestrel.quant import quantize
     t0, errs, fold0, qws = time.time(), [], sm.FOLD_E8M0, {}
     grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW, sm.E2M1_IMAD)
+    AB0.update({v: getattr(sm, v) for v in AB_MODES.values()})
     for fmt, n, k, m, cfg, fold in items:
         # a small stand-in weight: N, K are runtime values (multiples of 16 / 128 like every Llama shape), so the
         # kernels are the same; full-size weights in 12 workers ran the H200 out of memory (session 4 round 2)
@@ -244,6 +271,10 @@ def main():
                     "128:2,256:4")
     ap.add_argument("--probe", default="", help="MXFP4: also the mv tile with these gemm_wna16_small.PROBE cost "
                     "probes (timing only, results WRONG on purpose), e.g. 1,2,4,5")
+    ap.add_argument("--ab", default="", help="also these opt-in switches (" + ",".join(AB_MODES) + "; '+' joins "
+                    "several, e.g. fold-s1+bias) on the default tile (fold-s1: at num_stages 1), each next to the "
+                    "defaults on the same tile")
+    ap.add_argument("--ab-tiles", default="", help="... and on these BLOCK_N:warps tiles, e.g. 64:1,128:2,128:4")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     t_start = time.time()
@@ -255,6 +286,7 @@ def main():
     gpu = torch.cuda.get_device_name()
     fold0 = sm.FOLD_E8M0
     grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW, sm.E2M1_IMAD)
+    AB0.update({v: getattr(sm, v) for v in AB_MODES.values()})
     opts = {"splits": [int(v) for v in args.splits.split(",") if v], "fold": args.fold,
             "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg,
             "alt_m": [int(v) for v in args.alt_m.split(",") if v],
@@ -265,7 +297,9 @@ def main():
             "fold_tiles": [tuple(int(u) for u in v.split(":")) for v in args.fold_tiles.split(",") if v],
             "growsw": [tuple(int(u) for u in v.split(":")) for v in args.growsw.split(",") if v],
             "nofold": args.nofold, "stages": [int(v) for v in args.stages.split(",") if v],
-            "tiles": [tuple(int(u) for u in v.split(":")) for v in args.tiles.split(",") if v]}
+            "tiles": [tuple(int(u) for u in v.split(":")) for v in args.tiles.split(",") if v],
+            "ab": [v for v in args.ab.split(",") if v],
+            "ab_tiles": [tuple(int(u) for u in v.split(":")) for v in args.ab_tiles.split(",") if v]}
     fmts, ms = args.formats.split(","), [int(v) for v in args.ms.split(",")]
     shapes = [(f"{mo}:{name}", nk) for mo in args.models.split(",")
               for name, nk in zip(("qkv", "o", "gate_up", "down"), MODEL_SHAPES[mo])]
@@ -285,7 +319,8 @@ def main():
     print(f"D2D copy: {copy_bw:.3f} TB/s", flush=True)
     meta = {"gpu": gpu, "copy_TBps": copy_bw, "command": "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    rows, entries = [], {"dflt": {}, "fold1": {}, "imad2": {}, "grow1": {}, "grow2": {}, "spf": {}, "growsw": {}}
+    rows, entries = [], {"dflt": {}, "fold1": {}, "imad2": {}, "grow1": {}, "grow2": {}, "spf": {}, "growsw": {},
+                         **{m: {} for m in opts["ab"]}}
 
     def dump():
         json.dump({**meta, "rows": rows, "wall_s": time.time() - t_start},
@@ -349,7 +384,7 @@ def main():
                 for tag_e, modes in (("dflt", (None,)), ("fold1", (None, "fold")),
                                      ("imad2", (None, "imad2")), ("grow1", (None, "grow")),
                                      ("grow2", (None, "grow2")), ("spf", (None, "spf")),
-                                     ("growsw", (None, "growsw"))):
+                                     ("growsw", (None, "growsw")), *((m, (None, m)) for m in opts["ab"])):
                     # entries for the module defaults, FOLD_E8M0 / E2M1_IMAD 2 / GROUP_ROWS / + PARTIAL on
                     best = min((r for r in pt if r["fold"] in modes), key=lambda r: r["us"], default=None)
                     if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:

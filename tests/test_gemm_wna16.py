@@ -255,6 +255,135 @@ def test_mv_fp4_fold_multiplier_ptx_semantics():
                 assert torch.equal(got, want * 2.0 ** (e - 127 - fe)), (e, f, got, want)
 
 
+def test_mv_fp4_fold_pair_multipliers_ptx_semantics():
+    # the two elements of a pair (adjacent registers of whatever layout Triton decodes in) need not share a column:
+    # with the manual register prefetch (num_stages 1) the first fields are decoded in the word load's blocked
+    # layout (a pair = columns n, n + 1). MUL16 (Triton packs the pair's two 16-bit multipliers into $5) gives each
+    # element its own scale; the int32 form (each multiplier twice, the asm reads $5 only) gave the second column
+    # the first one's scale, the H200's rel err 0.2 at s1 (session 10): that form must fail here
+    from test_gemm_wna16_tc import _run_ptx
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.kernels.configs import ComputeConfig
+    from kestrel.quant.formats import decode_minifloat
+    assert sm.pair_multipliers(ComputeConfig("mv", 16, 16, 0, split_k=1, num_warps=1, num_stages=1))
+    n_in = lambda cons: cons.value.count(",")  # inputs after "=r"
+    assert n_in(sm._FP4_CONS_MUL16) == 5 and n_in(sm._FP4_CONS) == 6
+    g = torch.Generator().manual_seed(19)
+    fe = sm.FOLD_EXP.value
+    mbits = lambda e: min(max(e + 126 - fe, 1), 254) << 7
+    for e0, e1 in ((120, 127), (127, 100), (fe - 5, 135), (130, 130)):
+        for _ in range(4):
+            w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+            for f in range(8):
+                b = f // 2
+                sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
+                want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
+                want = want * torch.tensor([2.0 ** (e0 - 127 - fe), 2.0 ** (e1 - 127 - fe)], dtype=torch.float64)
+                for imad in (0, 2):
+                    asm = ((sm._ASM_FP4_ODD_BF16_IMAD if imad else sm._ASM_FP4_ODD_BF16) if f % 2 else
+                           (sm._ASM_FP4_EVEN_BF16_IMAD if imad else sm._ASM_FP4_EVEN_BF16))
+                    for mul16 in (True, False):
+                        muls = ([mbits(e0) | (mbits(e1) << 16)] if mul16 else
+                                [mbits(e0) * 0x10001, mbits(e1) * 0x10001])
+                        out = _run_ptx(asm.value, [w0, w1, sel, sel] + muls)
+                        got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
+                            torch.bfloat16).double()
+                        ok = torch.equal(got, want)
+                        if mul16 or e0 == e1 or not want[1]:
+                            assert ok, (e0, e1, f, imad, mul16, got, want)
+                        else:  # the int32 form: element 1 scaled by element 0's multiplier
+                            assert not ok and got[1] == want[1] * 2.0 ** (e0 - e1), (e0, e1, f, imad, got, want)
+
+
+@pytest.mark.parametrize("m", [2, 16])
+@pytest.mark.parametrize("split", [1, 2])
+def test_mxfp4_scale_fold_stages_1(m, split, monkeypatch):
+    # FOLD with the manual register prefetch (num_stages 1; FOLD_S1, off by default) vs x @ dequant(W)^T: the
+    # session 10 H200 failure's shape (48 x 640, scales ~2^-14 .. 2^3) on every column pairing; on the GPU this
+    # runs the MUL16 PTX (the interpreter: the plain Triton fold)
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "FOLD_E8M0", True)
+    monkeypatch.setattr(sm, "FOLD_S1", True)
+    spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
+    W = torch.randn(48, 5 * 128, generator=torch.Generator().manual_seed(20))
+    W = W * torch.logspace(-4, 1, 48).view(48, 1)  # per-column scale spread: a shared multiplier is wrong
+    qw = quantize(W, spec)
+    for bn, w in ((16, 1), (32, 2)):
+        _check(qw, m, ComputeConfig("mv", 16, bn, 0, split_k=split, num_warps=w, num_stages=1), seed=split)
+
+
+@pytest.mark.parametrize("mul16", [False, True], ids=["mul32", "mul16"])
+@pytest.mark.parametrize("mag", [1e-4, 1.0, 300.0])
+def test_mxfp4_fold_bias_words(mag, mul16, monkeypatch):
+    # FOLD_BIAS_WORDS: the scale words hold clamp(e + 126 - FOLD_EXP, 1, 254) (fold_words), byte j of word (b, n)
+    # for group 4b + j; vs x @ dequant(W)^T over scales ~2^-20 .. 2^9, mv (split-K, a masked two-block step, and
+    # num_stages 1 with FOLD_S1) and mvs, with the int32 or the 16-bit (MUL16) PTX multipliers on the GPU; fails
+    # with a wrong byte, bias or clamp. The PTX multiplier (byte * 0x00800080) is checked below
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "FOLD_E8M0", True)
+    monkeypatch.setattr(sm, "FOLD_BIAS_WORDS", True)
+    monkeypatch.setattr(sm, "FOLD_S1", True)
+    monkeypatch.setattr(sm, "MUL16", mul16)
+    spec = QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")
+    qw = quantize(torch.randn(48, 5 * 128, generator=torch.Generator().manual_seed(21)) * mag, spec)
+    fw = sm.fold_words(qw).view(torch.uint8).view(-1, 48, 4)  # [G / 4, N, group in block]
+    want = (qw.scales.to(torch.int32) + 126 - sm.FOLD_EXP.value).clamp(1, 254)
+    assert torch.equal(fw.permute(0, 2, 1).reshape(-1, 48).to(torch.int32), want)
+    _check(qw, 3, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2))
+    _check(qw, 16, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=3))
+    _check(qw, 7, ComputeConfig("mvs", 8, 16, 0, split_k=2, num_warps=1, num_stages=3))
+    _check(qw, 2, ComputeConfig("mv", 16, 32, 0, split_k=2, num_warps=2, num_stages=1))
+
+
+def test_mv_fp4_fold_bias_multiplier_ptx_semantics():
+    # FOLD_BIAS_WORDS's multiplier register: fold_words byte c times 0x00800080 (c << 7 in both halves) in the
+    # e2m1 PTX gives value * 2^(e - 127 - FOLD_EXP) for the e8m0 code e, as the unbiased form does
+    from test_gemm_wna16_tc import _run_ptx
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.quant.formats import decode_minifloat
+    g = torch.Generator().manual_seed(22)
+    fe = sm.FOLD_EXP.value
+    for e in (fe - 5, 100, 120, 127, 135, fe + 128):
+        c = int((torch.tensor([e], dtype=torch.int16) + (126 - fe)).clamp(1, 254))  # as fold_words stores it
+        for _ in range(4):
+            w0, w1 = (int(v) & 0xFFFFFFFF for v in torch.randint(-2**31, 2**31 - 1, (2,), generator=g))
+            for f in range(8):
+                b = f // 2
+                sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
+                asm = sm._ASM_FP4_ODD_BF16_IMAD if f % 2 else sm._ASM_FP4_EVEN_BF16_IMAD
+                out = _run_ptx(asm.value, [w0, w1, sel, sel, c * 0x00800080, c * 0x00800080])
+                got = torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
+                    torch.bfloat16).double()
+                want = decode_minifloat(torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15]), 2, 1).double()
+                assert torch.equal(got, want * 2.0 ** (e - 127 - fe)), (e, f, got, want)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128), QuantSpec("int4", group_size=32),
+                                  QuantSpec("int8", group_size=-1), QuantSpec("int3", group_size=64),
+                                  QuantSpec("uint4", has_zero_point=True, group_size=32, scale_dtype="fp16")],
+                         ids=lambda s: s.name + f"-g{s.group_size}")
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_mv_int_xsum(spec, dt, monkeypatch):
+    # INT_XSUM: the x sum of each group from an MMA of x with a ones tile (d's layout), OFF + c kept by the decode,
+    # the offset corrected once per group; mv and mvs, split-K with a masked two-block step, one-stage register
+    # prefetch, N not a tile multiple, K padded, x with a nonzero mean (large x sums), zero points (per-column
+    # correction). Fails with the correction's offset or sign wrong
+    from kestrel.kernels import gemm_wna16_small as sm
+    monkeypatch.setattr(sm, "INT_XSUM", True)
+    W = torch.randn(40, 5 * spec.k_multiple - (16 if spec.k_multiple > 16 else 0),
+                    generator=torch.Generator().manual_seed(24))
+    qw = quantize(W, spec)
+    for m, cfg in ((1, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2)),
+                   (16, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=1)),
+                   (5, ComputeConfig("mvs", 8, 16, 0, split_k=2, num_warps=1, num_stages=3))):
+        g = torch.Generator().manual_seed(m)
+        x = (torch.randn(m, qw.shape[1], generator=g) + 2.0).to(dt)
+        ref = x.double() @ dequantize(qw).double().t()
+        y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL, f"{spec.name} M={m} cfg={cfg}: rel err {err:.3g}"
+
+
 def test_mv_fp4_imad_decode_ptx_semantics():
     # the FMA-pipe e2m1 PTX (E2M1_IMAD): value exactly (times the 2^126 multiplier) for every field of random word
     # pairs, so every code, both nibbles and both halves

@@ -154,24 +154,60 @@ SCALE_PREFETCH = True
 # that layout directly (offline sm_90 SASS, bench/wna16_mv_sass.py, MXFP4 bn128 w2 M-tile 16: 8 -> 2 barriers,
 # 204 -> 160 registers, 1216 -> 964 instructions per loop; SCALE_PREFETCH's default 1047 / 183 / 8).
 SCALE_WORDS = True
+# FOLD's e2m1 PTX with each element's own 16-bit multiplier (_fp4_pairs MUL16; Triton packs a pair's two into one
+# register), right in whatever layout Triton decodes in. The int32 form (each multiplier twice, the asm reads the
+# pair's first) is right only where a pair is two k of one column (the MMA operand layout of num_stages 2 / 3); with
+# the manual register prefetch of num_stages 1 Triton decodes all 8 fields in the word load's blocked layout
+# (sizePerThread [1, 8] along N: offline sm_90 TTGIR, bench/wna16_mv_sass.py --ab), where a pair is two columns, so
+# the second column took the first one's scale: the H200's rel err 0.2-0.25 of session 10. num_stages 1 always takes
+# MUL16 (with FOLD_S1); elsewhere an A/B switch until GPU-timed (offline sm_90 SASS at s2 / s3: 1 instruction less
+# per loop, IMAD -> LEA, not identical).
+MUL16 = False
+# FOLD at num_stages 1 (with MUL16 there): off until the H200 confirms the fix (job_decode.sh stage 1); off, s1 takes
+# the unfolded path (0ef148d).
+FOLD_S1 = False
+# With FOLD + SCALE_WORDS the words hold the folded multiplier's bf16 exponent field, clamp(e + 126 - FOLD_EXP, 1,
+# 254), instead of the e8m0 code e (fold_words, built once per weight like e8m0_words): the kernel's per group and
+# column clamp (VIMNMX) and bias go to pack time; byte << 7 duplicated is the multiplier (offline sm_90a SASS, see
+# bench/results/gemm_wna16_smallm.md session 11: MXFP4 bn128 w2 s3 900 -> 867 instructions per loop; with MUL16
+# 899 -> 875, and at num_stages 1 (FOLD_S1) bn64 w1 1051 -> 985, spills 24 -> 0 B). A/B switch, off until GPU-timed.
+FOLD_BIAS_WORDS = False
+# Integer weights (int4 g128, ...), mv / mvs: the group's x sum from one extra MMA per field (x times a ones tile)
+# so the decode keeps OFF + c and drops its packed FMA per register pair; the OFF + offset correction is one FFMA
+# per accumulator element per group (_mv_block XSD); with zero points it replaces the x sum by tl.sum. Offline
+# sm_90a SASS (Triton 3.6, mv K loop): int4 bn128 w2 s3 642 -> 555 instructions (HFMA2 128 -> 0, HMMA 64 -> 72,
+# FFMA 32 -> 64), registers 147 -> 160; bn128 w4 s2 351 -> 307 (96 -> 127 registers); uint4 (zero points) g128
+# 819 -> 603. A/B switch, off until GPU-timed.
+INT_XSUM = False
 # The same word load for the GROUP_ROWS passes (mv, M <= 8; A/B switch until GPU-timed): offline sm_90 SASS
 # (MXFP4, M-tile 16) bn64 w1 all 4 groups on the rows 979 -> 926 instructions per loop (156 -> 197 registers),
 # 2 groups per pass 1029 -> 1001 (217 -> 212).
 SCALE_WORDS_GROW = False
 
 
+_FP4_CONS = tl.constexpr("=r,r,r,r,r,r,r")  # $0; $1 $2 words, $3 $4 selector, $5 $6 int32 multipliers
+_FP4_CONS_MUL16 = tl.constexpr("=r,r,r,r,r,r")  # $0; $1 $2 words, $3 $4 selector, $5 = both 16-bit multipliers
+
+
 @triton.jit
-def _fp4_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr, mul, IMAD: tl.constexpr = 0):
+def _fp4_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr, mul, IMAD: tl.constexpr = 0, MUL16: tl.constexpr = False):
     """GPU only (inline PTX): e2m1 field FIELD of int32 words -> bf16/fp16 values * mul, two words per register
-    pair; `mul` (int32, q's shape) holds the bf16x2/f16x2 multiplier of each element in both halves (the two
-    elements of a pair are adjacent k of one column in the MMA operand layout, so they share it)."""
+    pair (the two elements Triton packs: adjacent registers of q's layout). MUL16: `mul` is a 16-bit tensor of q's
+    shape, each element's own multiplier; Triton packs a pair's two into one register ($5), right in any layout.
+    Else `mul` (int32) holds each element's multiplier in both halves and the asm takes the pair's first ($5 of
+    $5, $6): right only when both elements of every pair share it, as a constant does, or a per-column multiplier
+    in the MMA operand layout (a pair = adjacent k of one column); in the word load's blocked layout a pair is two
+    columns (the FOLD + num_stages 1 bug of session 10)."""
     B: tl.constexpr = FIELD // 2
     sel = tl.full(q.shape, ((4 + B) << 12) | ((4 + B) << 8) | (B << 4) | B, tl.int32)
     asm: tl.constexpr = (_ASM_FP4_EVEN_F16 if FIELD % 2 == 0 else _ASM_FP4_ODD_F16) if FP16 else (
         (_ASM_FP4_EVEN_BF16_IMAD if IMAD else _ASM_FP4_EVEN_BF16) if FIELD % 2 == 0 else (
             _ASM_FP4_ODD_BF16_IMAD if IMAD == 2 else _ASM_FP4_ODD_BF16))
+    if MUL16:  # out; words (twice: pack=2), selector (twice), the pair's two multipliers in one register
+        return tl.inline_asm_elementwise(asm, _FP4_CONS_MUL16, [q, sel, mul],
+                                         dtype=tl.float16 if FP16 else tl.bfloat16, is_pure=True, pack=2)
     # out; words, selector, multiplier (each twice: pack=2)
-    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", [q, sel, mul], dtype=tl.float16 if FP16 else tl.bfloat16,
+    return tl.inline_asm_elementwise(asm, _FP4_CONS, [q, sel, mul], dtype=tl.float16 if FP16 else tl.bfloat16,
                                      is_pure=True, pack=2)
 
 
@@ -256,7 +292,9 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr, MASK_B: tl.constexpr,
               PRE_S: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr = False,
               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0, row_g=None,
-              PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False):
+              PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
+              MUL16: tl.constexpr = False, BIASED: tl.constexpr = False,
+              XSUM: tl.constexpr = False):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
     s_pre its group-scale row when PRE_S, or with PRE_G its 4 e8m0 group codes packed (_scale_word), both
     prefetched by the caller. FOLD (e2m1 + e8m0, bf16): the group scale is
@@ -271,7 +309,13 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
     FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
     FPP: tl.constexpr = FPG * GROW  # GROW: fields per pass (one MMA chain, one scale tile)
     MANT: tl.constexpr = BITS < 8  # 1 + c/2^B is exact in bf16 only up to 7 mantissa bits
-    SUB: tl.constexpr = CODE_OFFSET - 1000 * HAS_ZERO  # < 0: keep OFF + c and correct through the x sum
+    # XSUM (ints): the group's x sum from an MMA of x with a ones tile, [BM, BN] in d's layout
+    # (every column the row's sum; ptxas keeps one MMA per field, the B operand being the same constant for every
+    # N tile), so the ASM decode keeps OFF + c (no packed FMA per pair) and the correction is one FFMA per acc element
+    XSD: tl.constexpr = IS_INT and XSUM  # (with zero points: instead of tl.sum's shuffles and barriers)
+    # < 0: keep OFF + c and correct through the x sum (zero points, XSUM)
+    SUB: tl.constexpr = CODE_OFFSET - 1000 if HAS_ZERO or XSD else CODE_OFFSET
+    XS: tl.constexpr = IS_INT and (not ASM or HAS_ZERO) and not XSD  # the group's x sum by tl.sum
     offs_k = tl.arange(0, R)
     # a block past this split's end (MASK_B) reads an in-range x block and is weighted 0
     bc = tl.minimum(b, n_blocks - 1)
@@ -290,8 +334,18 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
             else:
                 e = tl.load(s_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.int32)
             if ASM:
-                mb = tl.minimum(tl.maximum(e + (126 - FOLD_EXP), 1), 254) << 7  # bf16 bits of 2^(e-1-FOLD_EXP)
-                mulq = tl.broadcast_to((mb | (mb << 16))[None, :], q.shape)
+                if BIASED:  # fold_words: the byte is the multiplier's bf16 exponent field already
+                    mb = e << 7
+                else:
+                    mb = tl.minimum(tl.maximum(e + (126 - FOLD_EXP), 1), 254) << 7  # bf16 bits of 2^(e-1-FOLD_EXP)
+                if MUL16:  # each element's own bf16 multiplier (right in any layout Triton decodes in)
+                    mulq = tl.broadcast_to(mb.to(tl.int16).to(tl.bfloat16, bitcast=True)[None, :], q.shape)
+                elif BIASED:  # byte * 0x00800080: the exponent field in both halves (one IMAD after the extract)
+                    mulq = tl.broadcast_to((e * 0x00800080)[None, :], q.shape)
+                else:
+                    mulq = tl.broadcast_to((mb | (mb << 16))[None, :], q.shape)
+            elif BIASED:  # e = clamp(e8m0 + 126 - FOLD_EXP): the same 2^(e8m0 - 127 - FOLD_EXP) as below
+                sf = (tl.minimum(tl.maximum(e - 126, 1), 254) << 23).to(tl.float32, bitcast=True)
             else:
                 sf = (tl.minimum(tl.maximum(e - FOLD_EXP, 1), 254) << 23).to(tl.float32, bitcast=True)
         if ASM and not IS_INT:  # e2m1: the exact value (FOLD: times scale * 2^-FOLD_EXP)
@@ -300,7 +354,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
             elif PROBE & 2:
                 w = _nibble_pairs(q, i, False, -1)
             elif FOLD:
-                w = _fp4_pairs(q, i, False, mulq, IMAD)
+                w = _fp4_pairs(q, i, False, mulq, IMAD, MUL16)
             else:
                 w = _fp4_pairs(q, i, x_ptr.dtype.element_ty == tl.float16,
                                tl.full(q.shape, 0x74007400 if x_ptr.dtype.element_ty == tl.float16 else 0x7E807E80,
@@ -326,7 +380,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
         if GROW:  # rows of the pass's other groups see x = 0 for this field
             xmask = xmask & (row_g == ((i * R) // GROUP_SIZE) % GROW)[:, None]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :], mask=xmask, other=0.0)
-        if IS_INT and not (ASM and not HAS_ZERO):
+        if XS:
             if i % FPG == 0:
                 xs = tl.sum(x.to(tl.float32), axis=1)
             else:
@@ -334,6 +388,18 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
         if DOT_F32:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same rounded values
             w = w.to(tl.float32)
             x = x.to(tl.float32)
+        if XSD:  # x @ ones (XSUM): every element of the tile holds its row's x sum
+            ones = tl.full(w.shape, 1.0, w.dtype)
+            if SWAP:
+                if i % FPG == 0:
+                    xsd = tl.dot(tl.trans(ones), tl.trans(x))
+                else:
+                    xsd = tl.dot(tl.trans(ones), tl.trans(x), xsd)
+            else:
+                if i % FPG == 0:
+                    xsd = tl.dot(x, ones)
+                else:
+                    xsd = tl.dot(x, ones, xsd)
         if FOLD:  # one fresh chain per block, added to acc once (chaining into acc itself cost ~160 register moves)
             if SWAP:
                 if i == 0:
@@ -377,7 +443,25 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 g = (b * PB) // GROUP_SIZE
             else:
                 g = (b * PB + (i + 1 - FPG) * R) // GROUP_SIZE
-            if IS_INT and not (ASM and not HAS_ZERO):
+            if XSD and HAS_ZERO:  # d - (OFF + zero) x sum, per column
+                zero = tl.load(z_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.float32)
+                if ASM:
+                    zero = zero + (1024.0 if x_ptr.dtype.element_ty == tl.float16 else 128.0)
+                elif MANT:
+                    d = d * (1 << BITS)
+                    zero = zero + (1 << BITS)
+                if SWAP:
+                    d = d - xsd * zero[:, None]
+                else:
+                    d = d - xsd * zero[None, :]
+            elif XSD:  # d - (OFF + CODE_OFFSET) x sum, OFF as below
+                if ASM:
+                    d = d - (CODE_OFFSET + (1024.0 if x_ptr.dtype.element_ty == tl.float16 else 128.0)) * xsd
+                elif MANT:
+                    d = d * (1 << BITS) - (CODE_OFFSET + (1 << BITS)) * xsd
+                else:
+                    d = d - CODE_OFFSET * xsd
+            elif XS:
                 if HAS_ZERO:
                     zero = tl.load(z_ptr + g * N + offs_n, mask=nb_mask, other=0).to(tl.float32)
                 else:
@@ -419,7 +503,9 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
                RED_STEP: tl.constexpr, FOLD: tl.constexpr = False,
                IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0,
-               PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False):
+               PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
+               MUL16: tl.constexpr = False, BIASED: tl.constexpr = False,
+               XSUM: tl.constexpr = False):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -483,7 +569,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
-                            IMAD, PROBE, GROW, row_g, SCALE_WORDS=SCALE_WORDS)
+                            IMAD, PROBE, GROW, row_g, SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED, XSUM=XSUM)
     else:
         if PRE_G:  # (KB = 1, e8m0, 4 groups per block: SCALE_PREFETCH) block b0's scale codes
             s_nx = _scale_word(s_ptr, b0, N, offs_n, n_mask & ((offs_n * 0 + b0) < b1))
@@ -504,7 +590,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                                 nb_mask, K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET,
                                 HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM,
                                 KB > 1, False, R, FOLD, IMAD, PROBE, GROW, row_g, PRE_G,
-                                SCALE_WORDS=SCALE_WORDS)
+                                SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED, XSUM=XSUM)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
@@ -695,11 +781,30 @@ def e8m0_words(qw) -> torch.Tensor:
     return w
 
 
+def fold_words(qw) -> torch.Tensor:
+    """int32 [G / 4, N] as e8m0_words, byte j = clamp(e + 126 - FOLD_EXP, 1, 254) for the e8m0 code e of group
+    4b + j: the bf16 exponent field of FOLD's multiplier 2^(e - 1 - FOLD_EXP) (FOLD_BIAS_WORDS). Built once per
+    weight and kept on it."""
+    w = getattr(qw, "_fold_words", None)
+    if w is None or w.device != qw.scales.device:
+        b = (qw.scales.to(torch.int16) + (126 - FOLD_EXP.value)).clamp(1, 254).to(torch.uint8)
+        g, n = b.shape
+        w = b.view(g // 4, 4, n).transpose(1, 2).contiguous().view(torch.int32).view(g // 4, n)
+        qw._fold_words = w
+    return w
+
+
 def scale_words(fmt: dict, fold: bool, grow: int = 0) -> bool:
     """The kernel reads e8m0_words: e8m0 scales, 4 groups per planar block, with FOLD (SCALE_WORDS) or on the
     GROUP_ROWS passes (grow > 0, SCALE_WORDS_GROW)."""
     return ((SCALE_WORDS and fold or SCALE_WORDS_GROW and grow > 0) and fmt["SCALE_KIND"] == 1
             and not fmt["PER_CHANNEL"] and fmt["GROUP_SIZE"] * 4 == fmt["R"] * fmt["EPW"])
+
+
+def pair_multipliers(cfg) -> bool:
+    """FOLD's e2m1 PTX takes each element's own 16-bit multiplier (MUL16): always with num_stages 1, whose
+    fields Triton decodes in the word load's blocked layout (a pair = two columns)."""
+    return MUL16 or cfg.num_stages == 1
 
 
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
@@ -718,11 +823,10 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     if cfg.kernel == "gemv":
         grid = (triton.cdiv(n, cfg.block_n), m, split)
     else:
-        # FOLD (all of a block's groups in one MMA chain, no per-group accumulator work) before GROUP_ROWS; not
-        # with the manual register prefetch of num_stages 1: compiled on the H200 (PTX decode) that form gives rel
-        # err 0.2-0.25 at every M / tile / split tried (session 10 lead check; stages 2 and 3: 1.5e-3), so it keeps
-        # the unfolded path there
-        fold = fold_e8m0(fmt, x2.dtype) and cfg.num_stages > 1
+        # FOLD (all of a block's groups in one MMA chain, no per-group accumulator work) before GROUP_ROWS; with
+        # the manual register prefetch of num_stages 1 only with FOLD_S1 (and MUL16 there): the int32 multiplier
+        # form gave rel err 0.2-0.25 on the H200 at s1 (session 10 lead check; cause: see MUL16)
+        fold = fold_e8m0(fmt, x2.dtype) and (cfg.num_stages > 1 or FOLD_S1)
         grow = group_rows(fmt, cfg, m) if cfg.kernel == "mv" and not fold else 0
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m // max(grow, 1)), split)
     if split > 1:
@@ -741,14 +845,17 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         common["PDL"] = (2 if PDL_LATE else 1) if pdl else 0
         fold = fold and not grow
         sw = scale_words(fmt, fold, grow)
-        _mv_kernel[grid](x2, qw.qweight, e8m0_words(qw) if sw else qw.scales, z, gsc, y, ws, cnt, m, n, k,
-                         x2.stride(0), y.stride(0),
+        mul16 = fold and pair_multipliers(cfg)
+        biased = sw and fold and FOLD_BIAS_WORDS
+        words = (fold_words(qw) if biased else e8m0_words(qw)) if sw else qw.scales
+        _mv_kernel[grid](x2, qw.qweight, words, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
                          ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
-                         RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw,
+                         RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw, BIASED=biased,
+                         XSUM=INT_XSUM and fmt["IS_INT"],
                          PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold and not sw,
-                         IMAD=E2M1_IMAD if is_e2m1 and fold else 0,
+                         IMAD=E2M1_IMAD if is_e2m1 and fold else 0, MUL16=mul16,
                          PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
     return y
