@@ -156,6 +156,24 @@ def test_gluon_tcg_swap_odd_k_steps(fmt, k):
         assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
 
 
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("cfg", [ComputeConfig("tcg", 128, 128, 0, 1, 8, 4, swap=True, ws=1),
+                                 ComputeConfig("tcg", 128, 256, 0, 1, 8, 3, swap=True, ws=1),
+                                 ComputeConfig("tcg", 128, 128, 0, 2, 8, 3, swap=True, ws=1),
+                                 ComputeConfig("tcg", 128, 256, 0, 1, 8, 3, swap=True, ws=2)],
+                         ids=["ws1-khalf", "ws1-rowhalf", "ws1-split2", "ws2-rowhalf"])
+def test_gluon_tcg_swap_ws_loops(fmt, cfg):
+    # the loader-warp consumers on _swap_kloop's split-step loop (session 11): K halves (128x128 w8), row halves
+    # (128x256 w8, and each 4-warp consumer of ws 2), ring slots handed back on the empty barriers; 5 K steps
+    # (odd; 3 + 2 with split 2), 2 N tiles of 256, ragged M
+    qw = _weight(FORMATS[fmt], n=512, k=640, seed=19)
+    assert cfg.valid_for(LayerConfig(qw.spec, *qw.shape))
+    x = torch.randn(130, 640, generator=torch.Generator().manual_seed(19)).bfloat16()
+    ref = x.double() @ dequantize(qw).double().t()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+    assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
+
+
 @pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=1), 37),
                                    (ComputeConfig("tcg", 128, 128, 0, 1, 8, 3, swap=True), 130),
                                    (ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=2), 70),
