@@ -23,13 +23,15 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from kestrel.kernels.gemm_wna16_tcg import BK, _decode_layout, _swap_kloop, _swap_ring, _swap_store
 
 
-def plan(tiles: int, steps: int, num_sms: int) -> tuple[int, int, int, int]:
+def plan(tiles: int, steps: int, num_sms: int, fold: bool = True) -> tuple[int, int, int, int]:
     """-> (programs, n_dp, per, max_parts): n_dp data-parallel tiles (whole waves of `programs`), the rest split in
-    ranges of `per` K steps, at most max_parts ranges on one tile. A leftover of at most a third of a wave also
-    takes the last whole wave into stream-K (a thin leftover split alone would give each CTA only a few steps)."""
+    ranges of `per` K steps, at most max_parts ranges on one tile. fold: a leftover of at most a third of a wave
+    also takes the last whole wave into stream-K (a thin leftover split alone would give each CTA only a few steps;
+    but then nearly every tile is shared by 2 CTAs and pays the fp32 slab + ticket fixup). fold=False (cfg.streamk
+    3): the whole waves stay data-parallel and only the leftover tiles are spread (each over many CTAs)."""
     p = min(num_sms, tiles * steps)
     n_dp = tiles // p * p
-    if n_dp and tiles - n_dp and (tiles - n_dp) * 3 <= p:
+    if fold and n_dp and tiles - n_dp and (tiles - n_dp) * 3 <= p:
         n_dp -= p
     n_sk = tiles - n_dp
     per = -(-n_sk * steps // p) if n_sk else steps
@@ -104,14 +106,15 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
 
 
 def launch(x_desc, q_desc, qw, x2: torch.Tensor, cfg, num_sms: int) -> torch.Tensor:
-    """y [M, N] bf16 of the stream-K schedule (cfg: block_m, block_n, num_warps, num_stages; split_k unused)."""
+    """y [M, N] bf16 of the stream-K schedule (cfg: block_m, block_n, num_warps, num_stages; split_k unused;
+    streamk 1 / 3: the ticketed reduction, 3 without plan's fold; 2: fp32 atomics)."""
     from kestrel.kernels import gemm_wna16_tcg as tcg
     from kestrel.kernels.gemm_wna16_tc import _split_counters
     m, k = x2.shape
     n = qw.shape[0]
     bm, bn = cfg.block_m, cfg.block_n
     tiles = -(-m // bm) * (n // bn)
-    progs, n_dp, per, max_parts = plan(tiles, k // BK.value, num_sms)
+    progs, n_dp, per, max_parts = plan(tiles, k // BK.value, num_sms, fold=cfg.streamk != 3)
     n_sk = tiles - n_dp
     atomic = cfg.streamk == 2
     y = torch.zeros((m, n), device=x2.device, dtype=torch.float32) if atomic else torch.empty(
