@@ -129,9 +129,13 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_tcgs2(bm: int, bn: int, stages: int, fp4: bool, atomic: bool = False, consumer_regs: int = 232):
+def compile_tcgs2(bm: int, bn: int, stages: int, fp4: bool, atomic: bool = False, consumer_regs: int | None = None,
+                  loader_regs: int | None = None):
     """ws 2 (gemm_wna16_tcg._tcgs2_kernel): two consumer warpgroups in their own partitions + a loader warp, the
-    word descriptor half a tile wide (as gemm_wna16_tcg launches it)."""
+    word descriptor half a tile wide, the register budgets of gemm_wna16_tcg.ws2_regs (as it launches it) unless
+    given."""
+    consumer_regs = consumer_regs or tcg.ws2_regs(bn)[0]
+    loader_regs = loader_regs or tcg.ws2_regs(bn)[1]
     lay = gl.NVMMASharedLayout.get_default_for
     x_desc = TensorDescriptor.from_tensor(torch.empty(256, 512, dtype=torch.bfloat16), [bm, 128],
                                           lay([bm, 128], gl.bfloat16))
@@ -143,7 +147,7 @@ def compile_tcgs2(bm: int, bn: int, stages: int, fp4: bool, atomic: bool = False
            "y_ptr": "*fp32" if atomic else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "split_k": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4,
-                  CONSUMER_REGS=consumer_regs, num_warps=4)
+                  CONSUMER_REGS=consumer_regs, num_warps=4, LOADER_REGS=loader_regs)
     signature = {n: sig.get(n, "constexpr") for n in names}
     src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

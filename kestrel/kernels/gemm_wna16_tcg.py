@@ -14,8 +14,8 @@ words are loaded once; field i is decoded (mantissa trick, one FFMA with the gro
 cfg.swap ("swap-AB", _tcgs_kernel; the default from session 4): y^T = W x^T with the decoded W tile as the wgmma
 A operand in registers and x^T from the ring as B, int4 g128 or MXFP4; cfg.ws 1/2 warp-specialised variants
 (measured slower on the H200 in session 4, with the racy loop; on _swap_kloop's split-step loop since session 11,
-not yet GPU-run; ws 2's wgmma are serialised by ptxas, C7512), cfg.reduce the in-kernel split-K sum. See the comment
-above _ASM_QUAD.
+not yet GPU-run; ws 2's wgmma serialised by ptxas on 128x256, ws2_regs), cfg.reduce the in-kernel split-K sum. See
+the comment above _ASM_QUAD.
 """
 from __future__ import annotations
 
@@ -607,8 +607,10 @@ def _swap_load_halves(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n
 @gluon.jit
 def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
-                  FP4: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """ws=2 (launched with num_warps=4): two consumer warpgroups in two partitions plus a loader warp."""
+                  FP4: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+                  LOADER_REGS: gl.constexpr = 24):
+    """ws=2 (launched with num_warps=4): two consumer warpgroups in two partitions plus a loader warp.
+    CONSUMER_REGS / LOADER_REGS: the partitions' register budgets (setmaxnreg), ws2_regs."""
     pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
@@ -625,7 +627,16 @@ def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLO
         (_swap_consume_half, (x_smem, q_smem, ready, empty, s_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt, 1,
                               BLOCK_M, HN, STAGES, CODE_OFFSET, FP4, ATOMIC)),
         (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def ws2_regs(block_n: int) -> tuple[int, int]:
+    """(consumer, loader) register budgets (setmaxnreg) of the ws 2 kernel's partitions. With the loader at 24
+    ptxas serialises every wgmma of both consumers (C7512) on every tile; at 120 it does not on the 128-wide tiles
+    (64x128, 128x128; int4 + MXFP4, atomic too: offline sm_90a compile, session 11; 88-104 and 152 serialise
+    again: ptxas-fragile, re-check with bench/wna16_tcg_compile.py after a change). The 128x256 tile is serialised
+    (or spills) at every split tried: it keeps the old 24."""
+    return 232, 120 if block_n == 128 else 24
 
 
 def tail_plan(tiles: int, max_split: int, steps: int, num_sms: int) -> tuple[int, int, int]:
@@ -700,7 +711,8 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
         q_desc = TensorDescriptor.from_tensor(qw.qweight, [r, bn // 2], lay([r, bn // 2], gl.int32))
         _tcgs2_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                             ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
-                            FP4=qw.spec.weight_dtype == "fp4_e2m1", CONSUMER_REGS=232, num_warps=4)
+                            FP4=qw.spec.weight_dtype == "fp4_e2m1", CONSUMER_REGS=ws2_regs(bn)[0], num_warps=4,
+                            LOADER_REGS=ws2_regs(bn)[1])
         return y.to(x2.dtype) if split > 1 else y
     if cfg.swap:
         ws = bool(cfg.ws)

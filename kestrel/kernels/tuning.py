@@ -163,10 +163,12 @@ def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeC
                  (128, 128, 3, 16), (64, 128, 4, 8)]
     # swap-AB tiles (W decoded into the wgmma A registers; MXFP4 too): (block_m, block_n, stages, warps, ws). The
     # loader-warp variants (ws 1 / 2) lost on every point of the H200 probe (session 4 round 1, with the K loop's
-    # register-A race): one, for reference; ws 1 since session 11 (race-free; ws 2's wgmma are serialised by ptxas,
-    # C7512 in bench/wna16_tcg_compile.py)
+    # register-A race, and ws 2's wgmma serialised by ptxas): since session 11 ws 1 (and ws 2 at M <= 64; more
+    # near the M = 256 heuristic push the other kernels past --max-candidates 17) on the split-step loop, race-free,
+    # ws 2 unserialised on 128-wide tiles with gemm_wna16_tcg.ws2_regs (offline compile only)
     if m <= 64:
-        swaps = [(64, 128, 4, 8, 0), (64, 128, 3, 8, 0), (64, 256, 4, 8, 0), (64, 64, 4, 4, 0), (64, 128, 4, 8, 1)]
+        swaps = [(64, 128, 4, 8, 0), (64, 128, 3, 8, 0), (64, 256, 4, 8, 0), (64, 64, 4, 4, 0), (64, 128, 4, 8, 1),
+                 (64, 128, 4, 8, 2)]
     else:
         # (256, 128, 2): 256 x rows, all of M = 256 per W tile (correct at 2 stages only: configs.valid_for)
         swaps = [(128, 128, 4, 8, 0), (128, 128, 3, 8, 0), (64, 128, 4, 8, 0), (128, 256, 3, 8, 0),
