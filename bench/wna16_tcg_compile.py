@@ -153,7 +153,7 @@ def compile_tcgs2(bm: int, bn: int, stages: int, fp4: bool, atomic: bool = False
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False, LOOP=2):
+def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False, LOOP=2, OWN=False):
     """The stream-K persistent kernel (gemm_wna16_tcg_streamk._tcgsk_kernel)."""
     from kestrel.kernels import gemm_wna16_tcg_streamk as sk
     lay = gl.NVMMASharedLayout.get_default_for
@@ -167,7 +167,7 @@ def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: 
            "n_dp": "i32", "per": "i32",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "max_parts": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4, num_warps=warps,
-                  ATOMIC=atomic, LOOP=LOOP)
+                  ATOMIC=atomic, LOOP=LOOP, OWN=OWN)
     signature = {n: sig.get(n, "constexpr") for n in names}
     src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -177,17 +177,18 @@ def main():
     variants = {"plain": {}, "atomic": dict(ATOMIC=True), "reduce": dict(REDUCE=True),
                 "tail": dict(REDUCE=True, TAIL=True), "streamk": None, "plain-loop1": dict(LOOP=1),
                 "plain-loop0": dict(LOOP=0), "ws1": dict(WS=True), "ws1-atomic": dict(WS=True, ATOMIC=True),
-                "ws2": "ws2", "ws2-atomic": "ws2-atomic"}
+                "ws2": "ws2", "ws2-atomic": "ws2-atomic", "reduce-own": dict(REDUCE=True, OWN=True),
+                "streamk-own": "streamk-own"}
     only = re.compile(sys.argv[1]) if len(sys.argv) > 1 else None
     ok = True
     for fp4 in (False, True):
         for (bm, bn, st) in ((128, 128, 4), (128, 256, 3), (64, 128, 4)):
             for name, c in variants.items():
                 label = f"{'mxfp4' if fp4 else 'int4'} {bm}x{bn} s{st} {name}"
-                if (only and not only.search(label)) or (isinstance(c, str) and bn < 128):  # ws 2: valid_for
+                if (only and not only.search(label)) or (c in ("ws2", "ws2-atomic") and bn < 128):  # ws 2: valid_for
                     continue
                 try:
-                    k = (compile_tcgsk(bm, bn, st, 8, fp4) if c is None else
+                    k = (compile_tcgsk(bm, bn, st, 8, fp4, OWN=c == "streamk-own") if c in (None, "streamk-own") else
                          compile_tcgs2(bm, bn, st, fp4, c.endswith("atomic")) if isinstance(c, str) else
                          compile_tcgs(bm, bn, st, 8, fp4, **c))
                     loop, regs, stack = sass_loop(k)

@@ -118,6 +118,10 @@ def test_gluon_tcg_kernel(cfg, m):
     # 256 x rows in the swap kernel: 2 stages only (NaN at 3 on the H200)
     assert ComputeConfig("tcg", 256, 128, 0, 1, 8, 2, swap=True).valid_for(lay)
     assert not ComputeConfig("tcg", 256, 128, 0, 1, 8, 3, swap=True).valid_for(lay)
+    # fixup_own: only where the ticketed split-K sum runs (reduce, stream-K 1 / 3)
+    assert not ComputeConfig("tcg", 128, 128, 0, 2, 8, 4, swap=True, fixup_own=1).valid_for(lay)
+    assert not ComputeConfig("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=2, fixup_own=1).valid_for(lay)
+    assert ComputeConfig("tcg", 128, 128, 0, 2, 8, 4, swap=True, reduce=1, fixup_own=1).valid_for(lay)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).bfloat16()
     ref = x.double() @ dequantize(qw).double().t()
     y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
@@ -128,8 +132,10 @@ def test_gluon_tcg_kernel(cfg, m):
 @pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 128, 128, 0, 3, 8, 4, swap=True, reduce=1), 200),
                                    (ComputeConfig("tcg", 128, 128, 0, 3, 8, 4, swap=True), 130),
                                    (ComputeConfig("tcg", 256, 128, 0, 3, 8, 2, swap=True, reduce=1), 256),
-                                   (ComputeConfig("tcg", 128, 256, 0, 2, 8, 3, swap=True, reduce=1), 100)],
-                         ids=["split3-reduce", "split3-atomic", "bm256-split3-reduce", "bn256-split2-reduce"])
+                                   (ComputeConfig("tcg", 128, 256, 0, 2, 8, 3, swap=True, reduce=1), 100),
+                                   (ComputeConfig("tcg", 128, 128, 0, 3, 8, 4, swap=True, reduce=1, fixup_own=1), 200)],
+                         ids=["split3-reduce", "split3-atomic", "bm256-split3-reduce", "bn256-split2-reduce",
+                              "split3-reduce-own"])
 def test_gluon_tcg_swap_wave_splits(fmt, cfg, m):
     # the tuner's wave-quantization candidates (tuning.wave_candidates): split 3 of 6 K steps (2 each), the 256-row
     # 2-stage tile and the 256-wide tile with the in-kernel reduction; 3 N tiles
@@ -486,18 +492,20 @@ def test_streamk_plan_spreads_the_leftover_tiles_k_steps():
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
-@pytest.mark.parametrize("tile", [(128, 8, 1), (128, 8, 2), (256, 8, 1), (128, 4, 1), (128, 8, 3)])  # (bn, warps, sk)
+@pytest.mark.parametrize("tile", [(128, 8, 1, 0), (128, 8, 2, 0), (256, 8, 1, 0), (128, 4, 1, 0), (128, 8, 3, 0),
+                                  (128, 8, 1, 1), (128, 8, 3, 1)])  # (block_n, warps, streamk, fixup_own)
 @pytest.mark.parametrize("sms", [3, 4, 5])
 def test_gluon_tcg_swap_streamk(fmt, tile, sms, monkeypatch):
     # cfg.streamk on a pretend GPU of 3 / 4 / 5 SMs, 6 tiles of 6 K steps: 3 -> 2 data-parallel tiles per CTA (the
     # ring's phase carried over tiles); 4 -> 4 data-parallel + 2 tiles in 2 ranges each; 5 -> all stream-K, ranges
     # of 8 steps crossing tile boundaries. Two calls (the reduction's counters must be back at zero). 128x128 8 warps
     # ticketed: wrong on the H200 in session 9 (the K loop's register-A race, fixed in session 10). streamk 3 (no
-    # fold): 5 -> 5 data-parallel + the 6th tile in 3 ranges
+    # fold): 5 -> 5 data-parallel + the 6th tile in 3 ranges. fixup_own: the last range adds its own partial from
+    # registers (a dropped or doubled own partial is an O(1) error)
     from kestrel.kernels import gemm_wna16_tcg as tcg
     monkeypatch.setattr(tcg, "_num_sms", lambda device: sms)
-    bn, nw, sk = tile
-    cfg = ComputeConfig("tcg", 128, bn, 0, 1, nw, 4 if bn == 128 else 3, swap=True, streamk=sk)
+    bn, nw, sk, own = tile
+    cfg = ComputeConfig("tcg", 128, bn, 0, 1, nw, 4 if bn == 128 else 3, swap=True, streamk=sk, fixup_own=own)
     qw = _weight(FORMATS[fmt], n=384 if bn == 128 else 512, k=768, seed=16)
     lay = LayerConfig(qw.spec, *qw.shape)
     assert cfg.valid_for(lay)

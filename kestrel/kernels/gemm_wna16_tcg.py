@@ -497,12 +497,12 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                  WS: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
                  ws_ptr=None, cnt_ptr=None, TAIL: gl.constexpr = False, n_full=0, n_tiles=0,
-                 LOOP: gl.constexpr = 2):
+                 LOOP: gl.constexpr = 2, OWN: gl.constexpr = False):
     """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier.
     REDUCE: split-K summed in the kernel (_swap_store) instead of fp32 atomics into a zeroed y.
     FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128.
     TAIL (with REDUCE, cfg.tail): only the tiles after the n_full of the whole waves are split (in split_k), see
-    _tail_tile_and_split. LOOP: the K loop of _swap_kloop (SWAP_LOOP)."""
+    _tail_tile_and_split. LOOP: the K loop of _swap_kloop (SWAP_LOOP). OWN: _swap_store's (cfg.fixup_own)."""
     if TAIL:
         pid, pid_k, off_m, off_n, s0, cnt, my_split = _tail_tile_and_split(M, K, n_full, split_k, BLOCK_M, BLOCK_N)
         n_red = n_tiles
@@ -532,17 +532,18 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
                           mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, LOOP)
 
     _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps, REDUCE,
-                ws_ptr, cnt_ptr, pid, n_red, pid_k, my_split)
+                ws_ptr, cnt_ptr, pid, n_red, pid_k, my_split, OWN)
 
 
 @gluon.jit
 def _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 ATOMIC: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
-                ws_ptr=None, cnt_ptr=None, tile=0, n_tiles=1, pid_k=0, split_k=1):
+                ws_ptr=None, cnt_ptr=None, tile=0, n_tiles=1, pid_k=0, split_k=1, OWN: gl.constexpr = False):
     """y[m, n] = acc[n, m]: consecutive n per thread, a warp along up to 128 n (coalesced), warps along m.
     REDUCE (split-K): each split stores its fp32 partial in its own workspace slab and takes a ticket on the
     tile's counter; the last one sums the slabs, stores y in its dtype and resets the counter (one launch: no
-    zeroed fp32 y, no cast kernel)."""
+    zeroed fp32 y, no cast kernel). OWN (cfg.fixup_own): the last one starts from its own partial in registers
+    and does not reload its slab (1 / split_k of the fixup's slab reads: half at stream-K's usual 2 parts)."""
     SPT: gl.constexpr = 4 if BLOCK_N >= 128 else BLOCK_N // 32
     out_layout: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [1, num_warps], [0, 1])
     out = gl.convert_layout(acc, out_layout)
@@ -560,9 +561,16 @@ def _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M: gl.constexpr
         gl.thread_barrier()  # every thread's partial is written before the ticket (acq_rel) is taken
         ticket = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if ticket == split_k - 1:
-            tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
-            for j in range(split_k):  # .cg: the other splits' partials were written through other SMs' L1s
-                tot += gl.load(ws_ptr + (j * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, cache_modifier=".cg")
+            if OWN:
+                tot = out
+                for j in range(split_k):  # the others' slabs (the masked own one moves no data)
+                    tot += gl.load(ws_ptr + (j * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx,
+                                   mask=gl.full([BLOCK_N, BLOCK_M], j, gl.int32, out_layout) != pid_k, other=0.0,
+                                   cache_modifier=".cg")
+            else:
+                tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
+                for j in range(split_k):  # .cg: the other splits' partials were written through other SMs' L1s
+                    tot += gl.load(ws_ptr + (j * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, cache_modifier=".cg")
             gl.store(ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
             gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # ready for the next call
     elif not ATOMIC:
@@ -693,7 +701,7 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
                 ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
                 FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True, ws_ptr=wsp,
                 cnt_ptr=_split_counters(x2.device, grid[0]), TAIL=True, n_full=n_full, n_tiles=grid[0],
-                LOOP=SWAP_LOOP)
+                LOOP=SWAP_LOOP, OWN=bool(cfg.fixup_own))
             return y
         split, grid = 1, (grid[0], 1)  # whole waves (or a tail too wide to split): the plain launch
     if cfg.swap and cfg.ws == 0 and cfg.reduce and split > 1:  # in-kernel split-K sum: one launch
@@ -703,7 +711,8 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
         _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                            ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
                            FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True,
-                           ws_ptr=wsp, cnt_ptr=_split_counters(x2.device, grid[0]), LOOP=SWAP_LOOP)
+                           ws_ptr=wsp, cnt_ptr=_split_counters(x2.device, grid[0]), LOOP=SWAP_LOOP,
+                           OWN=bool(cfg.fixup_own))
         return y
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)

@@ -58,10 +58,11 @@ def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, c
 def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, ws_ptr, cnt_ptr, max_parts,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                   FP4: gl.constexpr, num_warps: gl.constexpr, ATOMIC: gl.constexpr = False,
-                  LOOP: gl.constexpr = 2):
+                  LOOP: gl.constexpr = 2, OWN: gl.constexpr = False):
     """Persistent swap-AB kernel (see the module doc): data-parallel tiles, then this program's stream-K range.
     ATOMIC (cfg.streamk 2): every tile's partial goes by fp32 atomics into a zeroed y (cast after) instead of the
-    ticketed reduction / direct store. LOOP: gemm_wna16_tcg._swap_kloop's K loop (SWAP_LOOP)."""
+    ticketed reduction / direct store. LOOP: gemm_wna16_tcg._swap_kloop's K loop (SWAP_LOOP). OWN: the shared
+    tiles' last range sums from its own partial in registers (_swap_store, cfg.fixup_own)."""
     p = gl.program_id(0)
     P = gl.num_programs(0)
     S = K // BK
@@ -100,7 +101,7 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, False, FP4, num_warps)
         else:  # slab (part, u) of max_parts x n_sk; counter u
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, False, FP4, num_warps, True,
-                        ws_ptr, cnt_ptr, u, n_tiles - n_dp, p - first, parts)
+                        ws_ptr, cnt_ptr, u, n_tiles - n_dp, p - first, parts, OWN)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -124,5 +125,5 @@ def launch(x_desc, q_desc, qw, x2: torch.Tensor, cfg, num_sms: int) -> torch.Ten
                              _split_counters(x2.device, max(1, n_sk)), max_parts, BLOCK_M=bm, BLOCK_N=bn,
                              STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
                              FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, ATOMIC=atomic,
-                             LOOP=tcg.SWAP_LOOP)
+                             LOOP=tcg.SWAP_LOOP, OWN=bool(cfg.fixup_own))
     return y.to(x2.dtype) if atomic else y
