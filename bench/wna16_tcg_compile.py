@@ -2,7 +2,7 @@
 catches Gluon front-end / layout / ptxas errors of a change before a GPU round, and prints registers, spills and
 shared memory per variant. Not a correctness check (Gluon kernels run only on a Hopper GPU).
 
-  python bench/wna16_tcg_compile.py          # int4 + MXFP4 x (plain, split atomics, reduce, tail, streamk, ws 1/2)
+  python bench/wna16_tcg_compile.py          # int4 + MXFP4 x (plain, atomics, reduce, tail, streamk, loops, ws, -own)
   PYTHONPATH=<triton 3.6 install> python bench/wna16_tcg_compile.py   # with the GPU's Triton (pip --target)
   python bench/wna16_tcg_compile.py 'int4 128x256.*ws'   # only the variants whose label matches the regex
 Also counts the K loops' writes to registers an in-flight wgmma may still read (session 10's race: must be 0), and
