@@ -2,12 +2,15 @@
 catches Gluon front-end / layout / ptxas errors of a change before a GPU round, and prints registers, spills and
 shared memory per variant. Not a correctness check (Gluon kernels run only on a Hopper GPU).
 
-  python bench/wna16_tcg_compile.py          # int4 + MXFP4 x (plain, split atomics, reduce, tail, streamk)
+  python bench/wna16_tcg_compile.py          # int4 + MXFP4 x (plain, atomics, reduce, tail, streamk, loops, ws, -own)
   PYTHONPATH=<triton 3.6 install> python bench/wna16_tcg_compile.py   # with the GPU's Triton (pip --target)
-Also counts the K loops' writes to registers an in-flight wgmma may still read (session 10's race: must be 0).
+  python bench/wna16_tcg_compile.py 'int4 128x256.*ws'   # only the variants whose label matches the regex
+Also counts the K loops' writes to registers an in-flight wgmma may still read (session 10's race: must be 0), and
+prints a hash of the whole SASS (same hash before / after a refactor: the same machine code).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -77,15 +80,27 @@ def inflight_a_writes(kern) -> int:
     return len(bad)
 
 
-def wgmma_serialised(kern) -> bool:
-    """ptxas' C7511 (wgmma serialised for want of registers: one wgmma at a time, no decode / MMA overlap) on the
-    kernel's PTX, re-assembled with Triton's bundled ptxas (Triton does not show its warnings)."""
+def sass_hash(kern) -> str:
+    """First 12 hex digits of the sha1 of the kernel's whole SASS listing (cuobjdump -sass): the machine code."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kern.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    body = re.sub(r"^.*Function : ", "", sass, count=1, flags=re.S)  # drop the header naming the temp file
+    return hashlib.sha1(body.encode()).hexdigest()[:12]
+
+
+def wgmma_serialised(kern) -> str:
+    """ptxas' wgmma serialisation warnings (C7511: for want of registers; C7515: a non-wgmma instruction defines an
+    accumulator inside the pipeline stage; C75xx: any other), each meaning one wgmma at a time, no decode / MMA
+    overlap, on the kernel's PTX re-assembled with Triton's bundled ptxas (Triton does not show its warnings).
+    '' when none."""
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         open(src, "w").write(kern.asm["ptx"])
         res = subprocess.run([f"{BIN}/ptxas", "-arch=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True)
-    return "C7511" in res.stdout + res.stderr
+    return " ".join(sorted(set(re.findall(r"\((C75\d\d)\)[^\n]*serializ", res.stdout + res.stderr))))
 
 
 def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
@@ -114,7 +129,31 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False, LOOP=2):
+def compile_tcgs2(bm: int, bn: int, stages: int, fp4: bool, atomic: bool = False, consumer_regs: int | None = None,
+                  loader_regs: int | None = None):
+    """ws 2 (gemm_wna16_tcg._tcgs2_kernel): two consumer warpgroups in their own partitions + a loader warp, the
+    word descriptor half a tile wide, the register budgets of gemm_wna16_tcg.ws2_regs (as it launches it) unless
+    given."""
+    consumer_regs = consumer_regs or tcg.ws2_regs(bn)[0]
+    loader_regs = loader_regs or tcg.ws2_regs(bn)[1]
+    lay = gl.NVMMASharedLayout.get_default_for
+    x_desc = TensorDescriptor.from_tensor(torch.empty(256, 512, dtype=torch.bfloat16), [bm, 128],
+                                          lay([bm, 128], gl.bfloat16))
+    q_desc = TensorDescriptor.from_tensor(torch.empty(64, 512, dtype=torch.int32), [16, bn // 2],
+                                          lay([16, bn // 2], gl.int32))
+    fn = tcg._tcgs2_kernel
+    names = fn.arg_names
+    sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "s_ptr": "*u8" if fp4 else "*bf16",
+           "y_ptr": "*fp32" if atomic else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
+           "split_k": "i32"}
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4,
+                  CONSUMER_REGS=consumer_regs, num_warps=4, LOADER_REGS=loader_regs)
+    signature = {n: sig.get(n, "constexpr") for n in names}
+    src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False, LOOP=2, OWN=False):
     """The stream-K persistent kernel (gemm_wna16_tcg_streamk._tcgsk_kernel)."""
     from kestrel.kernels import gemm_wna16_tcg_streamk as sk
     lay = gl.NVMMASharedLayout.get_default_for
@@ -128,7 +167,7 @@ def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: 
            "n_dp": "i32", "per": "i32",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "max_parts": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4, num_warps=warps,
-                  ATOMIC=atomic, LOOP=LOOP)
+                  ATOMIC=atomic, LOOP=LOOP, OWN=OWN)
     signature = {n: sig.get(n, "constexpr") for n in names}
     src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -137,24 +176,30 @@ def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: 
 def main():
     variants = {"plain": {}, "atomic": dict(ATOMIC=True), "reduce": dict(REDUCE=True),
                 "tail": dict(REDUCE=True, TAIL=True), "streamk": None, "plain-loop1": dict(LOOP=1),
-                "plain-loop0": dict(LOOP=0)}
+                "plain-loop0": dict(LOOP=0), "ws1": dict(WS=True), "ws1-atomic": dict(WS=True, ATOMIC=True),
+                "ws2": "ws2", "ws2-atomic": "ws2-atomic", "reduce-own": dict(REDUCE=True, OWN=True),
+                "streamk-own": "streamk-own"}
+    only = re.compile(sys.argv[1]) if len(sys.argv) > 1 else None
     ok = True
     for fp4 in (False, True):
         for (bm, bn, st) in ((128, 128, 4), (128, 256, 3), (64, 128, 4)):
             for name, c in variants.items():
+                label = f"{'mxfp4' if fp4 else 'int4'} {bm}x{bn} s{st} {name}"
+                if (only and not only.search(label)) or (c in ("ws2", "ws2-atomic") and bn < 128):  # ws 2: valid_for
+                    continue
                 try:
-                    k = (compile_tcgsk(bm, bn, st, 8, fp4) if c is None else
+                    k = (compile_tcgsk(bm, bn, st, 8, fp4, OWN=c == "streamk-own") if c in (None, "streamk-own") else
+                         compile_tcgs2(bm, bn, st, fp4, c.endswith("atomic")) if isinstance(c, str) else
                          compile_tcgs(bm, bn, st, 8, fp4, **c))
                     loop, regs, stack = sass_loop(k)
-                    print(f"{'mxfp4' if fp4 else 'int4'} {bm}x{bn} s{st} {name}: regs {regs} stack {stack} shared "
+                    ser = wgmma_serialised(k)
+                    print(f"{label}: regs {regs} stack {stack} shared "
                           f"{k.metadata.shared} K-loop SASS {len(loop)} ({sum('GMMA' in t for t in loop)} HGMMA), "
                           f"writes to in-flight wgmma A registers {inflight_a_writes(k)}"
-                          f"{', wgmma SERIALISED (C7511)' if wgmma_serialised(k) else ''}",
-                          flush=True)
+                          f"{', wgmma SERIALISED (' + ser + ')' if ser else ''}, sass {sass_hash(k)}", flush=True)
                 except Exception as ex:  # report every variant, fail at the end
                     ok = False
-                    print(f"{'mxfp4' if fp4 else 'int4'} {bm}x{bn} s{st} {name}: FAILED {type(ex).__name__}: "
-                          f"{str(ex)[:1500]}", flush=True)
+                    print(f"{label}: FAILED {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
     sys.exit(0 if ok else 1)
 
 

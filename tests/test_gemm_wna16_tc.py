@@ -118,6 +118,10 @@ def test_gluon_tcg_kernel(cfg, m):
     # 256 x rows in the swap kernel: 2 stages only (NaN at 3 on the H200)
     assert ComputeConfig("tcg", 256, 128, 0, 1, 8, 2, swap=True).valid_for(lay)
     assert not ComputeConfig("tcg", 256, 128, 0, 1, 8, 3, swap=True).valid_for(lay)
+    # fixup_own: only where the ticketed split-K sum runs (reduce, stream-K 1 / 3)
+    assert not ComputeConfig("tcg", 128, 128, 0, 2, 8, 4, swap=True, fixup_own=1).valid_for(lay)
+    assert not ComputeConfig("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=2, fixup_own=1).valid_for(lay)
+    assert ComputeConfig("tcg", 128, 128, 0, 2, 8, 4, swap=True, reduce=1, fixup_own=1).valid_for(lay)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).bfloat16()
     ref = x.double() @ dequantize(qw).double().t()
     y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
@@ -128,8 +132,10 @@ def test_gluon_tcg_kernel(cfg, m):
 @pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 128, 128, 0, 3, 8, 4, swap=True, reduce=1), 200),
                                    (ComputeConfig("tcg", 128, 128, 0, 3, 8, 4, swap=True), 130),
                                    (ComputeConfig("tcg", 256, 128, 0, 3, 8, 2, swap=True, reduce=1), 256),
-                                   (ComputeConfig("tcg", 128, 256, 0, 2, 8, 3, swap=True, reduce=1), 100)],
-                         ids=["split3-reduce", "split3-atomic", "bm256-split3-reduce", "bn256-split2-reduce"])
+                                   (ComputeConfig("tcg", 128, 256, 0, 2, 8, 3, swap=True, reduce=1), 100),
+                                   (ComputeConfig("tcg", 128, 128, 0, 3, 8, 4, swap=True, reduce=1, fixup_own=1), 200)],
+                         ids=["split3-reduce", "split3-atomic", "bm256-split3-reduce", "bn256-split2-reduce",
+                              "split3-reduce-own"])
 def test_gluon_tcg_swap_wave_splits(fmt, cfg, m):
     # the tuner's wave-quantization candidates (tuning.wave_candidates): split 3 of 6 K steps (2 each), the 256-row
     # 2-stage tile and the 256-wide tile with the in-kernel reduction; 3 N tiles
@@ -154,6 +160,24 @@ def test_gluon_tcg_swap_odd_k_steps(fmt, k):
         assert cfg.valid_for(LayerConfig(qw.spec, *qw.shape))
         y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
         assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("cfg", [ComputeConfig("tcg", 128, 128, 0, 1, 8, 4, swap=True, ws=1),
+                                 ComputeConfig("tcg", 128, 256, 0, 1, 8, 3, swap=True, ws=1),
+                                 ComputeConfig("tcg", 128, 128, 0, 2, 8, 3, swap=True, ws=1),
+                                 ComputeConfig("tcg", 128, 256, 0, 1, 8, 3, swap=True, ws=2)],
+                         ids=["ws1-khalf", "ws1-rowhalf", "ws1-split2", "ws2-rowhalf"])
+def test_gluon_tcg_swap_ws_loops(fmt, cfg):
+    # the loader-warp consumers on _swap_kloop's split-step loop (session 11): K halves (128x128 w8), row halves
+    # (128x256 w8, and each 4-warp consumer of ws 2), ring slots handed back on the empty barriers; 5 K steps
+    # (odd; 3 + 2 with split 2), 2 N tiles of 256, ragged M
+    qw = _weight(FORMATS[fmt], n=512, k=640, seed=19)
+    assert cfg.valid_for(LayerConfig(qw.spec, *qw.shape))
+    x = torch.randn(130, 640, generator=torch.Generator().manual_seed(19)).bfloat16()
+    ref = x.double() @ dequantize(qw).double().t()
+    y = gemm_wna16(x.to(DEV), qw.to(DEV), cfg).cpu()
+    assert y.dtype == torch.bfloat16 and ((y.double() - ref).norm() / ref.norm()).item() < TOL
 
 
 @pytest.mark.parametrize("cfg,m", [(ComputeConfig("tcg", 64, 128, 0, 2, 8, 4, swap=True, ws=1), 37),
@@ -377,6 +401,12 @@ def test_tuner_local_search_reaches_the_measured_winners():
     assert ComputeConfig("tcg", 128, 256, 0, 3, 8, 3, swap=True, reduce=1) in wc
     assert candidates(qkv, 256)[1:1 + len(wc)] == wc
     assert all(c.valid_for(qkv) for c in wave_candidates(qkv, 1024))
+    # session 11's (offline-compiled) candidates after the session-10 ones: stream-K without the fold and the
+    # 128x256 stream-K tile at 70B qkv M = 256 (160 tiles of 128x128: over a wave), the ws 1 128x256 tile at 1024
+    assert wc[-2:] == [ComputeConfig("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=3),
+                       ComputeConfig("tcg", 128, 256, 0, 1, 8, 3, swap=True, streamk=1)]
+    assert ComputeConfig("tcg", 128, 256, 0, 1, 8, 3, swap=True, ws=1) in wave_candidates(qkv, 1024)
+    assert not any(c.streamk == 3 for c in wave_candidates(lay, 256))  # 64 tiles: no whole wave to fold
     # the heuristic's split lands each shape near one wave (M = 256) / 1.5 waves (M = 64) of one CTA per SM
     assert heuristic(LayerConfig(FORMATS["int4"], 8192, 8192), 64) == ComputeConfig("tcg", 64, 128, 0, 4, 8, 4,
                                                                                     swap=True)
@@ -454,20 +484,28 @@ def test_streamk_plan_spreads_the_leftover_tiles_k_steps():
     assert plan(264, 64, 132)[:2] == (132, 264)  # whole waves: all data-parallel
     assert plan(6, 6, 4) == (4, 4, 3, 3)
     assert plan(6, 6, 5) == (5, 0, 8, 2)  # ranges of 8 over tiles of 6: cross tile boundaries
+    # cfg.streamk 3 (fold=False): the whole wave stays data-parallel, the 28 leftover tiles' 1792 steps in ranges of
+    # 14 (up to 6 on one tile)
+    assert plan(160, 64, 132, fold=False) == (132, 132, 14, 6)
+    assert plan(320, 64, 132, fold=False) == plan(320, 64, 132)  # a leftover over a third of a wave: no fold anyway
+    assert plan(6, 6, 5, fold=False) == (5, 5, 2, 4)  # 1 leftover tile in 3 ranges, 2 programs with none
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
-@pytest.mark.parametrize("tile", [(128, 8, 1), (128, 8, 2), (256, 8, 1), (128, 4, 1)])  # (block_n, warps, streamk)
+@pytest.mark.parametrize("tile", [(128, 8, 1, 0), (128, 8, 2, 0), (256, 8, 1, 0), (128, 4, 1, 0), (128, 8, 3, 0),
+                                  (128, 8, 1, 1), (128, 8, 3, 1)])  # (block_n, warps, streamk, fixup_own)
 @pytest.mark.parametrize("sms", [3, 4, 5])
 def test_gluon_tcg_swap_streamk(fmt, tile, sms, monkeypatch):
     # cfg.streamk on a pretend GPU of 3 / 4 / 5 SMs, 6 tiles of 6 K steps: 3 -> 2 data-parallel tiles per CTA (the
     # ring's phase carried over tiles); 4 -> 4 data-parallel + 2 tiles in 2 ranges each; 5 -> all stream-K, ranges
     # of 8 steps crossing tile boundaries. Two calls (the reduction's counters must be back at zero). 128x128 8 warps
-    # ticketed: wrong on the H200 in session 9 (the K loop's register-A race, fixed in session 10)
+    # ticketed: wrong on the H200 in session 9 (the K loop's register-A race, fixed in session 10). streamk 3 (no
+    # fold): 5 -> 5 data-parallel + the 6th tile in 3 ranges. fixup_own: the last range adds its own partial from
+    # registers (a dropped or doubled own partial is an O(1) error)
     from kestrel.kernels import gemm_wna16_tcg as tcg
     monkeypatch.setattr(tcg, "_num_sms", lambda device: sms)
-    bn, nw, sk = tile
-    cfg = ComputeConfig("tcg", 128, bn, 0, 1, nw, 4 if bn == 128 else 3, swap=True, streamk=sk)
+    bn, nw, sk, own = tile
+    cfg = ComputeConfig("tcg", 128, bn, 0, 1, nw, 4 if bn == 128 else 3, swap=True, streamk=sk, fixup_own=own)
     qw = _weight(FORMATS[fmt], n=384 if bn == 128 else 512, k=768, seed=16)
     lay = LayerConfig(qw.spec, *qw.shape)
     assert cfg.valid_for(lay)

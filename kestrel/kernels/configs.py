@@ -64,8 +64,14 @@ class ComputeConfig:
     # "tcg" swap, ws 0: stream-K schedule (gemm_wna16_tcg_streamk.py: one CTA per SM, whole waves of tiles
     # data-parallel, the leftover tiles' K steps spread evenly over every CTA; split_k unused). 1: tiles shared by
     # several CTAs summed by the ticketed in-kernel reduction, the others stored directly; 2: every partial by fp32
-    # atomics into a zeroed y (cast after)
+    # atomics into a zeroed y (cast after); 3: as 1 but a thin leftover (<= 1/3 wave) does not take the last whole
+    # wave into stream-K (gemm_wna16_tcg_streamk.plan fold=False: fewer shared tiles; same kernel, another grid
+    # plan; session 11, not yet GPU-timed: opt-in)
     streamk: int = 0
+    # "tcg" swap with the ticketed split-K sum (reduce, or streamk 1 / 3): 1 = the last split of a tile adds its own
+    # partial from registers instead of reloading its workspace slab (gemm_wna16_tcg._swap_store OWN; session 11,
+    # compiled offline, not GPU-checked: opt-in)
+    fixup_own: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,7 +111,9 @@ class ComputeConfig:
                     # streamk 1 with the 128x128 8-warp tile was wrong on every tile in session 9: the K loop's
                     # register-A race (gemm_wna16_tcg._swap_kloop), fixed in session 10
                     and (not self.streamk or (self.swap and self.ws == 0 and not self.tail and self.split_k == 1
-                                              and self.streamk in (1, 2))))
+                                              and self.streamk in (1, 2, 3)))
+                    # fixup_own on 128x256 spills 176-536 B (offline sm_90a compile, session 11): 128-wide only
+                    and (not self.fixup_own or (self.block_n <= 128 and (self.reduce or self.streamk in (1, 3)))))
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):

@@ -13,7 +13,9 @@ words are loaded once; field i is decoded (mantissa trick, one FFMA with the gro
 
 cfg.swap ("swap-AB", _tcgs_kernel; the default from session 4): y^T = W x^T with the decoded W tile as the wgmma
 A operand in registers and x^T from the ring as B, int4 g128 or MXFP4; cfg.ws 1/2 warp-specialised variants
-(measured slower on the H200), cfg.reduce the in-kernel split-K sum. See the comment above _ASM_QUAD.
+(measured slower on the H200 in session 4, with the racy loop; on _swap_kloop's split-step loop since session 11,
+not yet GPU-run; ws 2's wgmma serialised by ptxas on 128x256, ws2_regs), cfg.reduce the in-kernel split-K sum. See
+the comment above _ASM_QUAD.
 """
 from __future__ import annotations
 
@@ -311,9 +313,33 @@ def _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0,
 
 
 @gluon.jit
+def _swap_qslot(q_smem, slot, QS: gl.constexpr, QH: gl.constexpr):
+    """The word tile of ring slot `slot`: q_smem[slot], or with ws 2 (one word tile per consumer warpgroup, QS = 2
+    tiles per slot) this warpgroup's q_smem[QS slot + QH]."""
+    if QS == 1:
+        return q_smem.index(slot)
+    else:
+        return q_smem.index(QS * slot + QH)
+
+
+@gluon.jit
+def _swap_release(x_desc, q_desc, x_smem, q_smem, bars, empty, off_m, off_n, s0, g, i, cnt, STAGES: gl.constexpr,
+                  WS: gl.constexpr):
+    """After K step i (step i - 1's wgmma retired): hand step i - 1's ring slot back. Without a loader warp one
+    thread refills it with step i + STAGES - 1 behind a CTA barrier; WS (loader warp): one arrival on its empty
+    barrier. The fence orders this partition's generic-proxy word loads before the TMA (async-proxy) refill."""
+    fence_async_shared()
+    if WS:
+        mbarrier.arrive(empty.index((g + i + STAGES - 1) % STAGES), pred=i > 0)
+    else:
+        gl.thread_barrier()  # ... in every warpgroup, before one thread refills step i - 1's slot (retired)
+        _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, i + STAGES - 1, cnt, STAGES)
+
+
+@gluon.jit
 def _swap_half_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0, s_next1, acc0, acc1, a1_prev, sel, zb,
                     s_offs, L3: gl.constexpr, a_layout: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
-                    FP4: gl.constexpr):
+                    FP4: gl.constexpr, QS: gl.constexpr = 1, QH: gl.constexpr = 0):
     """K step i as two wgmma on the tile's two row halves (HALVES): half 0 is decoded while step i - 1's half 1 is
     in flight and half 1 while half 0 is, each into its own A registers, each rewritten only after the wait that
     retired the wgmma reading it. No more registers than one full-tile A (where two full-tile A do not fit: the
@@ -327,7 +353,7 @@ def _swap_half_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0, s_ne
     s_next1 = gl.load(s_row + HN + s_offs)
     mbarrier.wait(bars.index(slot), ((g + i) // STAGES) & 1)
     xs = x_smem.index(slot).permute((1, 0))
-    q = q_smem.index(slot)
+    q = _swap_qslot(q_smem, slot, QS, QH)
     a0 = _swap_a(q.slice(0, HN, dim=1), sraw0, sel, zb, L3, a_layout, HN, FP4)
     acc0 = warpgroup_mma(a0, xs, acc0, is_async=True)
     acc1, a1_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc1, a1_prev))  # step i - 1 done
@@ -340,7 +366,7 @@ def _swap_half_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0, s_ne
 @gluon.jit
 def _swap_khalf_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0, s_next1, acc, a1_prev, sel0, sel1, zb,
                      s_offs0, s_offs1, L3: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, FP4: gl.constexpr):
+                     STAGES: gl.constexpr, FP4: gl.constexpr, QS: gl.constexpr = 1, QH: gl.constexpr = 0):
     """K step i as two wgmma on its two K halves (fields 0-3 = k 0-63, 4-7 = k 64-127), for tiles of one 16-row
     slice per warp (128x128 w8), where two full-step A sets cost ~36 registers and 1-5 % (H200 s10 R1): the same
     alternation as _swap_half_step with one accumulator and the words loaded once."""
@@ -353,7 +379,7 @@ def _swap_khalf_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0, s_n
     s_next1 = gl.load(s_row + s_offs1)
     mbarrier.wait(bars.index(slot), ((g + i) // STAGES) & 1)
     xs = x_smem.index(slot)
-    q = gl.expand_dims(q_smem.index(slot).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [BN, 1, 16]
+    q = gl.expand_dims(_swap_qslot(q_smem, slot, QS, QH).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [BN,1,16]
     a0 = _swap_dec(q, sraw0, sel0, zb, L3, a_layout, BLOCK_N, 4, FP4)
     acc = warpgroup_mma(a0, xs.slice(0, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
     acc, a1_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a1_prev))  # step i - 1 done
@@ -367,15 +393,21 @@ def _swap_khalf_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0, s_n
 def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, L3: gl.constexpr,
                 a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr,
-                LOOP: gl.constexpr = 2):
+                LOOP: gl.constexpr = 2, WS: gl.constexpr = False, empty=None, QS: gl.constexpr = 1,
+                QH: gl.constexpr = 0):
     """acc[BN, BM] (all wgmma retired) over K steps [s0, s0 + cnt) of one tile (cnt > 0): the TMA ring's prologue
     and the K loop of the swap kernels without a loader warp (plain and stream-K), ring slots from g on.
+    WS: the consumer partition of the loader-warp kernels (ws 1 / 2: no prologue, bars are the loader's "ready"
+    barriers, each retired step's slot goes back by an arrival on `empty`; x_desc / q_desc unused), LOOP 2 only;
+    QS / QH: _swap_qslot (ws 2). num_warps: the warps of the partition that runs the loop.
     LOOP (SWAP_LOOP) 2: each step as two wgmma on the tile's row halves (two 16-row slices per warp, e.g. 128x256
     with 8 warps: _swap_half_step) or K halves (_swap_khalf_step); 1: two K steps per iteration (_swap_step);
     0: the racy one-register-set loop of sessions 4-9 (A/B timing only)."""
     SPS: gl.constexpr = 4 if FP4 else 1
-    for i in gl.static_range(STAGES - 1):
-        _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, i, cnt, STAGES)
+    gl.static_assert(LOOP == 2 or not WS)
+    if not WS:
+        for i in gl.static_range(STAGES - 1):
+            _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, i, cnt, STAGES)
     if LOOP == 2 and BLOCK_N == 32 * num_warps:
         HN: gl.constexpr = BLOCK_N // 2
         L3h: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
@@ -388,16 +420,14 @@ def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0
         for i in range(cnt):
             acc0, acc1, s_next0, s_next1, a1 = _swap_half_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0,
                                                                s_next1, acc0, acc1, a1, sel, zb, s_offs, L3h,
-                                                               a_layout, HN, STAGES, FP4)
-            fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
-            gl.thread_barrier()  # ... in every warpgroup, before one thread refills step i - 1's slot (retired)
-            _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, i + STAGES - 1, cnt, STAGES)
+                                                               a_layout, HN, STAGES, FP4, QS, QH)
+            _swap_release(x_desc, q_desc, x_smem, q_smem, bars, empty, off_m, off_n, s0, g, i, cnt, STAGES, WS)
         acc1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1))
         # rows h * HN + r of the tile: the full tile's wgmma layout up to the order of registers
-        return gl.convert_layout(gl.reshape(gl.permute(gl.join(acc0, acc1), (2, 0, 1)), (BLOCK_N, BLOCK_M)),
-                                 mma_layout)
-    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-    if LOOP == 2:
+        acc = gl.convert_layout(gl.reshape(gl.permute(gl.join(acc0, acc1), (2, 0, 1)), (BLOCK_N, BLOCK_M)),
+                                mma_layout)
+    elif LOOP == 2:
+        acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
         L3k: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [BLOCK_N, BK // 2]))
         sel0, zb, s_offs0 = _swap_consts(L3k, N, off_n, BLOCK_N, CODE_OFFSET, FP4, 4, 0)
         sel1, zb, s_offs1 = _swap_consts(L3k, N, off_n, BLOCK_N, CODE_OFFSET, FP4, 4, 4)
@@ -407,58 +437,47 @@ def _swap_kloop(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0
         for i in range(cnt):
             acc, s_next0, s_next1, a1 = _swap_khalf_step(x_smem, q_smem, bars, s_ptr, N, s0, cnt, g, i, s_next0,
                                                          s_next1, acc, a1, sel0, sel1, zb, s_offs0, s_offs1, L3k,
-                                                         a_layout, BLOCK_N, STAGES, FP4)
-            fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill
-            gl.thread_barrier()  # ... in every warpgroup, before one thread refills step i - 1's slot (retired)
-            _swap_refill(x_desc, q_desc, x_smem, q_smem, bars, off_m, off_n, s0, g, i + STAGES - 1, cnt, STAGES)
+                                                         a_layout, BLOCK_N, STAGES, FP4, QS, QH)
+            _swap_release(x_desc, q_desc, x_smem, q_smem, bars, empty, off_m, off_n, s0, g, i, cnt, STAGES, WS)
         acc, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a1))
-        return acc
-    sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
-    s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)  # a K step's scales, prefetched a step ahead
-    a_odd = gl.zeros((BLOCK_N, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's A": nothing in flight
-    if LOOP == 1:
-        for j in range(cnt // 2):
-            acc, s_next, a_even = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g,
-                                             2 * j, s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout, BLOCK_N,
-                                             STAGES, FP4)
-            acc, s_next, a_odd = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g,
-                                            2 * j + 1, s_next, acc, a_even, sel, zb, s_offs, L3, a_layout, BLOCK_N,
-                                            STAGES, FP4)
-        if cnt % 2:
-            acc, s_next, a_odd = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g,
-                                            cnt - 1, s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout, BLOCK_N,
-                                            STAGES, FP4)
-        acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
-    else:
-        for i in range(cnt):
-            acc, s_next, a = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g, i,
-                                        s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout, BLOCK_N, STAGES, FP4, False)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    else:  # LOOP 0 / 1
+        acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+        sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
+        s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)  # a K step's scales, prefetched a step ahead
+        a_odd = gl.zeros((BLOCK_N, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's A": nothing in flight
+        if LOOP == 1:
+            for j in range(cnt // 2):
+                acc, s_next, a_even = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0,
+                                                 cnt, g, 2 * j, s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout,
+                                                 BLOCK_N, STAGES, FP4)
+                acc, s_next, a_odd = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0,
+                                                cnt, g, 2 * j + 1, s_next, acc, a_even, sel, zb, s_offs, L3, a_layout,
+                                                BLOCK_N, STAGES, FP4)
+            if cnt % 2:
+                acc, s_next, a_odd = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0,
+                                                cnt, g, cnt - 1, s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout,
+                                                BLOCK_N, STAGES, FP4)
+            acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
+        else:
+            for i in range(cnt):
+                acc, s_next, a = _swap_step(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, cnt, g,
+                                            i, s_next, acc, a_odd, sel, zb, s_offs, L3, a_layout, BLOCK_N, STAGES,
+                                            FP4, False)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     return acc
 
 
 @gluon.jit
 def _swap_consume(x_smem, q_smem, ready, empty, s_ptr, N, off_n, s0, cnt, L3: gl.constexpr,
                   mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CODE_OFFSET: gl.constexpr, FP4: gl.constexpr):
-    """Warp-specialised consumer: wait for a filled slot, decode, issue the async wgmma, and once the wgmma of the
-    step before is done hand its slot back to the loader warp (empty barrier): no CTA barrier in the loop."""
+                  CODE_OFFSET: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr):
+    """Warp-specialised consumer (ws 1): _swap_kloop's half-step loop on the loader's ready barriers, each retired
+    step's slot handed back to the loader warp (empty barrier): no CTA barrier in the loop."""
+    gl.assume(cnt > 0)  # the kernel's assumption does not reach into the partition
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    SPS: gl.constexpr = 4 if FP4 else 1  # scale rows per K step
-    sel, zb, s_offs = _swap_consts(L3, N, off_n, BLOCK_N, CODE_OFFSET, FP4)
-    s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)
-    acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-    for i in range(cnt):
-        slot = i % STAGES
-        sraw = s_next
-        s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        a = _swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, FP4)
-        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        fence_async_shared()  # the generic-proxy word loads before the TMA (async proxy) refill of the slot
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)  # step i - 1's slot
-    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )  # warp_specialize flattens a tuple
+    acc = _swap_kloop(None, None, x_smem, q_smem, ready, s_ptr, N, 0, off_n, s0, cnt, 0, L3, a_layout, mma_layout,
+                      BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, 2, True, empty)
+    return (acc, )  # warp_specialize flattens a tuple
 
 
 @gluon.jit
@@ -478,12 +497,12 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
                  BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                  WS: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
                  ws_ptr=None, cnt_ptr=None, TAIL: gl.constexpr = False, n_full=0, n_tiles=0,
-                 LOOP: gl.constexpr = 2):
+                 LOOP: gl.constexpr = 2, OWN: gl.constexpr = False):
     """WS: a loader warp (warp_specialize) instead of the single-thread TMA issue behind a CTA barrier.
     REDUCE: split-K summed in the kernel (_swap_store) instead of fp32 atomics into a zeroed y.
     FP4: MXFP4 weights (e2m1 codes, e8m0 scales per 32) instead of symmetric int4 g128.
     TAIL (with REDUCE, cfg.tail): only the tiles after the n_full of the whole waves are split (in split_k), see
-    _tail_tile_and_split. LOOP: the K loop of _swap_kloop (SWAP_LOOP)."""
+    _tail_tile_and_split. LOOP: the K loop of _swap_kloop (SWAP_LOOP). OWN: _swap_store's (cfg.fixup_own)."""
     if TAIL:
         pid, pid_k, off_m, off_n, s0, cnt, my_split = _tail_tile_and_split(M, K, n_full, split_k, BLOCK_M, BLOCK_N)
         n_red = n_tiles
@@ -505,7 +524,7 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
             mbarrier.init(empty.index(i), count=1)
         acc, = gl.warp_specialize([
             (_swap_consume, (x_smem, q_smem, bars, empty, s_ptr, N, off_n, s0, cnt, L3, mma_layout, BLOCK_M,
-                             BLOCK_N, STAGES, CODE_OFFSET, FP4)),
+                             BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps)),
             (_swap_load, (x_desc, q_desc, x_smem, q_smem, bars, empty, off_m, off_n, s0, cnt, STAGES)),
         ], [1], [40])
     else:
@@ -513,17 +532,18 @@ def _tcgs_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOC
                           mma_layout, BLOCK_M, BLOCK_N, STAGES, CODE_OFFSET, FP4, num_warps, LOOP)
 
     _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, ATOMIC, FP4, num_warps, REDUCE,
-                ws_ptr, cnt_ptr, pid, n_red, pid_k, my_split)
+                ws_ptr, cnt_ptr, pid, n_red, pid_k, my_split, OWN)
 
 
 @gluon.jit
 def _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 ATOMIC: gl.constexpr, FP4: gl.constexpr, num_warps: gl.constexpr, REDUCE: gl.constexpr = False,
-                ws_ptr=None, cnt_ptr=None, tile=0, n_tiles=1, pid_k=0, split_k=1):
+                ws_ptr=None, cnt_ptr=None, tile=0, n_tiles=1, pid_k=0, split_k=1, OWN: gl.constexpr = False):
     """y[m, n] = acc[n, m]: consecutive n per thread, a warp along up to 128 n (coalesced), warps along m.
     REDUCE (split-K): each split stores its fp32 partial in its own workspace slab and takes a ticket on the
     tile's counter; the last one sums the slabs, stores y in its dtype and resets the counter (one launch: no
-    zeroed fp32 y, no cast kernel)."""
+    zeroed fp32 y, no cast kernel). OWN (cfg.fixup_own): the last one starts from its own partial in registers
+    and does not reload its slab (1 / split_k of the fixup's slab reads: half at stream-K's usual 2 parts)."""
     SPT: gl.constexpr = 4 if BLOCK_N >= 128 else BLOCK_N // 32
     out_layout: gl.constexpr = gl.BlockedLayout([SPT, 1], [32, 1], [1, num_warps], [0, 1])
     out = gl.convert_layout(acc, out_layout)
@@ -541,9 +561,16 @@ def _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M: gl.constexpr
         gl.thread_barrier()  # every thread's partial is written before the ticket (acq_rel) is taken
         ticket = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if ticket == split_k - 1:
-            tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
-            for j in range(split_k):  # .cg: the other splits' partials were written through other SMs' L1s
-                tot += gl.load(ws_ptr + (j * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, cache_modifier=".cg")
+            if OWN:
+                tot = out
+                for j in range(split_k):  # the others' slabs (the masked own one moves no data)
+                    tot += gl.load(ws_ptr + (j * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx,
+                                   mask=gl.full([BLOCK_N, BLOCK_M], j, gl.int32, out_layout) != pid_k, other=0.0,
+                                   cache_modifier=".cg")
+            else:
+                tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
+                for j in range(split_k):  # .cg: the other splits' partials were written through other SMs' L1s
+                    tot += gl.load(ws_ptr + (j * n_tiles + tile) * (BLOCK_M * BLOCK_N) + idx, cache_modifier=".cg")
             gl.store(ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
             gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # ready for the next call
     elif not ATOMIC:
@@ -559,26 +586,14 @@ def _swap_consume_half(x_smem, q_smem, ready, empty, s_ptr, y_ptr, M, N, stride_
     """ws=2: one of two consumer warpgroups (its own partition, so neither waits for the other): the weight rows
     off_n + H * HN .. + HN of the tile, from its own half of each K step's words; it releases a slot by one of the
     two arrivals its empty barrier counts, and stores its half of y."""
+    gl.assume(cnt > 0)  # the kernel's assumption does not reach into the partition
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     L3: gl.constexpr = _decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
-    SPS: gl.constexpr = 4 if FP4 else 1
     n0 = off_n + H * HN
-    sel, zb, s_offs = _swap_consts(L3, N, n0, HN, CODE_OFFSET, FP4)
-    s_next = gl.load(s_ptr + s0 * SPS * N + s_offs)
-    acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-    for i in range(cnt):
-        slot = i % STAGES
-        sraw = s_next
-        s_next = gl.load(s_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * SPS * N + s_offs)
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        a = _swap_a(q_smem.index(2 * slot + H), sraw, sel, zb, L3, a_layout, HN, FP4)
-        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        fence_async_shared()
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    acc = _swap_kloop(None, None, x_smem, q_smem, ready, s_ptr, N, off_m, n0, s0, cnt, 0, L3, a_layout, mma_layout,
+                      BLOCK_M, HN, STAGES, CODE_OFFSET, FP4, 4, 2, True, empty, 2, H)
     _swap_store(acc, y_ptr, M, N, stride_ym, off_m, n0, BLOCK_M, HN, ATOMIC, FP4, 4)
 
 
@@ -600,8 +615,10 @@ def _swap_load_halves(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n
 @gluon.jit
 def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
-                  FP4: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """ws=2 (launched with num_warps=4): two consumer warpgroups in two partitions plus a loader warp."""
+                  FP4: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+                  LOADER_REGS: gl.constexpr = 24):
+    """ws=2 (launched with num_warps=4): two consumer warpgroups in two partitions plus a loader warp.
+    CONSUMER_REGS / LOADER_REGS: the partitions' register budgets (setmaxnreg), ws2_regs."""
     pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
@@ -618,7 +635,16 @@ def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLO
         (_swap_consume_half, (x_smem, q_smem, ready, empty, s_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt, 1,
                               BLOCK_M, HN, STAGES, CODE_OFFSET, FP4, ATOMIC)),
         (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def ws2_regs(block_n: int) -> tuple[int, int]:
+    """(consumer, loader) register budgets (setmaxnreg) of the ws 2 kernel's partitions. With the loader at 24
+    ptxas serialises every wgmma of both consumers (C7512) on every tile; at 120 it does not on the 128-wide tiles
+    (64x128, 128x128; int4 + MXFP4, atomic too: offline sm_90a compile, session 11; 88-104 and 152 serialise
+    again: ptxas-fragile, re-check with bench/wna16_tcg_compile.py after a change). The 128x256 tile is serialised
+    (or spills) at every split tried: it keeps the old 24."""
+    return 232, 120 if block_n == 128 else 24
 
 
 def tail_plan(tiles: int, max_split: int, steps: int, num_sms: int) -> tuple[int, int, int]:
@@ -675,7 +701,7 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
                 ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
                 FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True, ws_ptr=wsp,
                 cnt_ptr=_split_counters(x2.device, grid[0]), TAIL=True, n_full=n_full, n_tiles=grid[0],
-                LOOP=SWAP_LOOP)
+                LOOP=SWAP_LOOP, OWN=bool(cfg.fixup_own))
             return y
         split, grid = 1, (grid[0], 1)  # whole waves (or a tail too wide to split): the plain launch
     if cfg.swap and cfg.ws == 0 and cfg.reduce and split > 1:  # in-kernel split-K sum: one launch
@@ -685,7 +711,8 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
         _tcgs_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                            ATOMIC=False, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset, WS=False,
                            FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, REDUCE=True,
-                           ws_ptr=wsp, cnt_ptr=_split_counters(x2.device, grid[0]), LOOP=SWAP_LOOP)
+                           ws_ptr=wsp, cnt_ptr=_split_counters(x2.device, grid[0]), LOOP=SWAP_LOOP,
+                           OWN=bool(cfg.fixup_own))
         return y
     y = (torch.zeros if split > 1 else torch.empty)((m, n), device=x2.device,
                                                        dtype=torch.float32 if split > 1 else x2.dtype)
@@ -693,7 +720,8 @@ def gemm_wna16_tcg(x2: torch.Tensor, qw: QuantizedWeight, cfg: ComputeConfig) ->
         q_desc = TensorDescriptor.from_tensor(qw.qweight, [r, bn // 2], lay([r, bn // 2], gl.int32))
         _tcgs2_kernel[grid](x_desc, q_desc, qw.scales, y, m, n, k, y.stride(0), split, BLOCK_M=bm, BLOCK_N=bn,
                             ATOMIC=split > 1, STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
-                            FP4=qw.spec.weight_dtype == "fp4_e2m1", CONSUMER_REGS=232, num_warps=4)
+                            FP4=qw.spec.weight_dtype == "fp4_e2m1", CONSUMER_REGS=ws2_regs(bn)[0], num_warps=4,
+                            LOADER_REGS=ws2_regs(bn)[1])
         return y.to(x2.dtype) if split > 1 else y
     if cfg.swap:
         ws = bool(cfg.ws)

@@ -23,13 +23,15 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from kestrel.kernels.gemm_wna16_tcg import BK, _decode_layout, _swap_kloop, _swap_ring, _swap_store
 
 
-def plan(tiles: int, steps: int, num_sms: int) -> tuple[int, int, int, int]:
+def plan(tiles: int, steps: int, num_sms: int, fold: bool = True) -> tuple[int, int, int, int]:
     """-> (programs, n_dp, per, max_parts): n_dp data-parallel tiles (whole waves of `programs`), the rest split in
-    ranges of `per` K steps, at most max_parts ranges on one tile. A leftover of at most a third of a wave also
-    takes the last whole wave into stream-K (a thin leftover split alone would give each CTA only a few steps)."""
+    ranges of `per` K steps, at most max_parts ranges on one tile. fold: a leftover of at most a third of a wave
+    also takes the last whole wave into stream-K (a thin leftover split alone would give each CTA only a few steps;
+    but then nearly every tile is shared by 2 CTAs and pays the fp32 slab + ticket fixup). fold=False (cfg.streamk
+    3): the whole waves stay data-parallel and only the leftover tiles are spread (each over many CTAs)."""
     p = min(num_sms, tiles * steps)
     n_dp = tiles // p * p
-    if n_dp and tiles - n_dp and (tiles - n_dp) * 3 <= p:
+    if fold and n_dp and tiles - n_dp and (tiles - n_dp) * 3 <= p:
         n_dp -= p
     n_sk = tiles - n_dp
     per = -(-n_sk * steps // p) if n_sk else steps
@@ -56,10 +58,11 @@ def _sk_tile(x_desc, q_desc, x_smem, q_smem, bars, s_ptr, N, off_m, off_n, s0, c
 def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, ws_ptr, cnt_ptr, max_parts,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                   FP4: gl.constexpr, num_warps: gl.constexpr, ATOMIC: gl.constexpr = False,
-                  LOOP: gl.constexpr = 2):
+                  LOOP: gl.constexpr = 2, OWN: gl.constexpr = False):
     """Persistent swap-AB kernel (see the module doc): data-parallel tiles, then this program's stream-K range.
     ATOMIC (cfg.streamk 2): every tile's partial goes by fp32 atomics into a zeroed y (cast after) instead of the
-    ticketed reduction / direct store. LOOP: gemm_wna16_tcg._swap_kloop's K loop (SWAP_LOOP)."""
+    ticketed reduction / direct store. LOOP: gemm_wna16_tcg._swap_kloop's K loop (SWAP_LOOP). OWN: the shared
+    tiles' last range sums from its own partial in registers (_swap_store, cfg.fixup_own)."""
     p = gl.program_id(0)
     P = gl.num_programs(0)
     S = K // BK
@@ -98,20 +101,21 @@ def _tcgsk_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, n_dp, per, w
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, False, FP4, num_warps)
         else:  # slab (part, u) of max_parts x n_sk; counter u
             _swap_store(acc, y_ptr, M, N, stride_ym, off_m, off_n, BLOCK_M, BLOCK_N, False, FP4, num_warps, True,
-                        ws_ptr, cnt_ptr, u, n_tiles - n_dp, p - first, parts)
+                        ws_ptr, cnt_ptr, u, n_tiles - n_dp, p - first, parts, OWN)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
 
 def launch(x_desc, q_desc, qw, x2: torch.Tensor, cfg, num_sms: int) -> torch.Tensor:
-    """y [M, N] bf16 of the stream-K schedule (cfg: block_m, block_n, num_warps, num_stages; split_k unused)."""
+    """y [M, N] bf16 of the stream-K schedule (cfg: block_m, block_n, num_warps, num_stages; split_k unused;
+    streamk 1 / 3: the ticketed reduction, 3 without plan's fold; 2: fp32 atomics)."""
     from kestrel.kernels import gemm_wna16_tcg as tcg
     from kestrel.kernels.gemm_wna16_tc import _split_counters
     m, k = x2.shape
     n = qw.shape[0]
     bm, bn = cfg.block_m, cfg.block_n
     tiles = -(-m // bm) * (n // bn)
-    progs, n_dp, per, max_parts = plan(tiles, k // BK.value, num_sms)
+    progs, n_dp, per, max_parts = plan(tiles, k // BK.value, num_sms, fold=cfg.streamk != 3)
     n_sk = tiles - n_dp
     atomic = cfg.streamk == 2
     y = torch.zeros((m, n), device=x2.device, dtype=torch.float32) if atomic else torch.empty(
@@ -121,5 +125,5 @@ def launch(x_desc, q_desc, qw, x2: torch.Tensor, cfg, num_sms: int) -> torch.Ten
                              _split_counters(x2.device, max(1, n_sk)), max_parts, BLOCK_M=bm, BLOCK_N=bn,
                              STAGES=cfg.num_stages, CODE_OFFSET=qw.spec.code_offset,
                              FP4=qw.spec.weight_dtype == "fp4_e2m1", num_warps=cfg.num_warps, ATOMIC=atomic,
-                             LOOP=tcg.SWAP_LOOP)
+                             LOOP=tcg.SWAP_LOOP, OWN=bool(cfg.fixup_own))
     return y.to(x2.dtype) if atomic else y

@@ -101,6 +101,20 @@ def wave_candidates(layer: LayerConfig, m: int, num_sms: int = 132) -> list[Comp
     # (299.0 vs dequant + cuBLAS 268.0)
     out.append(C("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=1) if m <= 256 else
                C("tcg", 128, 256, 0, 1, 8, 3, swap=True, streamk=1))
+    # session 11 (compiled offline, not yet GPU-timed; after the session-10 picks so --max-candidates 6 measures
+    # what it did before): at M <= 256 the stream-K plan without the fold (streamk 3: only the leftover tiles
+    # shared; 70B qkv: 132 data-parallel tiles + 28 in ranges of 14 steps, vs 160 tiles nearly all shared by 2
+    # CTAs) where it differs, and where the 128x128 grid is over a wave the 128x256 stream-K tile (half the tiles
+    # to share, half the x re-reads); at M = 1024 the loader-warp 128x256 tile (ws 1, race-free since session 11)
+    if m <= 256:
+        from kestrel.kernels.gemm_wna16_tcg_streamk import plan
+        tiles, steps = -(-m // 128) * (layer.n // 128), layer.k // 128
+        if tiles and steps and plan(tiles, steps, num_sms) != plan(tiles, steps, num_sms, fold=False):
+            out.append(C("tcg", 128, 128, 0, 1, 8, 4, swap=True, streamk=3))
+        if tiles > num_sms:
+            out.append(C("tcg", 128, 256, 0, 1, 8, 3, swap=True, streamk=1))
+    else:
+        out.append(C("tcg", 128, 256, 0, 1, 8, 3, swap=True, ws=1))
     return [c for c in out if c.valid_for(layer)]
 
 
@@ -148,13 +162,17 @@ def tcg_configs(layer: LayerConfig, m: int, num_sms: int = 132) -> list[ComputeC
         tiles = [(128, 128, 3, 8), (128, 256, 2, 16), (256, 128, 2, 16), (128, 256, 2, 8), (256, 128, 2, 8),
                  (128, 128, 3, 16), (64, 128, 4, 8)]
     # swap-AB tiles (W decoded into the wgmma A registers; MXFP4 too): (block_m, block_n, stages, warps, ws). The
-    # loader-warp variants (ws 1 / 2) lost on every point of the H200 probe (session 4 round 1): one, for reference
+    # loader-warp variants (ws 1 / 2) lost on every point of the H200 probe (session 4 round 1, with the K loop's
+    # register-A race, and ws 2's wgmma serialised by ptxas): since session 11 ws 1 (and ws 2 at M <= 64; more
+    # near the M = 256 heuristic push the other kernels past --max-candidates 17) on the split-step loop, race-free,
+    # ws 2 unserialised on 128-wide tiles with gemm_wna16_tcg.ws2_regs (offline compile only)
     if m <= 64:
-        swaps = [(64, 128, 4, 8, 0), (64, 128, 3, 8, 0), (64, 256, 4, 8, 0), (64, 64, 4, 4, 0), (64, 128, 4, 8, 2)]
+        swaps = [(64, 128, 4, 8, 0), (64, 128, 3, 8, 0), (64, 256, 4, 8, 0), (64, 64, 4, 4, 0), (64, 128, 4, 8, 1),
+                 (64, 128, 4, 8, 2)]
     else:
         # (256, 128, 2): 256 x rows, all of M = 256 per W tile (correct at 2 stages only: configs.valid_for)
         swaps = [(128, 128, 4, 8, 0), (128, 128, 3, 8, 0), (64, 128, 4, 8, 0), (128, 256, 3, 8, 0),
-                 (128, 128, 4, 8, 2), (256, 128, 2, 8, 0)]
+                 (128, 128, 4, 8, 1), (256, 128, 2, 8, 0)]
     out = []
     for bm, bn, st, w, *sw in tiles + swaps:
         n_tiles = -(-m // bm) * -(-layer.n // bn)
