@@ -54,6 +54,7 @@ class TcgConfig:
     # (a constant A operand), 2 skips the per-step wgmma (decode kept alive by a sum, one wgmma at the end): which of
     # decode and MMA bounds the loop
     PERSIST: int = 0  # SWAP 2: 1 = one program per SM walking its tiles through one load ring (_moe_tcgq_kernel)
+    # 2 = the same with a nested tile / K-step consumer loop (_consume_nested: no C7517; opt-in, not GPU-run yet)
     WS: int = 0  # SWAP 2: 1 = a loader partition feeds the ring, mbarrier hand-over (_moe_tcgw_kernel); 2 the same
     # without the fence before the slot release (one partition barrier a step instead of two)
     LOOP: int = 0  # SWAP 2 (tcgp / WS): 2 = the K loop without the register-A race (two wgmma a step, each A
@@ -108,7 +109,7 @@ def supports(x: torch.Tensor, w: PlanarW4, cfg: TcgConfig) -> bool:
             # session 5 R1 (H200): the tcgp loop measured wrong with a 3-deep ring (err 0.07 on three shapes; cause
             # not found: the ring indexing reads right), right (same err as SWAP 1, 2.8e-3) and faster with 4
             and (cfg.SWAP != 2 or cfg.num_stages >= 4)
-            and (not cfg.PERSIST or cfg.SWAP == 2)
+            and (not cfg.PERSIST or (cfg.SWAP == 2 and cfg.PERSIST <= 2))
             and (not cfg.WS or (cfg.SWAP == 2 and not cfg.PERSIST and cfg.WS <= 2))
             and loop_ok(cfg)
             and torch.cuda.get_device_capability(x.device)[0] == 9)
@@ -149,6 +150,8 @@ def grouped_gemm_planar_tcg(x: torch.Tensor, w: PlanarW4, align, num_slots: int,
         kern, args = _moe_tcgq_kernel, (x, q_desc, w.scales, *tail)
         grid = (min(grid[0], _num_sms(x.device)),)
         meta["LOOP"] = cfg.LOOP
+        if cfg.PERSIST == 2:
+            meta["NESTED"] = 1
     elif cfg.SWAP == 2:
         kern, args = _moe_tcgp_kernel, (x, q_desc, w.scales, *tail, blocks)
         meta["PROBE"] = cfg.PROBE
