@@ -49,6 +49,7 @@ def compile_tcgp(cfg: TcgConfig, reduce: bool):
         sig["y_ptr"] = "*fp32"
     const = dict(BLOCK_M=cfg.BM, BLOCK_N=cfg.BN, STAGES=cfg.num_stages, GROUP_M=cfg.GROUP_M, MUL_ROUTED=reduce,
                  REDUCE=reduce, PROBE=cfg.PROBE, EARLY_REFILL=bool(cfg.REFILL), RELEASE=cfg.WS, LOOP=cfg.LOOP,
+                 NESTED=int(cfg.PERSIST == 2),
                  num_warps=cfg.num_warps)
     extra = {n: "constexpr" for n in names if n not in sig}
     sig = {n: {**sig, **extra}[n] for n in names}

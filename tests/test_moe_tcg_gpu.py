@@ -37,10 +37,11 @@ def _rows_ok(got, ref):
 
 
 # the WS loop (WS 2, BN 256) and the plain tcgp loop (WS 0: 64 x 256 row halves, 128 x 128 K halves with LOOP 2)
-# and the persistent tcgp loop (PERSIST 1, 64 x 256)
+# and the persistent tcgp loop (PERSIST 1 flat, 2 nested tile / K-step loop; 64 x 256)
+PERSISTENT = [dict(BM=64, BN=256, WS=0, PERSIST=p, LOOP=loop) for p in (1, 2) for loop in (0, 2)]
 CFGS = ([dict(BM=bm, BN=256, WS=2, LOOP=loop) for bm in (64, 80, 96) for loop in (0, 2)]
         + [dict(BM=bm, BN=bn, WS=0, LOOP=loop) for bm, bn in ((64, 256), (128, 128)) for loop in (0, 2)]
-        + [dict(BM=64, BN=256, WS=0, PERSIST=1, LOOP=loop) for loop in (0, 2)])
+        + PERSISTENT)
 
 
 def _cfg(c):
@@ -49,7 +50,7 @@ def _cfg(c):
 
 
 def _id(c):
-    kind = "ws" if c["WS"] else "tcgq" if c.get("PERSIST") else "tcgp"
+    kind = "ws" if c["WS"] else {0: "tcgp", 1: "tcgq", 2: "tcgqn"}[c.get("PERSIST", 0)]
     return f"{kind}-bm{c['BM']}-bn{c['BN']}-loop{c['LOOP']}"
 
 
@@ -84,4 +85,27 @@ def test_down_routed_reduce_vs_reference(c):
     ids_f, tw_f = ids.flatten(), tw.flatten().double()
     ref = torch.stack([sum(tw_f[m * k + j] * (h[m * k + j].double() @ wd[ids_f[m * k + j]].t()) for j in range(k))
                        for m in range(M)])
+    _rows_ok(out, ref)
+
+
+@pytest.mark.parametrize("c", PERSISTENT, ids=_id)
+def test_persistent_many_tiles_per_program(c):
+    """the persistent loops with more tiles than SMs (the cases above give each program one tile at most): each
+    program rolls its ring over tile ends (next tile's expert, columns, gathered rows, scales prefetched across
+    the boundary) and runs the tile epilogue between steps. 24 blocks x 16 N tiles = 384 tiles on 132 SMs."""
+    M, k, E, N, K = 640, 2, 8, 4096, 512  # 160 slots per expert (3 blocks of 64), 4 K steps a tile
+    w, wd, ids, _ = _case(M, k, E, N, K, seed=11 + c["PERSIST"] + c["LOOP"])
+    cfg = _cfg(c)
+    x = torch.randn(M, K).to(torch.bfloat16)
+    xc, wc = x.cuda(), w.to("cuda")
+    assert moe_tcg.supports(xc, wc, cfg)
+    T = M * k
+    al = moe_align(ids.cuda(), E, cfg.BM)
+    out = torch.full((T, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    moe_tcg.grouped_gemm_planar_tcg(xc, wc, al, T, k, out, cfg)
+    ref = torch.empty(T, N, dtype=torch.float64)
+    slot_e = ids.flatten().long()
+    for e in range(E):  # per expert: its slots' x rows @ its dequantized weights (fp64)
+        sl = (slot_e == e).nonzero().flatten()
+        ref[sl] = x[sl // k].double() @ wd[e].t()
     _rows_ok(out, ref)
