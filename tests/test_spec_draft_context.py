@@ -102,5 +102,9 @@ def test_train_draft_cli_grows_a_context_head_from_a_cached_run(tmp_path, capsys
     got = DraftHead.load(str(out))
     assert got.context == 4 and torch.allclose(got.slot, init.slot, atol=1e-3)
     capsys.readouterr()
-    assert main(base) == 0
+    assert main(base + ["--freeze-base", "--lr", "1e-2"]) == 0
     assert "hidden states from" in capsys.readouterr().out  # loaded, not regenerated
+    frozen = DraftHead.load(str(out))
+    assert frozen.ctx_o.weight.abs().sum() > 0  # the context attention trained (lr 1e-2) ...
+    for n, w in init.state_dict().items():  # ... the base head did not move (bf16-free: float32 save)
+        assert torch.equal(frozen.state_dict()[n], w), n

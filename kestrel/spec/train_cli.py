@@ -95,6 +95,9 @@ def add_parser(subparsers):
                    help="context attention over the target's last N hidden states (DraftHead context=N; with --init "
                         "a context-free head grows it, starting as that head; offline-only so far: the loop cannot "
                         "draft with it yet; default: %(default)s = none)")
+    p.add_argument("--freeze-base", action="store_true",
+                   help="with --context: train only the context attention (ctx_*), the --init head's weights stay "
+                        "as they are (little data: fine-tuning all of a head trained on millions of tokens overfits)")
     p.add_argument("--hidden-cache", default=None,
                    help="torch file of the generated sequences and their hidden states: reused when it exists, "
                         "written otherwise (retraining skips both generation and the hidden-state pass)")
@@ -333,6 +336,11 @@ def run(args) -> int:
     else:
         head = DraftHead(model.config.hidden_size, k=args.k, layers=args.layers, mult=args.mult,
                          recurrent=args.recurrent, context=args.context)
+    if args.freeze_base:
+        if not head.context:
+            raise ValueError("--freeze-base trains the context attention only: give --context")
+        for n, w in head.named_parameters():
+            w.requires_grad_(n.startswith("ctx_"))
     vocab = head.vocab  # --draft-vocab 0 keeps an --init head's own
     if args.draft_vocab:  # from the data alone: checkpoints saved during training carry it too
         vocab, cover = frequent_tokens(seqs[tr], plens[tr], args.draft_vocab, engine.model_config.vocab_size)
