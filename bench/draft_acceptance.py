@@ -54,12 +54,20 @@ def prefixes(seqs, plens, k, model=None, hidden=None, head=None, hybrid_min_n: i
         d, has, n = ngram_draft_device(toks[None].expand(len(t), L), t + 2, k, return_n=True)
         if head is not None:
             dh, _ = head.draft_greedy(hidden[j][t].to(dev), toks[t + 1], model.embed_tokens.weight,
-                                      model.lm_head.weight, k, readout=readout)
+                                      model.lm_head.weight, k, readout=readout, **_context(head, hidden[j], t))
             d = torch.where((n >= hybrid_min_n)[:, None], d, dh)
         idx = t[:, None] + 2 + torch.arange(k, device=dev)[None, :]
         valid = (idx < L) & (has[:, None] | (head is not None))
         out.append(match_prefix(d, toks[idx.clamp(max=L - 1)], valid).cpu())
     return torch.cat(out)
+
+
+def _context(head, hidden, t) -> dict:
+    """A context head's window of the last hidden states at positions t (hidden: the whole sequence's)."""
+    if not getattr(head, "context", 0):
+        return {}
+    ctx, valid = head.context_window(hidden.to(t.device, head.fuse.weight.dtype), t, head.context)
+    return {"ctx": ctx, "ctx_valid": valid}
 
 
 @torch.inference_mode()
@@ -77,7 +85,7 @@ def tree_prefixes(seqs, plens, widths, model, hidden, head, readout=None, max_ro
         for c in range(0, len(t), max_rows):
             tc, ic = t[c:c + max_rows], idx[c:c + max_rows]
             d = head.draft_tree(hidden[j][tc].to(dev), toks[tc + 1], model.embed_tokens.weight, model.lm_head.weight,
-                                widths, readout=readout)
+                                widths, readout=readout, **_context(head, hidden[j], tc))
             truth, valid = toks[ic.clamp(max=L - 1)][:, None, :], (ic < L)[:, None, :]
             out.append(((d == truth) & valid).long().cumprod(2).sum(2).amax(1).cpu())
     return torch.cat(out)
@@ -108,6 +116,10 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=None, help="cut each workload to this many prompts")
     ap.add_argument("--out", default=None, help="append the markdown table to this file")
+    ap.add_argument("--eval-cache", default=None,
+                    help="torch file of each workload's generated texts and hidden states: reused when it exists "
+                         "(same model, --max-tokens and prompts), written otherwise; comparing heads one run at a "
+                         "time then scores them on identical positions without regenerating")
     ap.add_argument("--trees", nargs="*", default=[],
                     help="draft trees to score as well, each as comma-separated widths per slot, e.g. 4,2,1,1 (top-4 "
                          "first tokens, top-2 under each, then greedy); depth = the number of widths (<= --k)")
@@ -126,12 +138,22 @@ def main(argv=None):
     for wl in args.workloads:
         texts = WORKLOADS[wl][:args.num_prompts] if args.num_prompts else WORKLOADS[wl]
         prompts = chat_prompts(engine.tokenizer, len(texts), texts=texts)
-        outs = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
-        seqs = [p + o.output_token_ids for p, o in zip(prompts, outs)]
+        cache = f"{args.eval_cache}.{wl}" if args.eval_cache else None
+        if cache and os.path.isfile(cache):
+            c = torch.load(cache)
+            seqs, hidden = c["seqs"], [h.to(args.device) for h in c["hidden"]]
+            if [q[:len(p)] for q, p in zip(seqs, prompts)] != prompts or c["max_tokens"] != args.max_tokens:
+                raise ValueError(f"--eval-cache {cache}: other prompts or --max-tokens")
+        else:
+            outs = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
+                                                           ignore_eos=True))
+            seqs = [p + o.output_token_ids for p, o in zip(prompts, outs)]
+            hidden = collect_hidden(engine.model, seqs, args.device, progress=False, max_tokens=4096,
+                                    dtype=engine.model.embed_tokens.weight.dtype)
+            if cache:
+                torch.save({"seqs": seqs, "hidden": [h.cpu() for h in hidden], "max_tokens": args.max_tokens}, cache)
         plens = [len(p) for p in prompts]
         cnt = [len(draft_positions(len(q), p)) for q, p in zip(seqs, plens)]
-        hidden = collect_hidden(engine.model, seqs, args.device, progress=False, max_tokens=4096,
-                                dtype=engine.model.embed_tokens.weight.dtype)
         lines += table(f"{wl}: ngram", prefixes(seqs, plens, k), k, cnt)
         for h in args.head:
             head = DraftHead.load(h).to(engine.model.embed_tokens.weight.device, engine.model.embed_tokens.weight.dtype)

@@ -89,6 +89,10 @@ def main() -> int:
         t0 = time.perf_counter()
         try:  # a failed capture must not cost the eager measurement
             engine.runner.enable_prefill_graphs(engine.max_model_len)
+            from kestrel.engine.prefill_graph_check import summary
+            print(summary(engine.runner.prefill_graph_report), flush=True)
+            if engine.runner.prefill_graphs is None:
+                raise RuntimeError("every prefill graph bucket failed its self-check")
             print(f"prefill graphs {engine.runner.prefill_graphs.buckets} captured in {time.perf_counter() - t0:.1f}s")
             paths = [False, True]
         except Exception:

@@ -232,6 +232,10 @@ def main(argv=None):
         t0 = time.perf_counter()
         try:  # a failed capture must not cost the eager measurements
             engine.runner.enable_prefill_graphs(engine.max_model_len)
+            from kestrel.engine.prefill_graph_check import summary
+            print(summary(engine.runner.prefill_graph_report), flush=True)
+            if engine.runner.prefill_graphs is None:
+                raise RuntimeError("every prefill graph bucket failed its self-check")
             print(f"prefill graphs {engine.runner.prefill_graphs.buckets} ready in {time.perf_counter() - t0:.1f}s",
                   flush=True)
         except Exception:

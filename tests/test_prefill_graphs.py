@@ -4,6 +4,7 @@ context) against the eager paged prefill, K/V written only at the real slots, th
 padding's contents, and the engine's greedy output (no-spec and a draft head, lone and chunked prefills) through
 the padded path token-identical to the eager prefill. The Triton kernels run interpreted (TRITON_INTERPRET=1)."""
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -118,3 +119,88 @@ def test_engine_greedy_identical_through_padded_prefill(reference, tmp_path, spe
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
     if spec == "head":
         assert s["spec_num_accepted_tokens"] >= 0 and e.spec.num_spec_steps > 0
+
+
+@interp
+def test_self_check_keeps_sound_buckets_and_restores_kv():
+    """The capture-time self-check (prefill_graph_check.py) on a sound padded step: every bucket passes (logits,
+    hidden state and the chunk's K/V match the eager prefill) and the KV blocks it borrowed hold what they held."""
+    e = _engine()
+    for t in (*e.runner.backend.k_cache, *e.runner.backend.v_cache):
+        t.normal_()  # stale contents that must survive the check
+    before = [t.clone() for t in (*e.runner.backend.k_cache, *e.runner.backend.v_cache)]
+    e.runner.enable_prefill_graphs(e.max_model_len, buckets=(4, 8, 16), capture=False)
+    rep = e.runner.prefill_graph_report
+    assert rep["kept"] == [4, 8, 16] and all(r["ok"] and r["kv_ok"] for r in rep["check"].values())
+    assert all(r["logit_diff"] < 1e-4 for r in rep["check"].values())
+    after = [*e.runner.backend.k_cache, *e.runner.backend.v_cache]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert e.runner.prefill_graphs.num_runs == 0
+
+
+@interp
+def test_self_check_drops_a_mismatching_bucket_and_falls_back(reference, caplog):
+    """A forced mismatch: the eager reference disagrees for bucket 8's warm-up chunk (5 tokens): bucket 8 is dropped,
+    logged once, the other buckets kept; the engine's greedy output stays identical to the eager engine (chunks of
+    5-8 tokens now pad to 16)."""
+    e = _engine()
+    eager = e.runner._eager_prefill
+
+    def faulty(ids, start, table):
+        logits, hidden = eager(ids, start, table)
+        return (logits + 1.0, hidden) if len(ids) == 5 else (logits, hidden)
+    with caplog.at_level("WARNING", logger="kestrel.engine.prefill_graph_check"):
+        e.runner.enable_prefill_graphs(e.max_model_len, buckets=(4, 8, 16, 64), capture=False, eager=faulty)
+    rep = e.runner.prefill_graph_report
+    assert rep["kept"] == [4, 16, 64] and not rep["check"][8]["ok"] and rep["check"][8]["logit_diff"] >= 0.99
+    assert sum("dropped" in r.getMessage() for r in caplog.records) == 1
+    assert e.runner.prefill_graphs.bucket(6) == 16
+    assert _one_by_one(e) == reference
+    assert e.runner.prefill_graphs.num_runs >= len(PROMPTS)
+
+
+@interp
+def test_self_check_catches_a_faulty_padded_step():
+    """Faults in the padded step itself: a step that stores K/V one slot off (bucket 8) and one that raises
+    (bucket 16) are both dropped; with no bucket left the runner keeps no prefill graphs (eager prefill)."""
+    from kestrel.engine.prefill_graph_check import check_prefill_graphs
+    e = _engine()
+    r = e.runner
+    pg = PrefillCudaGraphs(r.model, r.backend.k_cache, r.backend.v_cache, 32, buckets=(4, 8, 16), capture=False)
+    step = pg._step
+
+    def faulty(S):
+        if S == 16:
+            raise RuntimeError("replay failed")
+        if S == 8:
+            sm = pg.slot_mapping[:S]
+            sm.copy_(torch.where(sm >= 0, sm + 1, sm))
+        return step(S)
+    pg._step = faulty
+    rep = check_prefill_graphs(pg, r._eager_prefill, SHAPE["vocab_size"])
+    assert rep[4]["ok"] and not rep[8]["ok"] and rep[8]["kv_ok"] is False
+    assert not rep[16]["ok"] and "replay failed" in rep[16]["error"]
+    assert pg.buckets == [4] and not pg.fits(5, 2) and pg.fits(4, 1)
+    pg.drop([4])
+    assert not pg.fits(1, 1)
+    calls = []
+    r.enable_prefill_graphs(e.max_model_len, buckets=(4,), capture=False,
+                            eager=lambda *a: calls.append(1) or (_ for _ in ()).throw(RuntimeError("no eager")))
+    assert calls and r.prefill_graphs is None and r.prefill_graph_report["kept"] == []
+    assert not r.prefill_graph_fits(SimpleNamespace(block_table=[0]), 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs CUDA")
+def test_self_check_passes_on_captured_graphs_cuda():
+    """GPU: the captured graphs (bf16) pass their self-check in every bucket, and the engine's first tokens through
+    them equal the eager prefill's (same engine, graphs switched off)."""
+    e = _engine(device="cuda", dtype="bfloat16", cuda_graphs=True)
+    e.runner.enable_prefill_graphs(e.max_model_len, buckets=(4, 8, 16, 64))
+    rep = e.runner.prefill_graph_report
+    assert rep["kept"] == [4, 8, 16, 64] and not rep["capture_errors"], rep
+    assert all(r["ok"] for r in rep["check"].values()), rep
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    graph = [e.generate(p, first)[0].output_token_ids for p in PROMPTS]
+    assert e.runner.prefill_graphs.num_runs >= len(PROMPTS)
+    e.runner.use_prefill_graphs = False
+    assert graph == [e.generate(p, first)[0].output_token_ids for p in PROMPTS]

@@ -66,6 +66,7 @@ class ModelRunner:
         self.graphs = None  # DecodeCudaGraphs once enable_cuda_graphs() ran
         self.prefill_graphs = None  # PrefillCudaGraphs (prefill_graphs.py) once enable_prefill_graphs() ran
         self.use_prefill_graphs = True  # benches turn it off to compare with the eager prefill in one process
+        self.prefill_graph_report = None  # enable_prefill_graphs: self-check per bucket, capture errors, kept buckets
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, progress: bool = True) -> None:
         """Capture decode steps of up to max_num_seqs sequences in CUDA graphs (GPU only; see cuda_graphs.py)."""
@@ -82,18 +83,37 @@ class ModelRunner:
         if wanted():
             self.enable_prefill_graphs(max_model_len)
 
-    def enable_prefill_graphs(self, max_model_len: int, buckets=None, capture: bool = True) -> None:
+    def enable_prefill_graphs(self, max_model_len: int, buckets=None, capture: bool = True, check: bool = True,
+                              eager=None) -> None:
         """Replay single-sequence prefill chunks of up to max(buckets) tokens from CUDA graphs (prefill_graphs.py):
         the eager prefill of a short prompt is host-bound. capture=False (or a CPU model): the same padded step,
-        run eagerly (tests)."""
+        run eagerly (tests). check: replay each bucket once against the eager prefill and drop those that fail or
+        differ (prefill_graph_check.py; call before any sequence holds KV blocks: the check borrows the first
+        blocks and restores them). eager: the reference, default _eager_prefill (tests pass a faulty one)."""
         from .prefill_graphs import DEFAULT_BUCKETS, PrefillCudaGraphs
 
         if self.kv_groups is not None:
             raise ValueError("prefill graphs: models with one KV layout only (no hybrid / bounded SWA KV)")
-        self.prefill_graphs = PrefillCudaGraphs(self.model, self.backend.k_cache, self.backend.v_cache,
-                                                -(-max_model_len // self.block_size), self.cfg.sliding_window,
-                                                buckets or DEFAULT_BUCKETS, capture)
-        self.prefill_graphs.capture()
+        pg = PrefillCudaGraphs(self.model, self.backend.k_cache, self.backend.v_cache,
+                               -(-max_model_len // self.block_size), self.cfg.sliding_window,
+                               buckets or DEFAULT_BUCKETS, capture)
+        pg.capture()
+        if check:
+            from .prefill_graph_check import check_prefill_graphs
+            check_prefill_graphs(pg, eager or self._eager_prefill, self.cfg.vocab_size)
+        self.prefill_graph_report = {"check": pg.check, "capture_errors": pg.capture_errors, "kept": list(pg.buckets)}
+        self.prefill_graphs = pg if pg.buckets else None  # nothing left: the eager prefill for every chunk
+
+    @torch.inference_mode()
+    def _eager_prefill(self, token_ids, start: int, block_table):
+        """(logits [1, V], hidden [1, H]) of the last token of one sequence's prefill chunk, the eager way
+        (the reference of the prefill graphs' self-check)."""
+        meta, positions = build_metadata([], [(start, len(token_ids), block_table)], self.block_size,
+                                         self.cfg.sliding_window, self.device)
+        hidden = self.model(to_device(token_ids, torch.long, self.device), to_device(positions, torch.long,
+                                                                                     self.device),
+                            ForwardContext(self.backend, meta))[-1:]
+        return self.model.compute_logits(hidden), hidden
 
     def prefill_graph_fits(self, seq, n: int) -> bool:
         """A lone prefill chunk of n tokens that a captured prefill graph holds."""

@@ -84,6 +84,8 @@ class PrefillCudaGraphs(ChunkGraphBuffers):
         self.last_row = torch.zeros(1, dtype=torch.long, device=dev)
         self.cu_q = {b: torch.tensor([0, b], dtype=torch.int32, device=dev) for b in self.buckets}
         self.num_runs = 0  # chunks served (tests and benches check the path was taken)
+        self.check: dict = {}  # prefill_graph_check.check_prefill_graphs's report per bucket
+        self.capture_errors: dict = {}  # bucket -> why its capture failed (dropped)
 
     def _step(self, S: int):
         ctx = PagedChunkCtx(self.k_caches, self.v_caches, self.window, self.scale, self.slot_mapping[:S],
@@ -99,25 +101,44 @@ class PrefillCudaGraphs(ChunkGraphBuffers):
         self.slot_mapping.fill_(-1)  # capture state: nothing stored, nothing attended
         self.seq_lens.zero_()
         for S in sorted(self.buckets, reverse=True):  # largest first: the smaller graphs reuse its pool
-            side = torch.cuda.Stream()  # warm-up outside the graph (Triton JIT, cuBLAS handles)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step(S)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.outputs[S] = self._step(S)
-            self.pool = g.pool() if self.pool is None else self.pool
-            self.graphs[S] = g
+            try:
+                self._capture(S)
+            except Exception as e:  # that bucket's chunks go eager (or to a larger bucket): logged, not fatal
+                self.capture_errors[S] = f"{type(e).__name__}: {e}"
         torch.cuda.synchronize()
+        if self.capture_errors:
+            import logging
+            logging.getLogger(__name__).warning("prefill graphs: capture failed for bucket(s) %s, dropped: %s",
+                                                sorted(self.capture_errors), self.capture_errors)
+            self.drop(list(self.capture_errors))
+
+    def _capture(self, S: int) -> None:
+        side = torch.cuda.Stream()  # warm-up outside the graph (Triton JIT, cuBLAS handles)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(S)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            self.outputs[S] = self._step(S)
+        self.pool = g.pool() if self.pool is None else self.pool
+        self.graphs[S] = g
+
+    def drop(self, buckets) -> None:
+        """Stop serving these buckets (a failed capture or self-check): their chunks take the next larger bucket
+        left, or the eager prefill when none is (fits() is False once no bucket is left)."""
+        for S in buckets:
+            self.graphs.pop(S, None)
+            self.outputs.pop(S, None)
+        self.buckets = [b for b in self.buckets if b not in set(buckets)]
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
     def fits(self, n: int, table_len: int) -> bool:
-        return 0 < n <= self.buckets[-1] and table_len <= self.width
+        return bool(self.buckets) and 0 < n <= self.buckets[-1] and table_len <= self.width
 
     @torch.inference_mode()
     def run(self, token_ids, start: int, block_table, pad_token: int = 0):

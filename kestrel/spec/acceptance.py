@@ -39,8 +39,9 @@ def head_prefixes(head, seqs, prompt_lens, hidden, embed: torch.Tensor, lm_head:
         idx = t[:, None] + 2 + torch.arange(k, device=dev)[None, :]
         for c in range(0, len(t), max_rows):
             tc, ic = t[c:c + max_rows], idx[c:c + max_rows]
+            ctx = head.context_window(h.to(dev, embed.dtype), tc, head.context, o) if getattr(head, "context", 0) else ()
             d, _ = head.draft_greedy(h[tc - o].to(dev, embed.dtype), toks[tc + 1], embed, lm_head, k, want_conf=False,
-                                     readout=readout)
+                                     readout=readout, **dict(zip(("ctx", "ctx_valid"), ctx)))
             out.append(match_prefix(d, toks[ic.clamp(max=L - 1)], ic < L).cpu())
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 

@@ -8,6 +8,12 @@ previous slot's refined state, so slot i sees the whole drafted chain x_{t+2} ..
 (without it slot 3 never learns what was drafted at slot 1). Each slot reads out through the target's own (frozen) lm_head and also
 predicts its acceptance probability (the confidence the scheduler uses). The head stores only its own weights; the
 embedding and lm_head matrices come from the target at run time.
+
+With `context=W` (session 11, offline only so far) the fused input state also attends over the target's last W
+hidden states h_{t-W+1} .. h_t (one small attention head, its output projection zero-initialised: a head grown
+from a context-free one starts out drafting exactly as before). Why: the context-free head sees only h_t, a state
+shaped to predict x_{t+1}, and must guess x_{t+2} from it and x_{t+1}'s embedding alone (slot 1 ~49% accepted);
+EAGLE-style drafters read a window of past features.
 """
 from __future__ import annotations
 
@@ -50,11 +56,13 @@ class _MLPBlock(nn.Module):
 
 class DraftHead(nn.Module):
     def __init__(self, hidden_size: int, k: int = 4, layers: int = 2, mult: int = 2, refine_rank: int = 128,
-                 recurrent: bool = False):
+                 recurrent: bool = False, context: int = 0, context_dim: int = 128):
         super().__init__()
         H = hidden_size
         self.cfg = dict(hidden_size=H, k=k, layers=layers, mult=mult, refine_rank=refine_rank, recurrent=recurrent)
-        self.k, self.recurrent = k, recurrent
+        if context:  # only then in the metadata: context-free heads keep their old files and cfg
+            self.cfg.update(context=context, context_dim=context_dim)
+        self.k, self.recurrent, self.context = k, recurrent, context
         self.in_norm = nn.RMSNorm(2 * H)
         self.fuse = nn.Linear(2 * H, H)
         self.slot = nn.Parameter(torch.randn(k, H) * 0.02)
@@ -63,11 +71,41 @@ class DraftHead(nn.Module):
         self.refine_out = nn.Linear(refine_rank, H)
         self.out_norm = nn.RMSNorm(H)
         self.conf = nn.Linear(H, 1)
+        if context:
+            self.ctx_norm = nn.RMSNorm(H)
+            self.ctx_q = nn.Linear(H, context_dim)
+            self.ctx_kv = nn.Linear(H, 2 * context_dim, bias=False)
+            self.ctx_o = nn.Linear(context_dim, H)
+            nn.init.zeros_(self.ctx_o.weight)
+            nn.init.zeros_(self.ctx_o.bias)
         self.vocab = None  # optional LongTensor: the tokens greedy drafting may propose (subset_readout)
 
-    def slots(self, h: torch.Tensor, e_next: torch.Tensor) -> torch.Tensor:
-        """Parallel backbone: [N, H], [N, H] -> [N, k, H]."""
-        z = self.fuse(_rms(self.in_norm, torch.cat([h, e_next], -1)))[:, None, :] + self.slot[None]
+    @staticmethod
+    def context_window(hidden: torch.Tensor, t: torch.Tensor, W: int, first: int = 0):
+        """The last W hidden states up to position t of one sequence: ([N, W, H], valid [N, W]). hidden[i] is
+        position first + i; positions before `first` (not collected) are masked out."""
+        pos = t[:, None] - torch.arange(W - 1, -1, -1, device=t.device)[None, :]
+        valid = pos >= first
+        return hidden[(pos - first).clamp(min=0)], valid
+
+    def attend(self, z0: torch.Tensor, ctx: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """One attention head from the fused state z0 [N, H] over context states ctx [N, W, H] -> [N, H]."""
+        d = self.ctx_q.out_features
+        q = self.ctx_q(z0)
+        k, v = self.ctx_kv(_rms(self.ctx_norm, ctx.to(z0.dtype))).split(d, -1)
+        att = (k @ q[:, :, None]).squeeze(-1) * d ** -0.5
+        if valid is not None:
+            att = att.masked_fill(~valid, float("-inf"))
+        return self.ctx_o((torch.softmax(att.float(), -1).to(v.dtype)[:, :, None] * v).sum(1))
+
+    def slots(self, h: torch.Tensor, e_next: torch.Tensor, ctx: torch.Tensor | None = None,
+              ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Parallel backbone: [N, H], [N, H] -> [N, k, H]. ctx / ctx_valid: context_window()'s output (context
+        heads; None: drafted without context, as a context-free head)."""
+        z0 = self.fuse(_rms(self.in_norm, torch.cat([h, e_next], -1)))
+        if self.context and ctx is not None:
+            z0 = z0 + self.attend(z0, ctx, ctx_valid)
+        z = z0[:, None, :] + self.slot[None]
         for blk in self.backbone:
             z = blk(z)
         return z
@@ -90,11 +128,11 @@ class DraftHead(nn.Module):
         """Slot states -> (logits over the target vocab, confidence logit)."""
         return _rms(self.out_norm, z) @ lm_head.t(), self.conf(z).squeeze(-1)
 
-    def forward_teacher(self, h, e_next, e_prev_slots, lm_head):
+    def forward_teacher(self, h, e_next, e_prev_slots, lm_head, ctx=None, ctx_valid=None):
         """Training: slot i >= 1 is refined with the true previous token (teacher forcing), all in parallel.
         e_prev_slots: [N, k, H] embedding of the token before each slot's target. Returns logits [N, k, V],
         confidence logits [N, k]."""
-        return self.readout(self.chain(self.slots(h, e_next), e_prev_slots), lm_head)
+        return self.readout(self.chain(self.slots(h, e_next, ctx, ctx_valid), e_prev_slots), lm_head)
 
     def subset_readout(self, embed: torch.Tensor, lm_head: torch.Tensor):
         """(token ids [N], their embeddings [N, H], lm_head rows times out_norm's weight [N, H]) for draft_greedy's
@@ -110,15 +148,18 @@ class DraftHead(nn.Module):
         return sub, embed[sub].contiguous(), (lm_head[sub].float() * w).to(lm_head.dtype).contiguous()
 
     @torch.no_grad()
-    def draft_greedy(self, h, x_next, embed, lm_head, k, want_conf: bool = True, readout=None):
+    def draft_greedy(self, h, x_next, embed, lm_head, k, want_conf: bool = True, readout=None, ctx=None,
+                     ctx_valid=None):
         """draft() for all-greedy rows with no host syncs (capturable in a CUDA graph): tokens [N, k] (argmax),
         confidence [N, k] float32 (None without want_conf: the device loop does not read it, and each slot's
         confidence is 3 more launches in its graph). readout: subset_readout()'s tensors (argmax over the draft
         vocabulary only), or a callable taking (head, h, x_next, embed, k, want_conf) that drafts instead (the
         fused kernels of head_fused.FusedGreedyDraft)."""
         if callable(readout):
+            if self.context:
+                raise ValueError("fused drafting has no context attention (context heads: PyTorch path only)")
             return readout(self, h, x_next, embed, k, want_conf)
-        z = self.slots(h, embed[x_next])
+        z = self.slots(h, embed[x_next], ctx, ctx_valid)
         toks, confs, prev, zi = [], [], x_next, None
         if readout is not None:
             sub, emb_s, lm_s = readout
@@ -141,7 +182,8 @@ class DraftHead(nn.Module):
         return toks, torch.stack(confs, 1) if want_conf else None
 
     @torch.no_grad()
-    def draft_tree(self, h, x_next, embed, lm_head, widths, readout=None, nodes: bool = False, z=None):
+    def draft_tree(self, h, x_next, embed, lm_head, widths, readout=None, nodes: bool = False, z=None, ctx=None,
+                   ctx_valid=None):
         """Greedy draft tree, for measuring what tree verification could accept (bench/draft_acceptance.py): slot i
         keeps the widths[i] most likely tokens under every branch of slot i-1, each branch refined with its own
         chain. Returns tokens [N, P, len(widths)], one row per root-to-leaf path (P = prod(widths)); widths of all
@@ -149,7 +191,7 @@ class DraftHead(nn.Module):
         the tree's nodes instead, [N, n] level by level (kestrel/spec/tree.py's TreeShape order: node c of level i is
         child c % widths[i] of node c // widths[i] of level i-1), for tree verification in the device loop. z: the
         backbone's slot states if already computed (the loop's fused backbone, head_gemm.fused_slots)."""
-        z = self.slots(h, embed[x_next]) if z is None else z
+        z = self.slots(h, embed[x_next], ctx, ctx_valid) if z is None else z
         N = z.shape[0]
         if readout is not None:
             sub, emb_s, lm_s = readout
@@ -197,6 +239,16 @@ class DraftHead(nn.Module):
             confs.append(torch.sigmoid(c.float()))
             prev = tok
         return torch.stack(toks, 1), torch.stack(confs, 1), torch.stack(qs, 1) if qs else None
+
+    def grown(self, context: int, context_dim: int = 128) -> "DraftHead":
+        """This head plus a context attention over the last `context` hidden states, drafting exactly as this one
+        until trained (the attention's output projection starts at zero)."""
+        cfg = {k: v for k, v in self.cfg.items() if k not in ("context", "context_dim")}
+        new = DraftHead(**cfg, context=context, context_dim=context_dim).to(self.slot.device, self.slot.dtype)
+        missing, unexpected = new.load_state_dict(self.state_dict(), strict=False)
+        assert not unexpected and all(m.startswith("ctx_") for m in missing), (missing, unexpected)
+        new.vocab = self.vocab
+        return new
 
     # --- persistence: safetensors with the architecture in the metadata ---
     def save(self, path: str, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:

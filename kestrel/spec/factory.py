@@ -32,6 +32,9 @@ def build_drafter(cfg: SpeculativeConfig, engine) -> Drafter:
         from kestrel.spec.draft_head import DraftHead
         from kestrel.spec.head_drafter import HeadDrafter
         head = DraftHead.load(cfg.head, device=engine.config.device)
+        if head.context:
+            raise ValueError(f"{cfg.head}: a context-attention head (context={head.context}) is offline-only so far "
+                             "(bench/draft_acceptance.py): the speculative loop keeps only the last hidden state")
         m = engine.model
         d = HeadDrafter(head, m.embed_tokens.weight, m.lm_head.weight,
                         fused=None if cfg.head_fused < 0 else bool(cfg.head_fused))

@@ -91,6 +91,16 @@ def add_parser(subparsers):
     p.add_argument("--save-every", type=float, default=None,
                    help="also save the head (to --out) every so many seconds of training, so a job killed by its "
                         "time limit still leaves the latest head (default: only at the end)")
+    p.add_argument("--context", type=int, default=0,
+                   help="context attention over the target's last N hidden states (DraftHead context=N; with --init "
+                        "a context-free head grows it, starting as that head; offline-only so far: the loop cannot "
+                        "draft with it yet; default: %(default)s = none)")
+    p.add_argument("--freeze-base", action="store_true",
+                   help="with --context: train only the context attention (ctx_*), the --init head's weights stay "
+                        "as they are (little data: fine-tuning all of a head trained on millions of tokens overfits)")
+    p.add_argument("--hidden-cache", default=None,
+                   help="torch file of the generated sequences and their hidden states: reused when it exists, "
+                        "written otherwise (retraining skips both generation and the hidden-state pass)")
     p.add_argument("--steps", type=int, default=500, help="optimizer steps (default: %(default)s)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop training after this many seconds (the LR schedule follows the clock; default: no limit)")
@@ -289,7 +299,11 @@ def run(args) -> int:
                                     cuda_graphs=args.generator == "engine"))
     model = engine.model
     hidden = offs = None
-    if args.data and os.path.isfile(args.data):
+    if args.hidden_cache and os.path.isfile(args.hidden_cache):
+        c = torch.load(args.hidden_cache)
+        seqs, plens, n_ho, hidden, offs = c["seqs"], c["plens"], int(c.get("heldout", 0)), c["hidden"], c["offs"]
+        print(f"loaded {len(seqs)} sequences and hidden states from {args.hidden_cache}")
+    elif args.data and os.path.isfile(args.data):
         seqs, plens, n_ho = _load_data(args.data, engine.model_config.vocab_size)
         print(f"loaded {len(seqs)} sequences ({sum(map(len, seqs))} tokens) from {args.data}")
     else:
@@ -300,6 +314,8 @@ def run(args) -> int:
         if args.data:
             with open(args.data, "w") as f:
                 json.dump({"seqs": seqs, "prompt_lens": plens, "heldout": n_ho}, f)
+    if args.hidden_cache and not os.path.isfile(args.hidden_cache):
+        torch.save({"seqs": seqs, "plens": plens, "heldout": n_ho, "hidden": hidden, "offs": offs}, args.hidden_cache)
     n_gen = sum(len(q) for q in seqs)
     if hidden is None:
         t1 = time.time()
@@ -315,9 +331,16 @@ def run(args) -> int:
             raise ValueError(f"--init {args.init}: head for hidden size {head.cfg['hidden_size']}, k={head.k}; this "
                              f"run wants {model.config.hidden_size}, k={args.k}")
         print(f"continuing from {args.init} ({head.meta.get('train_stats', '?')})", flush=True)
+        if args.context and not head.context:
+            head = head.grown(args.context)
     else:
         head = DraftHead(model.config.hidden_size, k=args.k, layers=args.layers, mult=args.mult,
-                         recurrent=args.recurrent)
+                         recurrent=args.recurrent, context=args.context)
+    if args.freeze_base:
+        if not head.context:
+            raise ValueError("--freeze-base trains the context attention only: give --context")
+        for n, w in head.named_parameters():
+            w.requires_grad_(n.startswith("ctx_"))
     vocab = head.vocab  # --draft-vocab 0 keeps an --init head's own
     if args.draft_vocab:  # from the data alone: checkpoints saved during training carry it too
         vocab, cover = frequent_tokens(seqs[tr], plens[tr], args.draft_vocab, engine.model_config.vocab_size)

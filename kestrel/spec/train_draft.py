@@ -91,20 +91,27 @@ class _Packed:
         self.pos_seq = seq_of.to(device)
         self.lens, self.start = lens.to(device), start.to(device)
         self.hbase = (hstart - hoff).to(device)  # flat hidden index of position q of sequence j: hbase[j] + q
+        self.hoff = hoff.to(device)  # first position with a hidden state (context windows stop there)
 
 
-def _sample_batch(p: _Packed, k, n, gen: torch.Generator, device):
+def _sample_batch(p: _Packed, k, n, gen: torch.Generator, device, context: int = 0):
     """n random trainable positions t: inputs h_t, x_{t+1}; per slot i the previous token x_{t+1+i}, the teacher
     hidden at t+1+i (its logits predict x_{t+2+i}), the token x_{t+2+i} the target actually generated there, and a
-    validity mask."""
+    validity mask; with context = W > 0 also h_{t-W+1} .. h_t [n, W, H] and their validity [n, W] (positions
+    before the first collected hidden state are masked)."""
     r = torch.randint(len(p.pos), (n,), generator=gen).to(device)
     t, j = p.pos[r], p.pos_seq[r]
     L, base, hb = p.lens[j], p.start[j], p.hbase[j]
     i = torch.arange(k, device=device)[None, :]
     idx = torch.minimum(t[:, None] + 1 + i, (L - 2)[:, None])
     mask = t[:, None] + 2 + i <= (L - 1)[:, None]
-    return (p.h[hb + t].float(), p.tok[base + t + 1], p.tok[base[:, None] + idx], p.h[hb[:, None] + idx].float(),
-            p.tok[base[:, None] + idx + 1], mask)
+    out = (p.h[hb + t].float(), p.tok[base + t + 1], p.tok[base[:, None] + idx], p.h[hb[:, None] + idx].float(),
+           p.tok[base[:, None] + idx + 1], mask)
+    if not context:
+        return out
+    pos = t[:, None] - torch.arange(context - 1, -1, -1, device=device)[None, :]
+    valid = pos >= p.hoff[j][:, None]
+    return out + (p.h[hb[:, None] + torch.maximum(pos, p.hoff[j][:, None])].float(), valid)
 
 
 def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Tensor], seqs: list[list[int]],
@@ -169,11 +176,12 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
     for step in bar:
         if max_seconds and time.monotonic() - t0 >= max_seconds:
             break
-        h, nxt, prev, teach, label, mask = _sample_batch(packed, head.k, batch_positions, gen, device)
+        h, nxt, prev, teach, label, mask, *ctx = _sample_batch(packed, head.k, batch_positions, gen, device,
+                                                                getattr(head, "context", 0))
         if remap is not None:
             label = remap[label]
         with autocast:
-            logits, conf = head.forward_teacher(h, embed[nxt], embed[prev], lm_head)
+            logits, conf = head.forward_teacher(h, embed[nxt], embed[prev], lm_head, *ctx)
         with torch.no_grad():  # the teacher in float32: bf16 logits would tie near-equal tokens (argmax labels)
             t_logits = teach @ lm_head.t()
             t_prob = torch.softmax(t_logits, -1)
