@@ -49,6 +49,19 @@ def _cfg(c):
                              PERSIST=c.get("PERSIST", 0), LOOP=c["LOOP"])
 
 
+def _up_slots(c, x, w, ids, E, N):
+    """the up projection through the Gluon kernel: x @ W_e^T into each slot's row (NaN-filled first, so a row the
+    kernel misses fails _rows_ok)."""
+    cfg = _cfg(c)
+    xc, wc = x.cuda(), w.to("cuda")
+    assert moe_tcg.supports(xc, wc, cfg)
+    M, k = ids.shape
+    al = moe_align(ids.cuda(), E, cfg.BM)
+    out = torch.full((M * k, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    moe_tcg.grouped_gemm_planar_tcg(xc, wc, al, M * k, k, out, cfg)
+    return out
+
+
 def _id(c):
     kind = "ws" if c["WS"] else {0: "tcgp", 1: "tcgq", 2: "tcgqn"}[c.get("PERSIST", 0)]
     return f"{kind}-bm{c['BM']}-bn{c['BN']}-loop{c['LOOP']}"
@@ -59,15 +72,9 @@ def _id(c):
 def test_up_slot_store_vs_reference(c, N):
     M, k, E, K = 320, 2, 8, 1024  # 80 slots per expert (two 64-row blocks each); 8 K steps (the ring wraps)
     w, wd, ids, _ = _case(M, k, E, N, K, seed=N + c["BM"])
-    cfg = _cfg(c)
     x = torch.randn(M, K).to(torch.bfloat16)
-    xc, wc = x.cuda(), w.to("cuda")
-    assert moe_tcg.supports(xc, wc, cfg)
-    T = M * k
-    al = moe_align(ids.cuda(), E, cfg.BM)
-    out = torch.full((T, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-    moe_tcg.grouped_gemm_planar_tcg(xc, wc, al, T, k, out, cfg)
-    ref = torch.stack([x[t // k].double() @ wd[ids.flatten()[t]].t() for t in range(T)])
+    out = _up_slots(c, x, w, ids, E, N)
+    ref = torch.stack([x[t // k].double() @ wd[ids.flatten()[t]].t() for t in range(M * k)])
     _rows_ok(out, ref)
 
 
@@ -95,15 +102,9 @@ def test_persistent_many_tiles_per_program(c):
     the boundary) and runs the tile epilogue between steps. 24 blocks x 16 N tiles = 384 tiles on 132 SMs."""
     M, k, E, N, K = 640, 2, 8, 4096, 512  # 160 slots per expert (3 blocks of 64), 4 K steps a tile
     w, wd, ids, _ = _case(M, k, E, N, K, seed=11 + c["PERSIST"] + c["LOOP"])
-    cfg = _cfg(c)
     x = torch.randn(M, K).to(torch.bfloat16)
-    xc, wc = x.cuda(), w.to("cuda")
-    assert moe_tcg.supports(xc, wc, cfg)
-    T = M * k
-    al = moe_align(ids.cuda(), E, cfg.BM)
-    out = torch.full((T, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-    moe_tcg.grouped_gemm_planar_tcg(xc, wc, al, T, k, out, cfg)
-    ref = torch.empty(T, N, dtype=torch.float64)
+    out = _up_slots(c, x, w, ids, E, N)
+    ref = torch.empty(M * k, N, dtype=torch.float64)
     slot_e = ids.flatten().long()
     for e in range(E):  # per expert: its slots' x rows @ its dequantized weights (fp64)
         sl = (slot_e == e).nonzero().flatten()

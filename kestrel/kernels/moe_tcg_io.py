@@ -30,6 +30,16 @@ def _block_of(pid, num_m_blocks, N, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr
 
 
 @gluon.jit
+def _tile_start(expert_ptr, pid_m, pid_n, K, BLOCK_N: gl.constexpr):
+    """(expert, first column, K steps) of a real expert block's tile (the kernel has returned for padding blocks)."""
+    expert = gl.load(expert_ptr + pid_m)
+    off_n = pid_n * BLOCK_N
+    n_steps = K // BK
+    gl.assume(n_steps > 0)  # (dense tcg: without it the zero-trip path serialises every wgmma)
+    return expert, off_n, n_steps
+
+
+@gluon.jit
 def _gather_ptrs(x_ptr, sorted_ptr, row0, num_valid, a_div, stride_xm, BLOCK_M: gl.constexpr,
                  num_warps: gl.constexpr):
     """pointers to the first K step of the gathered x rows of slots row0 .. row0 + BLOCK_M (padding slots read row

@@ -60,6 +60,66 @@ def _issue_step(q_desc, bar, q_slot, x_slot, i, total, p_t, p_s, p_n, p_e, p_x, 
 
 
 @gluon.jit
+def _halves_start(s_ptr, e, n, n_steps, N, a_layout: gl.constexpr, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """LOOP 2's consumer state before the program's first step (flat and nested loop): the row-half decode
+    constants, step 0's scales of both halves (tile at columns n of expert e), zero accumulators and "step -1's
+    half 1" A (nothing in flight)."""
+    HN: gl.constexpr = BLOCK_N // 2
+    L3h: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
+    selh, zbh, colh = dense._swap_consts(L3h, N, 0, HN, 8, False)  # half 0's columns from 0 [HN, 1, 1]
+    s_row = s_ptr + (e * n_steps).to(gl.int64) * N + n
+    s_next0 = gl.load(s_row + colh, mask=n + colh < N, other=0.0)
+    s_next1 = gl.load(s_row + HN + colh, mask=n + HN + colh < N, other=0.0)
+    acc0 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    acc1 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    a1 = gl.zeros((HN, BK), dtype=gl.bfloat16, layout=a_layout)
+    return selh, zbh, colh, s_next0, s_next1, acc0, acc1, a1
+
+
+@gluon.jit
+def _step_one(q_smem, x_smem, slot, sraw, acc, s, sel, zb, L3: gl.constexpr, a_layout: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """LOOP 0's K step s (flat and nested loop; the slot's words landed): decode into one A, one wgmma, then wait
+    for step c - 1's (its ring slot is free). The slots are indexed here, after the decode, as the loops did: taking
+    them before (in the caller) changed the 128 x 128 flat kernel's SASS (offline sm_90a)."""
+    a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
+    async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step c landed (one group per step)
+    fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
+    gl.thread_barrier()  # ... from every thread
+    acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, use_acc=s != 0, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step c - 1 done: its ring slot is free
+    return acc
+
+
+@gluon.jit
+def _step_halves(q, xs, sraw0, sraw1, acc0, acc1, a1, use_acc, selh, zbh, a_layout: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """LOOP 2's race-free K step (as _tcgp_kloop2's row halves; BN >= 32 warps): two wgmma on two A sets, each
+    rewritten only after the wait that retired the wgmma reading it."""
+    HN: gl.constexpr = BLOCK_N // 2
+    L3h: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
+    a0 = dense._swap_a(q.slice(0, HN, dim=1), sraw0, selh, zbh, L3h, a_layout, HN, False)
+    async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step c landed (one group per step)
+    fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
+    gl.thread_barrier()  # ... from every thread
+    acc0 = warpgroup_mma(a0, xs, acc0, use_acc=use_acc, is_async=True)
+    acc1, a1, acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1, a1, acc0))  # step c - 1 done
+    a1 = dense._swap_a(q.slice(HN, HN, dim=1), sraw1, selh, zbh, L3h, a_layout, HN, False)
+    acc1 = warpgroup_mma(a1, xs, acc1, use_acc=use_acc, is_async=True)
+    acc0, a0, acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, a0, acc1))  # half 0 done
+    return acc0, acc1, a1
+
+
+@gluon.jit
+def _halves_tile(acc0, acc1, a1, mma_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """LOOP 2's finished tile: retire the last wgmma, rows h * HN + r (as _tcgp_kloop2) -> (tile, acc1, a1)."""
+    acc1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1))
+    tile = gl.convert_layout(gl.reshape(gl.permute(gl.join(acc0, acc1), (2, 0, 1)), (BLOCK_N, BLOCK_M)), mma_layout)
+    return tile, acc1, a1
+
+
+@gluon.jit
 def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                      out_div, N, K, stride_xm, stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
@@ -119,14 +179,8 @@ def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
         n_n = c_n
         if LOOP == 2:  # the race-free step (as _tcgp_kloop2's row halves; BN >= 32 warps): two wgmma on two A sets
             HN: gl.constexpr = BLOCK_N // 2
-            L3h: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
-            selh, zbh, colh = dense._swap_consts(L3h, N, 0, HN, 8, False)  # half 0's columns from 0 [HN, 1, 1]
-            s_row = s_ptr + (n_e * n_steps).to(gl.int64) * N + n_n
-            s_next0 = gl.load(s_row + colh, mask=n_n + colh < N, other=0.0)
-            s_next1 = gl.load(s_row + HN + colh, mask=n_n + HN + colh < N, other=0.0)
-            acc0 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-            acc1 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-            a1 = gl.zeros((HN, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's half 1": nothing in flight
+            selh, zbh, colh, s_next0, s_next1, acc0, acc1, a1 = _halves_start(s_ptr, n_e, n_n, n_steps, N, a_layout,
+                                                                              mma_layout, BLOCK_M, BLOCK_N)
         else:
             s_next = gl.load(s_ptr + (n_e * n_steps).to(gl.int64) * N + n_n + cols, mask=n_n + cols < N, other=0.0)
             acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
@@ -143,28 +197,14 @@ def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
                 s_next0 = gl.load(s_row + colh, mask=(n_n + colh < N) & (c + 1 < total), other=0.0)
                 s_next1 = gl.load(s_row + HN + colh, mask=(n_n + HN + colh < N) & (c + 1 < total), other=0.0)
                 mbarrier.wait(bars.index(slot), (c // STAGES) & 1)
-                q = q_smem.index(slot)
-                xs = x_smem.index(slot).permute((1, 0))
-                a0 = dense._swap_a(q.slice(0, HN, dim=1), sraw0, selh, zbh, L3h, a_layout, HN, False)
-                async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step c landed (one group per step)
-                fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
-                gl.thread_barrier()  # ... from every thread
-                acc0 = warpgroup_mma(a0, xs, acc0, use_acc=s != 0, is_async=True)
-                acc1, a1, acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1, a1, acc0))  # step c - 1 done
-                a1 = dense._swap_a(q.slice(HN, HN, dim=1), sraw1, selh, zbh, L3h, a_layout, HN, False)
-                acc1 = warpgroup_mma(a1, xs, acc1, use_acc=s != 0, is_async=True)
-                acc0, a0, acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, a0, acc1))  # half 0 done
+                acc0, acc1, a1 = _step_halves(q_smem.index(slot), x_smem.index(slot).permute((1, 0)), sraw0, sraw1,
+                                              acc0, acc1, a1, s != 0, selh, zbh, a_layout, BLOCK_N, STAGES)
             else:
                 sraw = s_next.to(gl.bfloat16)
                 s_next = gl.load(s_ptr + (n_e * n_steps + s1).to(gl.int64) * N + n_n + cols,
                                  mask=(n_n + cols < N) & (c + 1 < total), other=0.0)
                 mbarrier.wait(bars.index(slot), (c // STAGES) & 1)
-                a = dense._swap_a(q_smem.index(slot), sraw, sel, zb, L3, a_layout, BLOCK_N, False)
-                async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step c landed (one group per step)
-                fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
-                gl.thread_barrier()  # ... from every thread
-                acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, use_acc=s != 0, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step c - 1 done: its ring slot is free
+                acc = _step_one(q_smem, x_smem, slot, sraw, acc, s, sel, zb, L3, a_layout, BLOCK_N, STAGES)
             gl.thread_barrier()  # ... in every warpgroup, before one thread refills it
             nxt = c + STAGES - 1
             ns = nxt % STAGES
@@ -174,10 +214,7 @@ def _moe_tcgq_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
                                                   BLOCK_N, GROUP_M, num_warps)
             if last:  # its epilogue while the next tile's first loads are in flight
                 if LOOP == 2:
-                    acc1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1))
-                    # rows h * HN + r of the tile (as _tcgp_kloop2)
-                    tile = gl.convert_layout(gl.reshape(gl.permute(gl.join(acc0, acc1), (2, 0, 1)), (BLOCK_N, BLOCK_M)),
-                                             mma_layout)
+                    tile, acc1, a1 = _halves_tile(acc0, acc1, a1, mma_layout, BLOCK_M, BLOCK_N)
                 else:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     tile = acc
@@ -206,16 +243,10 @@ def _consume_nested(q_desc, x_smem, q_smem, epi, bars, s_ptr, y_ptr, topk_w_ptr,
     overlaps the decode, the one-A step (LOOP 0) has tcgp's register-A race again: LOOP 2 is its row-halves step
     (as _tcgp_kloop2; BN >= 32 warps). The producer (_issue_step) keeps running across tiles, one ring for all."""
     HN: gl.constexpr = BLOCK_N // 2
-    L3h: gl.constexpr = dense._decode_layout(gl.to_linear_layout(a_layout, [HN, BK]))
     c_m, c_n, c_e = _tile_coords(0, pid, G, n_real, N, expert_ptr, BLOCK_N, GROUP_M)
     if LOOP == 2:
-        selh, zbh, colh = dense._swap_consts(L3h, N, 0, HN, 8, False)  # half 0's columns from 0 [HN, 1, 1]
-        s_row = s_ptr + (c_e * n_steps).to(gl.int64) * N + c_n
-        s_next0 = gl.load(s_row + colh, mask=c_n + colh < N, other=0.0)
-        s_next1 = gl.load(s_row + HN + colh, mask=c_n + HN + colh < N, other=0.0)
-        acc0 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-        acc1 = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-        a1 = gl.zeros((HN, BK), dtype=gl.bfloat16, layout=a_layout)  # "step -1's half 1": nothing in flight
+        selh, zbh, colh, s_next0, s_next1, acc0, acc1, a1 = _halves_start(s_ptr, c_e, c_n, n_steps, N, a_layout,
+                                                                          mma_layout, BLOCK_M, BLOCK_N)
     else:
         s_next = gl.load(s_ptr + (c_e * n_steps).to(gl.int64) * N + c_n + cols, mask=c_n + cols < N, other=0.0)
         acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=mma_layout)
@@ -242,23 +273,11 @@ def _consume_nested(q_desc, x_smem, q_smem, epi, bars, s_ptr, y_ptr, topk_w_ptr,
                 s_next = gl.load(s_row + cols, mask=(r_n + cols < N) & (c + 1 < total), other=0.0)
             mbarrier.wait(bars.index(slot), (c // STAGES) & 1)
             q = q_smem.index(slot)
-            xs = x_smem.index(slot).permute((1, 0))
             if LOOP == 2:
-                a0 = dense._swap_a(q.slice(0, HN, dim=1), sraw0, selh, zbh, L3h, a_layout, HN, False)
+                acc0, acc1, a1 = _step_halves(q, x_smem.index(slot).permute((1, 0)), sraw0, sraw1, acc0, acc1, a1,
+                                              s != 0, selh, zbh, a_layout, BLOCK_N, STAGES)
             else:
-                a = dense._swap_a(q, sraw, sel, zb, L3, a_layout, BLOCK_N, False)
-            async_copy.wait_group(STAGES - 2)  # this thread's cp.async of step c landed (one group per step)
-            fence_async_shared()  # ... visible to the async-proxy wgmma (and the word loads before a TMA refill)
-            gl.thread_barrier()  # ... from every thread
-            if LOOP == 2:
-                acc0 = warpgroup_mma(a0, xs, acc0, use_acc=s != 0, is_async=True)
-                acc1, a1, acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1, a1, acc0))  # step c - 1 done
-                a1 = dense._swap_a(q.slice(HN, HN, dim=1), sraw1, selh, zbh, L3h, a_layout, HN, False)
-                acc1 = warpgroup_mma(a1, xs, acc1, use_acc=s != 0, is_async=True)
-                acc0, a0, acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, a0, acc1))  # half 0 done
-            else:
-                acc = warpgroup_mma(a, xs, acc, use_acc=s != 0, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step c - 1 done: its ring slot is free
+                acc = _step_one(q_smem, x_smem, slot, sraw, acc, s, sel, zb, L3, a_layout, BLOCK_N, STAGES)
             gl.thread_barrier()  # ... in every warpgroup, before one thread refills it
             nxt = c + STAGES - 1
             ns = nxt % STAGES
@@ -268,9 +287,7 @@ def _consume_nested(q_desc, x_smem, q_smem, epi, bars, s_ptr, y_ptr, topk_w_ptr,
                                                   BLOCK_M, BLOCK_N, GROUP_M, num_warps)
             c += 1
         if LOOP == 2:  # (the next tile's first loads are in flight meanwhile)
-            acc1, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1))
-            tile = gl.convert_layout(gl.reshape(gl.permute(gl.join(acc0, acc1), (2, 0, 1)), (BLOCK_N, BLOCK_M)),
-                                     mma_layout)  # rows h * HN + r (as _tcgp_kloop2)
+            tile, acc1, a1 = _halves_tile(acc0, acc1, a1, mma_layout, BLOCK_M, BLOCK_N)
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             tile = acc

@@ -13,7 +13,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from kestrel.kernels import gemm_wna16_tcg as dense
 # the dense kernel's planar block (16 word rows = 128 k), pair decode and wgmma layout: one copy for both
 from kestrel.kernels.gemm_wna16_tcg import BK, R, _ASM_PAIR, _mma_layout
-from kestrel.kernels.moe_tcg_io import _block_of, _gather_ptrs, _store_t
+from kestrel.kernels.moe_tcg_io import _block_of, _gather_ptrs, _store_t, _tile_start
 
 
 @gluon.jit
@@ -29,6 +29,22 @@ def _issue(q_desc, s_desc, bar, q_buf, s_buf, x_buf, x_ptrs, qrow0, srow0, off_n
 
 
 @gluon.jit
+def _swap01_start(x_ptr, q_desc, s_desc, sorted_ptr, expert_ptr, pid_m, pid_n, num_valid, a_div, K, stride_xm,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """both loops' tile start: columns, K steps, the expert's first word / scale rows, the gathered x rows and the
+    ring's x / word / scale buffers (the caller has returned for padding blocks)."""
+    expert, off_n, n_steps = _tile_start(expert_ptr, pid_m, pid_n, K, BLOCK_N)
+    qrow0 = expert * (K // 8)
+    srow0 = expert * n_steps
+    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m * BLOCK_M, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_N], s_desc.layout)
+    return off_n, n_steps, qrow0, srow0, x_ptrs, x_smem, q_smem, s_smem
+
+
+@gluon.jit
 def _moe_tcg_kernel(x_ptr, q_desc, s_desc, y_ptr, topk_w_ptr, sorted_ptr, expert_ptr, npost_ptr, num_valid, a_div,
                     out_div, N, K, stride_xm, stride_ym, num_m_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, MUL_ROUTED: gl.constexpr, REDUCE: gl.constexpr,
@@ -36,19 +52,9 @@ def _moe_tcg_kernel(x_ptr, q_desc, s_desc, y_ptr, topk_w_ptr, sorted_ptr, expert
     pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(npost_ptr):  # padding blocks past the last expert's run
         return
-    expert = gl.load(expert_ptr + pid_m)
-    off_n = pid_n * BLOCK_N
-    n_steps = K // BK
-    gl.assume(n_steps > 0)  # (dense tcg: without it the zero-trip path serialises every wgmma)
-    qrow0 = expert * (K // 8)
-    srow0 = expert * n_steps
-
-    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m * BLOCK_M, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
-
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
-    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
-    s_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_N], s_desc.layout)
+    off_n, n_steps, qrow0, srow0, x_ptrs, x_smem, q_smem, s_smem = _swap01_start(
+        x_ptr, q_desc, s_desc, sorted_ptr, expert_ptr, pid_m, pid_n, num_valid, a_div, K, stride_xm, BLOCK_M, BLOCK_N,
+        STAGES, num_warps)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BLOCK_N], gl.bfloat16)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BK, BLOCK_N], w_layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -122,19 +128,9 @@ def _moe_tcgs_kernel(x_ptr, q_desc, s_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr
     pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(npost_ptr):
         return
-    expert = gl.load(expert_ptr + pid_m)
-    off_n = pid_n * BLOCK_N
-    n_steps = K // BK
-    gl.assume(n_steps > 0)
-    qrow0 = expert * (K // 8)
-    srow0 = expert * n_steps
-
-    x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m * BLOCK_M, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
-
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BK], gl.bfloat16)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_layout)
-    q_smem = gl.allocate_shared_memory(gl.int32, [STAGES, R, BLOCK_N], q_desc.layout)
-    s_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_N], s_desc.layout)
+    off_n, n_steps, qrow0, srow0, x_ptrs, x_smem, q_smem, s_smem = _swap01_start(
+        x_ptr, q_desc, s_desc, sorted_ptr, expert_ptr, pid_m, pid_n, num_valid, a_div, K, stride_xm, BLOCK_M, BLOCK_N,
+        STAGES, num_warps)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)

@@ -11,7 +11,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kestrel.kernels import gemm_wna16_tcg as dense
 from kestrel.kernels.gemm_wna16_tcg import BK, R
-from kestrel.kernels.moe_tcg_io import _block_of, _gather_ptrs, _issue_xq, _store_t
+from kestrel.kernels.moe_tcg_io import _block_of, _gather_ptrs, _issue_xq, _store_t, _tile_start
 
 
 @gluon.jit
@@ -105,10 +105,7 @@ def _moe_tcgp_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(npost_ptr):  # padding blocks past the last expert's run
         return
-    expert = gl.load(expert_ptr + pid_m)
-    off_n = pid_n * BLOCK_N
-    n_steps = K // BK
-    gl.assume(n_steps > 0)  # (dense tcg: without it the zero-trip path serialises every wgmma)
+    expert, off_n, n_steps = _tile_start(expert_ptr, pid_m, pid_n, K, BLOCK_N)
     qrow0 = expert * (K // 8)
     x_ptrs = _gather_ptrs(x_ptr, sorted_ptr, pid_m * BLOCK_M, num_valid, a_div, stride_xm, BLOCK_M, num_warps)
 

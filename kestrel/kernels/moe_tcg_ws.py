@@ -12,7 +12,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kestrel.kernels import gemm_wna16_tcg as dense
 from kestrel.kernels.gemm_wna16_tcg import BK, R
-from kestrel.kernels.moe_tcg_io import _block_of, _gather_ptrs, _store_t
+from kestrel.kernels.moe_tcg_io import _block_of, _gather_ptrs, _store_t, _tile_start
 
 
 @gluon.jit
@@ -191,10 +191,7 @@ def _moe_tcgw_kernel(x_ptr, q_desc, s_ptr, y_ptr, topk_w_ptr, sorted_ptr, expert
     pid_m, pid_n = _block_of(gl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= gl.load(npost_ptr):
         return
-    expert = gl.load(expert_ptr + pid_m)
-    off_n = pid_n * BLOCK_N
-    n_steps = K // BK
-    gl.assume(n_steps > 0)
+    expert, off_n, n_steps = _tile_start(expert_ptr, pid_m, pid_n, K, BLOCK_N)
     MA: gl.constexpr = 64 if (BLOCK_M == 80) | (BLOCK_M == 96) else BLOCK_M  # (power-of-two blocks: one wgmma)
     MB: gl.constexpr = BLOCK_M - MA
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, MA, BK],
