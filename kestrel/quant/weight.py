@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kestrel.quant.formats import decode_minifloat, decode_scales
-from kestrel.quant.packing import padded_k, unpack_codes
+from kestrel.quant.packing import padded_k, pair_halves, unpack_codes
 from kestrel.quant.spec import QuantSpec
 
 
@@ -21,6 +21,8 @@ class QuantizedWeight:
     zeros:   [G, N] float or None  w = (code - zero) * scale; symmetric types use the constant spec.code_offset
     perm:    int64 [K] or None     act-order: stored row j holds input channel perm[j]; the kernel gathers x[:, perm]
     global_scale: float32 scalar tensor or None (NVFP4 second-level scale, a multiplier)
+    pair_words: bool               qweight in the pair word order (packing.pair_halves; 4-bit codes, opt-in): only the
+                                   mv / mvs kernels read it (they specialise on it), see with_pair_words
     """
 
     spec: QuantSpec
@@ -30,6 +32,7 @@ class QuantizedWeight:
     zeros: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
+    pair_words: bool = False
 
     def __post_init__(self):
         n, k = self.shape
@@ -37,6 +40,8 @@ class QuantizedWeight:
         kp = padded_k(k, self.spec.container_bits)
         if tuple(self.qweight.shape) != (kp // epw, n) or self.qweight.dtype != torch.int32:
             raise ValueError(f"qweight must be int32 [{kp // epw}, {n}], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
+        if self.pair_words and self.spec.container_bits != 4:
+            raise ValueError("the pair word order is for 4-bit codes only")
         if self.spec.group_size == -1:
             g = g_real = 1
         else:
@@ -72,6 +77,15 @@ class QuantizedWeight:
         return sum(t.nbytes for t in (self.qweight, self.scales, self.zeros) if t is not None)
 
 
+def with_pair_words(qw: QuantizedWeight) -> QuantizedWeight:
+    """The same weight with qweight in the pair word order (packing.pair_halves), for the mv / mvs kernels' e2m1
+    and int4 decode without the byte permute per register pair (gemm_wna16_small PAIR_WORDS); done once at
+    pack / load time. Other kernels refuse such a weight."""
+    if qw.pair_words:
+        return qw
+    return replace(qw, qweight=pair_halves(qw.qweight), pair_words=True)
+
+
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], dim=0)
 
@@ -79,7 +93,8 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """Reference: float32 [N, K] in the original input-channel order (computed on the weight's device)."""
     spec, (n, k) = qw.spec, qw.shape
-    codes = unpack_codes(qw.qweight, spec.container_bits, k).t()  # [K, N], stored order
+    words = pair_halves(qw.qweight) if qw.pair_words else qw.qweight
+    codes = unpack_codes(words, spec.container_bits, k).t()  # [K, N], stored order
     if spec.is_int:
         zero = qw.zeros.float().repeat_interleave(qw.group_size, 0)[:k] if qw.zeros is not None else spec.code_offset
         vals = codes.to(torch.float32) - zero
