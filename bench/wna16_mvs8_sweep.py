@@ -144,13 +144,18 @@ def variants(layer, m, gpu, fmt, opts=None):
 # num_stages 1 (with MUL16: the session 10 bug's fix, checked for correctness first)
 # num_stages 1 (with MUL16: the session 10 bug's fix, checked for correctness first); "pairw" = the weight repacked in
 # the pair word order (quant.weight.with_pair_words: a packing option carried on the weight, no module switch;
-# int4 and MXFP4, mv / mvs: offline 642 -> 615 / 900 -> 880 K-loop instructions, 147 -> 128 / 168 -> 128 registers)
-AB_MODES = {"mul16": "MUL16", "bias": "FOLD_BIAS_WORDS", "xsum": "INT_XSUM", "fold-s1": "FOLD_S1", "pairw": None}
+# int4 and MXFP4, mv / mvs: offline 642 -> 615 / 900 -> 880 K-loop instructions, 147 -> 128 / 168 -> 128 registers);
+# "pairadj" = that order with a pair's two words stored next to each other (with_pair_words(adjacent=True): 64-bit
+# LDS; offline 642 -> 591 / 900 -> 864)
+AB_MODES = {"mul16": "MUL16", "bias": "FOLD_BIAS_WORDS", "xsum": "INT_XSUM", "fold-s1": "FOLD_S1", "pairw": None,
+            "pairadj": None}
 
 
-def pair_mode(mode) -> bool:
-    """The variant runs on the pair-order copy of the weights (A/B mode "pairw", alone or "+"-joined)."""
-    return isinstance(mode, str) and "pairw" in mode.split("+")
+def pair_mode(mode) -> str:
+    """"" = the planar weights; "pairw" / "pairadj" = the variant runs on the pair-order copy of the weights (A/B
+    mode alone or "+"-joined; pairadj: adjacent-pair storage)."""
+    parts = mode.split("+") if isinstance(mode, str) else []
+    return "pairadj" if "pairadj" in parts else "pairw" if "pairw" in parts else ""
 AB0: dict = {}
 
 
@@ -242,7 +247,8 @@ def _warm(items):
         try:
             q = qws[(fmt, n, k)]
             gemm_wna16(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
-                       with_pair_words(q) if pair_mode(fold) else q, ComputeConfig.from_dict(cfg))
+                       with_pair_words(q, pair_mode(fold) == "pairadj") if pair_mode(fold) else q,
+                       ComputeConfig.from_dict(cfg))
         except Exception as ex:
             errs.append(f"{fmt} {cfg}: {ex!r}"[:200])
     torch.cuda.synchronize()
@@ -347,7 +353,7 @@ def main():
                 print(f"budget reached: skip {fmt} {name}", flush=True)
                 continue
             w0, qw0, qws, deq = shape_weights(FORMATS[fmt], n, k)
-            pw = []  # pair-order copies of qw0, qws (A/B mode "pairw"), built on first use
+            pw = {}  # pair-order copies of qw0, qws by A/B storage ("pairw", "pairadj"), built on first use
             layer = LayerConfig(FORMATS[fmt], n, k)
             hum = None
             if f"{fmt}:{name}" in args.humming.split(","):
@@ -376,9 +382,10 @@ def main():
                         print(f"humming call failed: {ex!r}"[:300], flush=True)
                 for tag, cfg, fold in variants(layer, m, gpu, fmt, opts):
                     set_mode(sm, fold, fold0, grow0)
-                    if pair_mode(fold) and not pw:  # the pair-order copies, once per shape (same codes)
-                        pw.extend([with_pair_words(qw0)] + [with_pair_words(q) for q in qws])
-                    w_one, w_all = (pw[0], pw[1:]) if pair_mode(fold) else (qw0, qws)
+                    pk = pair_mode(fold)
+                    if pk and pk not in pw:  # the pair-order copies, once per shape and storage (same codes)
+                        pw[pk] = [with_pair_words(q, pk == "pairadj") for q in [qw0] + qws]
+                    w_one, w_all = (pw[pk][0], pw[pk][1:]) if pk else (qw0, qws)
                     try:
                         y = gemm_wna16(x, w_one, cfg)
                         err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -402,7 +409,7 @@ def main():
                                      ("grow2", (None, "grow2")), ("spf", (None, "spf")),
                                      ("growsw", (None, "growsw")),
                                      *((m, (None, m)) for m in opts["ab"] if not pair_mode(m))):
-                    # (no entries for pairw: a tune-cache config cannot carry the weight's packing)
+                    # (no entries for pairw / pairadj: a tune-cache config cannot carry the weight's packing)
                     # entries for the module defaults, FOLD_E8M0 / E2M1_IMAD 2 / GROUP_ROWS / + PARTIAL on
                     best = min((r for r in pt if r["fold"] in modes), key=lambda r: r["us"], default=None)
                     if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:

@@ -489,7 +489,7 @@ def test_pair_halves_round_trip():
     # the pair word order (packing.pair_halves, QuantizedWeight.pair_words): its own inverse, the layout the
     # pair-order PTX reads (word row 2p: nibble j of its low / high half = field j of planar rows 2p / 2p + 1; row
     # 2p + 1: fields 4 + j), and the reference dequantize of a repacked weight equal to the planar one's
-    from kestrel.quant.packing import pair_halves
+    from kestrel.quant.packing import adjacent_pairs, pair_halves
     from kestrel.quant.weight import with_pair_words
     g = torch.Generator().manual_seed(30)
     w = torch.randint(-2**31, 2**31 - 1, (32, 24), generator=g, dtype=torch.int64).to(torch.int32)
@@ -500,11 +500,17 @@ def test_pair_halves_round_trip():
         for row, half, f in ((0, 0, j), (0, 1, j), (1, 0, 4 + j), (1, 1, 4 + j)):
             got = (u(p[row::2]) >> (16 * half + 4 * j)) & 15
             assert torch.equal(got, (u(w[half::2]) >> (4 * f)) & 15), (j, row, half)
+    a = adjacent_pairs(w)  # flat position (r // 2) * 2N + 2n + r % 2 holds word (r, n)
+    r, n = torch.meshgrid(torch.arange(32), torch.arange(24), indexing="ij")
+    assert torch.equal(a.flatten()[(r // 2) * 48 + 2 * n + r % 2], w) and torch.equal(adjacent_pairs(a, True), w)
     for spec in (QuantSpec("int4", group_size=128), QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")):
         qw = quantize(torch.randn(40, 256, generator=g), spec)
-        qp = with_pair_words(qw)
+        qp, qa = with_pair_words(qw), with_pair_words(qw, adjacent=True)
         assert qp.pair_words and not qw.pair_words and not torch.equal(qp.qweight, qw.qweight)
-        assert torch.equal(dequantize(qp), dequantize(qw))
+        assert qa.pair_adjacent and torch.equal(qa.qweight, adjacent_pairs(qp.qweight))
+        assert torch.equal(dequantize(qp), dequantize(qw)) and torch.equal(dequantize(qa), dequantize(qw))
+        with pytest.raises(ValueError):
+            with_pair_words(qp, adjacent=True)
     with pytest.raises(ValueError):
         with_pair_words(quantize(torch.randn(40, 256, generator=g), QuantSpec("int8", group_size=-1)))
 
@@ -515,15 +521,17 @@ def test_pair_halves_round_trip():
                                   QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True)],
                          ids=lambda s: s.name + f"-g{s.group_size}")
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_mv_pair_words(spec, dt):
+@pytest.mark.parametrize("adj", [False, True], ids=["halves", "adjacent"])
+def test_mv_pair_words(spec, dt, adj):
     # a pair-order weight (with_pair_words) through mv / mvs vs x @ dequant(W)^T of the planar weight: split-K with
     # a masked two-block step, num_stages 1 / 2 / 3, N not a tile multiple, K padded (MXFP4 bf16: FOLD). On the CPU
     # the kernel takes the words back to planar (PAIRW 1); on the GPU at num_stages 2 / 3 the pair-order PTX
-    # (PAIRW 2, checked below). Fails if the kernel reads the words in the planar order; gemv / dot refuse them
+    # (PAIRW 2, checked below). adjacent: the pair's two words stored next to each other (the [R / 2, 2 BN] tile
+    # load, ADJ). Fails if the kernel reads the words in the planar order or storage; gemv / dot refuse them
     from kestrel.kernels import gemm_wna16_small as sm
     from kestrel.quant.weight import with_pair_words
     qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(31)), spec)
-    qp = with_pair_words(qw)
+    qp = with_pair_words(qw, adjacent=adj)
     fmt = {"IS_INT": spec.is_int}
     for m, cfg in ((3, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2)),
                    (16, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=3)),

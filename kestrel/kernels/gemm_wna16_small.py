@@ -216,8 +216,9 @@ SCALE_WORDS_GROW = False
 
 # Pair word order (QuantizedWeight.pair_words, packing.pair_halves; opt-in at pack time, the weight carries it and
 # the mv / mvs kernels specialise on it: PAIRW): e2m1 (bf16) and int4 decode a register pair without the byte
-# permute. Offline sm_90a SASS: see bench/results/gemm_wna16_smallm.md session 11; off (planar) unless a weight is
-# repacked with quant.weight.with_pair_words.
+# permute; with QuantizedWeight.pair_adjacent (ADJ) a pair's two words are also adjacent in memory (64-bit LDS).
+# Offline sm_90a SASS (bench/results/gemm_wna16_smallm.md session 11, K loop bn128 w2 s3): int4 642 -> 615 (ADJ 591),
+# MXFP4 fold 900 -> 880 (ADJ 864); off (planar) unless a weight is repacked with quant.weight.with_pair_words.
 
 _FP4_CONS = tl.constexpr("=r,r,r,r,r,r,r")  # $0; $1 $2 words, $3 $4 selector, $5 $6 int32 multipliers
 _FP4_CONS_MUL16 = tl.constexpr("=r,r,r,r,r,r")  # $0; $1 $2 words, $3 $4 selector, $5 = both 16-bit multipliers
@@ -280,6 +281,15 @@ def _unpair_words(q, R: tl.constexpr, BLOCK_N: tl.constexpr):
     lo = (a & 0xFFFF) | (c << 16)
     hi = ((a >> 16) & 0xFFFF) | (c & -65536)
     return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (R, BLOCK_N))
+
+
+@triton.jit
+def _adj_tile(q2, R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Planar block's [R, BN] word tile from the [R / 2, 2 BN] tile of the adjacent-pair storage
+    (packing.adjacent_pairs, ADJ), which loads as contiguous rows (16-byte cp.async, as the planar tile); Triton then
+    reads each thread's two words of a column from shared memory with one 64-bit LDS (offline sm_90a SASS, MXFP4
+    fold bn128 w2 s3: LDS 43 -> 27 per loop, same LDGSTS and barriers)."""
+    return tl.reshape(tl.permute(tl.reshape(q2, (R // 2, BLOCK_N, 2)), (0, 2, 1)), (R, BLOCK_N))
 
 
 @triton.jit
@@ -585,7 +595,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0,
                PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
                MUL16: tl.constexpr = False, BIASED: tl.constexpr = False,
-               XSUM: tl.constexpr = False, PAIRW: tl.constexpr = 0):
+               XSUM: tl.constexpr = False, PAIRW: tl.constexpr = 0, ADJ: tl.constexpr = False):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -620,6 +630,10 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     q_ptrs = qw_ptr + offs_r[:, None] * N + offs_n[None, :]
+    if ADJ:  # the adjacent-pair storage (pair-order words): a block's tile is [R / 2, 2 BN] in memory
+        offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        q_ptrs = qw_ptr + tl.arange(0, R // 2)[:, None] * (2 * N) + offs_c[None, :]
+        c_mask = offs_c < 2 * N
     if NUM_STAGES == 1:
         # manual prefetch instead of Triton's cp.async pipeline (one step in flight, several CTA barriers per step):
         # the words (and scale row) of blocks b+1 and b+2 are loaded into registers before block b is computed, so
@@ -627,8 +641,14 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
         PRE_S: tl.constexpr = not PER_CHANNEL and GROUP_SIZE >= PB
         m1 = n_mask & ((offs_n * 0 + b0) < b1)
         m2 = n_mask & ((offs_n * 0 + b0 + 1) < b1)
-        q_n1 = tl.load(q_ptrs + b0 * R * N, mask=m1[None, :], other=0)
-        q_n2 = tl.load(q_ptrs + (b0 + 1) * R * N, mask=m2[None, :], other=0)
+        if ADJ:  # (the adjacent-pair storage of pair-order words)
+            q_n1 = _adj_tile(tl.load(q_ptrs + b0 * R * N, mask=(c_mask & ((offs_c * 0 + b0) < b1))[None, :],
+                                     other=0), R, BLOCK_N)
+            q_n2 = _adj_tile(tl.load(q_ptrs + (b0 + 1) * R * N,
+                                     mask=(c_mask & ((offs_c * 0 + b0 + 1) < b1))[None, :], other=0), R, BLOCK_N)
+        else:
+            q_n1 = tl.load(q_ptrs + b0 * R * N, mask=m1[None, :], other=0)
+            q_n2 = tl.load(q_ptrs + (b0 + 1) * R * N, mask=m2[None, :], other=0)
         if PRE_S:
             s_n1 = tl.load(s_ptr + (b0 * PB // GROUP_SIZE) * N + offs_n, mask=m1, other=0)
             s_n2 = tl.load(s_ptr + ((b0 + 1) * PB // GROUP_SIZE) * N + offs_n, mask=m2, other=0)
@@ -641,7 +661,11 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             q_n1 = q_n2
             s_n1 = s_n2
             m2 = n_mask & ((offs_n * 0 + b + 2) < b1)
-            q_n2 = tl.load(q_ptrs + (b + 2) * R * N, mask=m2[None, :], other=0)
+            if ADJ:
+                q_n2 = _adj_tile(tl.load(q_ptrs + (b + 2) * R * N,
+                                         mask=(c_mask & ((offs_c * 0 + b + 2) < b1))[None, :], other=0), R, BLOCK_N)
+            else:
+                q_n2 = tl.load(q_ptrs + (b + 2) * R * N, mask=m2[None, :], other=0)
             if PRE_S:
                 s_n2 = tl.load(s_ptr + ((b + 2) * PB // GROUP_SIZE) * N + offs_n, mask=m2, other=0)
             else:
@@ -661,7 +685,11 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             for kb in tl.static_range(KB):  # KB word tiles per step: more bytes in flight per program
                 b = b_step + kb
                 nb_mask = n_mask & ((offs_n * 0 + b) < b1)
-                q = tl.load(q_ptrs + b * R * N, mask=nb_mask[None, :], other=0)
+                if ADJ:
+                    q = _adj_tile(tl.load(q_ptrs + b * R * N, mask=(c_mask & ((offs_c * 0 + b) < b1))[None, :],
+                                          other=0), R, BLOCK_N)
+                else:
+                    q = tl.load(q_ptrs + b * R * N, mask=nb_mask[None, :], other=0)
                 if PRE_G:  # this block's codes; the next block's in flight while this one is computed
                     s_cur = s_nx
                     s_nx = _scale_word(s_ptr, b + 1, N, offs_n, n_mask & ((offs_n * 0 + b + 1) < b1))
@@ -947,7 +975,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         _mv_kernel[grid](x2, qw.qweight, words, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
-                         ASM=asm, PAIRW=pairw,
+                         ASM=asm, PAIRW=pairw, ADJ=pairw > 0 and qw.pair_adjacent,
                          RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw, BIASED=biased,
                          XSUM=INT_XSUM and fmt["IS_INT"],
                          PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold and not sw,

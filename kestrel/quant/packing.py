@@ -67,6 +67,18 @@ def pair_halves(qweight: torch.Tensor) -> torch.Tensor:
     return h.transpose(1, 3).contiguous().view(rows, 2 * n).view(torch.int32)
 
 
+def adjacent_pairs(qweight: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Storage of word rows 2p, 2p + 1 of each column next to each other (opt-in, with the pair order:
+    QuantizedWeight.pair_adjacent): element (r, n) of the [rows, N] array moves to flat position
+    (r // 2) * 2N + 2n + r % 2, so a thread's two words of one column are one 64-bit shared-memory load; the shape
+    stays [rows, N] and a planar block keeps its bytes. inverse=True undoes it."""
+    rows, n = qweight.shape
+    if rows % 2:
+        raise ValueError(f"adjacent pairs need an even row count, got {rows}")
+    shape = (rows // 2, n, 2) if inverse else (rows // 2, 2, n)
+    return qweight.contiguous().view(shape).transpose(1, 2).contiguous().view(rows, n)
+
+
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
     w = words & 0xFFFFFFFF
     return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
