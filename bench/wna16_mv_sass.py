@@ -8,6 +8,7 @@ the instruction count of its loop is the number to push down before spending GPU
   python bench/wna16_mv_sass.py --scale-paths       # MXFP4: the e8m0 scale paths (barriers, registers, instrs)
   python bench/wna16_mv_sass.py --ab                # session 11's opt-in switches vs the defaults, + the layout
                                                     # Triton decodes FOLD's e2m1 in at num_stages 1 / 2 (TTGIR)
+  python bench/wna16_mv_sass.py --ab pairw          # only the pair word order rows (PAIRW 2) and its layout check
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = Tr
         ptrs["s_ptr"] = "*i32"
     const = dict(FMT[fmt], BLOCK_M=extra.pop("BLOCK_M", 16), BLOCK_N=block_n, SPLIT=split, NUM_STAGES=stages, SWAP=False, EVEN_K=True,
                  DOT_F32=False, ASM=True, KB=1, PDL=0, PF=0, RED_STEP=2, FOLD=False, MUL16=False, BIASED=False,
-                 XSUM=0)
+                 XSUM=0, PAIRW=0, ADJ=False)
     # every constexpr given explicitly: with FOLD left to its default, a FOLD=True and a FOLD=False compile
     # shared one on-disk cache entry (Triton 3.9 ASTSource key), so the second analysis reported the first kernel
     const.update(extra)
@@ -58,7 +59,7 @@ def analyse(fmt, block_n, warps, stages, **extra):
     extra.pop("BLOCK_M", None)
     elems = block_n * 128  # one planar block (R = 16 words x 8 fields) per loop step
     return dict(regs=regs, stack=stack, loop=len(loop), per_elem=len(loop) * warps * 32 / elems,
-                mix=dict(mix.most_common(12)), sass=loop)
+                mix=dict(mix.most_common(12)), ops=dict(mix), sass=loop)
 
 
 def scale_paths():
@@ -77,15 +78,43 @@ def asm_layouts(fmt, block_n, warps, stages, **extra):
     of that layout: two k of one column in the MMA operand layout, two columns in a blocked [1, 8] one)."""
     ttgir = compile_mv(fmt, block_n, warps, stages, **extra).asm["ttgir"]
     outs = re.findall(r"tt\.elementwise_inline_asm .*-> tensor<[^,]*, (#[\w.]+)", ttgir)
-    return dict(collections.Counter("dot_op" if o.startswith("#ttg.dot_op") else o for o in outs))
+
+    def name(o):  # a linear layout whose first register basis is [1, 0]: a pair = k rows r, r + 1 of one column
+        if o.startswith("#ttg.dot_op"):
+            return "dot_op"
+        m = re.search(re.escape(o) + r" = #ttg\.linear<\{register = \[\[(\d+), (\d+)\]", ttgir)
+        return f"{o} (pair = 2 k)" if m and m.groups() == ("1", "0") else o
+    return dict(collections.Counter(name(o) for o in outs))
+
+
+def pairw_rows(base, fold):
+    """The pair word order (QuantizedWeight.pair_words -> PAIRW 2: the pair-order PTX, no PRMT per register pair)
+    next to the planar defaults and the other opt-in switches it combines with."""
+    rows = [("int4", bn, w, s, n, dict(base, **x)) for bn, w, s in ((128, 2, 3), (64, 1, 3), (256, 4, 3), (128, 4, 2))
+            for n, x in (("default", {}), ("PAIRW", {"PAIRW": 2}), ("PAIRW + ADJ", {"PAIRW": 2, "ADJ": True}),
+                         ("INT_XSUM", {"XSUM": 1}), ("PAIRW + INT_XSUM", {"PAIRW": 2, "XSUM": 1}),
+                         ("PAIRW + ADJ + INT_XSUM", {"PAIRW": 2, "ADJ": True, "XSUM": 1}))]
+    rows += [("uint4", 128, 2, 3, f"g128 {n}", dict(base, **x)) for n, x in (
+        ("default", {}), ("PAIRW", {"PAIRW": 2}), ("PAIRW + ADJ", {"PAIRW": 2, "ADJ": True}),
+        ("PAIRW + INT_XSUM", {"PAIRW": 2, "XSUM": 1}), ("PAIRW + ADJ + INT_XSUM", {"PAIRW": 2, "ADJ": True, "XSUM": 1}))]
+    rows += [("mxfp4", bn, w, s, n, dict(fold, **x)) for bn, w, s in ((128, 2, 3), (64, 1, 3), (128, 4, 2))
+             for n, x in (("fold default", {}), ("PAIRW", {"PAIRW": 2}), ("PAIRW + ADJ", {"PAIRW": 2, "ADJ": True}),
+                          ("PAIRW + FOLD_BIAS_WORDS", {"PAIRW": 2, "BIASED": True}),
+                          ("PAIRW + ADJ + FOLD_BIAS_WORDS", {"PAIRW": 2, "ADJ": True, "BIASED": True}),
+                          ("PAIRW + MUL16", {"PAIRW": 2, "MUL16": True}))]
+    rows += [("mxfp4", bn, 1 if bn == 64 else 2, 1, n, dict(fold, MUL16=True, **x)) for bn in (64, 128)
+             for n, x in (("s1 fold + MUL16 (FOLD_S1)", {}), ("s1 fold + MUL16, PAIRW 1 + ADJ", {"PAIRW": 1, "ADJ": True}))]
+    return rows
 
 
 def ab():
     """(Run with a fresh TRITON_CACHE_DIR: kernels that differ only in a defaulted constexpr may share a cache
-    entry.) Session 11's opt-in switches (gemm_wna16_small.INT_XSUM, FOLD_BIAS_WORDS, MUL16, FOLD at num_stages 1)
-    against the defaults on the usual tiles: registers, spills, K-loop instructions."""
+    entry.) Session 11's opt-in switches (gemm_wna16_small.INT_XSUM, FOLD_BIAS_WORDS, MUL16, FOLD at num_stages 1,
+    the pair word order PAIRW) against the defaults on the usual tiles: registers, spills, K-loop instructions."""
     base = dict(GROW=0, IMAD=0, PROBE=0)
     fold = dict(base, FOLD=True, SCALE_WORDS=True, IMAD=2)
+    if "pairw" in sys.argv:
+        return ab_table(pairw_rows(base, fold), fold)
     rows = [("int4", bn, w, s, n, dict(base, **x)) for bn, w, s in ((128, 2, 3), (64, 1, 3), (256, 4, 3), (128, 4, 2))
             for n, x in (("default", {}), ("INT_XSUM", {"XSUM": 1}))]
     rows += [("uint4", 128, 2, 3, f"g{g} {n}", dict(base, GROUP_SIZE=g, **x)) for g in (128, 32)
@@ -96,15 +125,33 @@ def ab():
     rows += [("mxfp4", bn, 1 if bn == 64 else 2, 1, n, dict(base, **x)) for bn in (64, 128)
              for n, x in (("s1 unfolded (default)", {}), ("s1 fold + MUL16 (FOLD_S1)", dict(fold, MUL16=True)),
                           ("s1 fold + MUL16 + FOLD_BIAS_WORDS", dict(fold, MUL16=True, BIASED=True)))]
-    print("| fmt | tile | variant | regs | spill B | loop instrs | thread-instrs / W elem |")
-    print("|---|---|---|---|---|---|---|")
+    rows += [r for r in pairw_rows(base, fold) if "PAIRW" in r[4]]
+    ab_table(rows, fold)
+
+
+def ab_table(rows, fold):
+    print("| fmt | tile | variant | regs | spill B | loop instrs | thread-instrs / W elem | LDS | LDGSTS | BAR |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for fmt, bn, w, s, name, extra in rows:
         a = analyse(fmt, bn, w, s, **extra)
+        cnt = lambda op: a["ops"].get(op, 0)
         print(f"| {fmt} | 16x{bn} w{w} s{s} | {name} | {a['regs']} | {a['stack']} | {a['loop']} | "
-              f"{a['per_elem']:.2f} |", flush=True)
+              f"{a['per_elem']:.2f} | {cnt('LDS')} | {cnt('LDGSTS')} | {sum('BAR.SYNC' in t for t in a['sass'])} |",
+              flush=True)
     for s in (1, 2):
         print(f"MXFP4 fold (int32 multipliers) bn32 w1 s{s}: e2m1 asm results in",
               asm_layouts("mxfp4", 32, 1, s, **fold), flush=True)
+    # PAIRW 2 is right only where a pack=2 pair is two k of one column (the MMA operand layout): every pair-order
+    # asm result must be in #dot_op (gemm_small takes PAIRW 1 at num_stages 1)
+    for fmt, bn, w, s, extra in (("mxfp4", 128, 2, 3, fold), ("mxfp4", 128, 4, 2, fold), ("int4", 128, 2, 3, {}),
+                                 ("int4", 128, 4, 2, {}), ("mxfp4", 64, 1, 3, dict(fold, MUL16=True)),
+                                 ("mxfp4", 128, 2, 3, dict(fold, SWAP=True, BLOCK_M=8)),
+                                 ("int4", 128, 2, 3, dict(SWAP=True, BLOCK_M=8)),
+                                 ("mxfp4", 128, 2, 3, dict(fold, ADJ=True)), ("int4", 128, 2, 3, dict(ADJ=True)),
+                                 ("int4", 128, 2, 3, dict(SWAP=True, BLOCK_M=8, ADJ=True))):
+        print(f"PAIRW 2 {'mvs8' if extra.get('SWAP') else 'mv'}{' ADJ' if extra.get('ADJ') else ''} {fmt} bn{bn} w{w} "
+              f"s{s}: asm results in",
+              asm_layouts(fmt, bn, w, s, **{"GROW": 0, "IMAD": 0, "PROBE": 0, **extra, "PAIRW": 2}), flush=True)
 
 
 def main():

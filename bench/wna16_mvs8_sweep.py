@@ -142,7 +142,20 @@ def variants(layer, m, gpu, fmt, opts=None):
 # session 11's opt-in switches of gemm_wna16_small (all off by default), one per A/B mode: "mul16" = FOLD's 16-bit
 # pair multipliers at s2 / s3, "bias" = FOLD_BIAS_WORDS (MXFP4), "xsum" = INT_XSUM (ints), "fold-s1" = FOLD at
 # num_stages 1 (with MUL16: the session 10 bug's fix, checked for correctness first)
-AB_MODES = {"mul16": "MUL16", "bias": "FOLD_BIAS_WORDS", "xsum": "INT_XSUM", "fold-s1": "FOLD_S1"}
+# num_stages 1 (with MUL16: the session 10 bug's fix, checked for correctness first); "pairw" = the weight repacked in
+# the pair word order (quant.weight.with_pair_words: a packing option carried on the weight, no module switch;
+# int4 and MXFP4, mv / mvs: offline 642 -> 615 / 900 -> 880 K-loop instructions, 147 -> 128 / 168 -> 128 registers);
+# "pairadj" = that order with a pair's two words stored next to each other (with_pair_words(adjacent=True): 64-bit
+# LDS; offline 642 -> 591 / 900 -> 864)
+AB_MODES = {"mul16": "MUL16", "bias": "FOLD_BIAS_WORDS", "xsum": "INT_XSUM", "fold-s1": "FOLD_S1", "pairw": None,
+            "pairadj": None}
+
+
+def pair_mode(mode) -> str:
+    """"" = the planar weights; "pairw" / "pairadj" = the variant runs on the pair-order copy of the weights (A/B
+    mode alone or "+"-joined; pairadj: adjacent-pair storage)."""
+    parts = mode.split("+") if isinstance(mode, str) else []
+    return "pairadj" if "pairadj" in parts else "pairw" if "pairw" in parts else ""
 AB0: dict = {}
 
 
@@ -161,7 +174,8 @@ def set_mode(sm, mode, fold0, grow0):
         sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], grow0[2]
         sm.SCALE_WORDS_GROW = grow0[3]
         for v in mode.split("+"):
-            setattr(sm, AB_MODES[v], True)
+            if AB_MODES[v]:  # (pairw: the weight, not a module switch)
+                setattr(sm, AB_MODES[v], True)
     elif mode is None:
         sm.FOLD_E8M0, sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH = fold0, grow0[0], grow0[1], grow0[2]
         sm.SCALE_WORDS_GROW = grow0[3]
@@ -221,7 +235,8 @@ def _warm(items):
     from kestrel.quant import quantize
     t0, errs, fold0, qws = time.time(), [], sm.FOLD_E8M0, {}
     grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW, sm.E2M1_IMAD)
-    AB0.update({v: getattr(sm, v) for v in AB_MODES.values()})
+    AB0.update({v: getattr(sm, v) for v in AB_MODES.values() if v})
+    from kestrel.quant.weight import with_pair_words
     for fmt, n, k, m, cfg, fold in items:
         # a small stand-in weight: N, K are runtime values (multiples of 16 / 128 like every Llama shape), so the
         # kernels are the same; full-size weights in 12 workers ran the H200 out of memory (session 4 round 2)
@@ -230,7 +245,9 @@ def _warm(items):
             qws[(fmt, n, k)] = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, FORMATS[fmt])
         set_mode(sm, fold, fold0, grow0)
         try:
-            gemm_wna16(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qws[(fmt, n, k)],
+            q = qws[(fmt, n, k)]
+            gemm_wna16(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                       with_pair_words(q, pair_mode(fold) == "pairadj") if pair_mode(fold) else q,
                        ComputeConfig.from_dict(cfg))
         except Exception as ex:
             errs.append(f"{fmt} {cfg}: {ex!r}"[:200])
@@ -286,7 +303,8 @@ def main():
     gpu = torch.cuda.get_device_name()
     fold0 = sm.FOLD_E8M0
     grow0 = (sm.GROUP_ROWS, sm.GROUP_ROWS_PARTIAL, sm.SCALE_PREFETCH, sm.SCALE_WORDS_GROW, sm.E2M1_IMAD)
-    AB0.update({v: getattr(sm, v) for v in AB_MODES.values()})
+    AB0.update({v: getattr(sm, v) for v in AB_MODES.values() if v})
+    from kestrel.quant.weight import with_pair_words
     opts = {"splits": [int(v) for v in args.splits.split(",") if v], "fold": args.fold,
             "mvs8": not args.no_mvs8, "maxnreg": args.maxnreg,
             "alt_m": [int(v) for v in args.alt_m.split(",") if v],
@@ -335,6 +353,7 @@ def main():
                 print(f"budget reached: skip {fmt} {name}", flush=True)
                 continue
             w0, qw0, qws, deq = shape_weights(FORMATS[fmt], n, k)
+            pw = {}  # pair-order copies of qw0, qws by A/B storage ("pairw", "pairadj"), built on first use
             layer = LayerConfig(FORMATS[fmt], n, k)
             hum = None
             if f"{fmt}:{name}" in args.humming.split(","):
@@ -363,10 +382,14 @@ def main():
                         print(f"humming call failed: {ex!r}"[:300], flush=True)
                 for tag, cfg, fold in variants(layer, m, gpu, fmt, opts):
                     set_mode(sm, fold, fold0, grow0)
+                    pk = pair_mode(fold)
+                    if pk and pk not in pw:  # the pair-order copies, once per shape and storage (same codes)
+                        pw[pk] = [with_pair_words(q, pk == "pairadj") for q in [qw0] + qws]
+                    w_one, w_all = (pw[pk][0], pw[pk][1:]) if pk else (qw0, qws)
                     try:
-                        y = gemm_wna16(x, qw0, cfg)
+                        y = gemm_wna16(x, w_one, cfg)
                         err = ((y.float() - ref).norm() / ref.norm()).item()
-                        us = graph_time_us([lambda q=q: gemm_wna16(x, q, cfg) for q in qws], calls=20, replays=10)
+                        us = graph_time_us([lambda q=q: gemm_wna16(x, q, cfg) for q in w_all], calls=20, replays=10)
                     except Exception as ex:
                         print(f"fail {tag} {fmt} {name} M={m}: {ex!r}"[:300], flush=True)
                         continue
@@ -384,7 +407,9 @@ def main():
                 for tag_e, modes in (("dflt", (None,)), ("fold1", (None, "fold")),
                                      ("imad2", (None, "imad2")), ("grow1", (None, "grow")),
                                      ("grow2", (None, "grow2")), ("spf", (None, "spf")),
-                                     ("growsw", (None, "growsw")), *((m, (None, m)) for m in opts["ab"])):
+                                     ("growsw", (None, "growsw")),
+                                     *((m, (None, m)) for m in opts["ab"] if not pair_mode(m))):
+                    # (no entries for pairw / pairadj: a tune-cache config cannot carry the weight's packing)
                     # entries for the module defaults, FOLD_E8M0 / E2M1_IMAD 2 / GROUP_ROWS / + PARTIAL on
                     best = min((r for r in pt if r["fold"] in modes), key=lambda r: r["us"], default=None)
                     if dr and best is not None and best["us"] < 0.98 * dr[0]["us"]:
@@ -392,7 +417,7 @@ def main():
                             "config": best["config"], "us": round(best["us"], 3), "previous_us": round(dr[0]["us"], 3),
                             "measured": f"{meta['date']} bench/wna16_mvs8_sweep.py ({best['tag']})"}
                 print(line, flush=True)
-            del w0, qw0, qws, deq, hum
+            del w0, qw0, qws, deq, hum, pw
             torch.cuda.empty_cache()
             dump()
     dump()

@@ -483,3 +483,109 @@ def test_mv_scale_words_group_rows(m, monkeypatch):
     assert sm.scale_words(fmt, False, 2) and sm.scale_words(fmt, False, 4) and not sm.scale_words(fmt, False, 0)
     _check(qw, m, ComputeConfig("mv", 16, 32, 0, split_k=2, num_warps=4, num_stages=2), seed=m)
     _check(qw, m, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=1), seed=m + 1)
+
+
+def test_pair_halves_round_trip():
+    # the pair word order (packing.pair_halves, QuantizedWeight.pair_words): its own inverse, the layout the
+    # pair-order PTX reads (word row 2p: nibble j of its low / high half = field j of planar rows 2p / 2p + 1; row
+    # 2p + 1: fields 4 + j), and the reference dequantize of a repacked weight equal to the planar one's
+    from kestrel.quant.packing import adjacent_pairs, pair_halves
+    from kestrel.quant.weight import with_pair_words
+    g = torch.Generator().manual_seed(30)
+    w = torch.randint(-2**31, 2**31 - 1, (32, 24), generator=g, dtype=torch.int64).to(torch.int32)
+    p = pair_halves(w)
+    assert not torch.equal(p, w) and torch.equal(pair_halves(p), w)
+    u = lambda t: t.to(torch.int64) & 0xFFFFFFFF
+    for j in range(4):
+        for row, half, f in ((0, 0, j), (0, 1, j), (1, 0, 4 + j), (1, 1, 4 + j)):
+            got = (u(p[row::2]) >> (16 * half + 4 * j)) & 15
+            assert torch.equal(got, (u(w[half::2]) >> (4 * f)) & 15), (j, row, half)
+    a = adjacent_pairs(w)  # flat position (r // 2) * 2N + 2n + r % 2 holds word (r, n)
+    r, n = torch.meshgrid(torch.arange(32), torch.arange(24), indexing="ij")
+    assert torch.equal(a.flatten()[(r // 2) * 48 + 2 * n + r % 2], w) and torch.equal(adjacent_pairs(a, True), w)
+    for spec in (QuantSpec("int4", group_size=128), QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0")):
+        qw = quantize(torch.randn(40, 256, generator=g), spec)
+        qp, qa = with_pair_words(qw), with_pair_words(qw, adjacent=True)
+        assert qp.pair_words and not qw.pair_words and not torch.equal(qp.qweight, qw.qweight)
+        assert qa.pair_adjacent and torch.equal(qa.qweight, adjacent_pairs(qp.qweight))
+        assert torch.equal(dequantize(qp), dequantize(qw)) and torch.equal(dequantize(qa), dequantize(qw))
+        with pytest.raises(ValueError):
+            with_pair_words(qp, adjacent=True)
+    with pytest.raises(ValueError):
+        with_pair_words(quantize(torch.randn(40, 256, generator=g), QuantSpec("int8", group_size=-1)))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128),
+                                  QuantSpec("uint4", has_zero_point=True, group_size=32, scale_dtype="fp16"),
+                                  QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
+                                  QuantSpec("fp4_e2m1", group_size=16, scale_dtype="fp8_e4m3", global_scale=True)],
+                         ids=lambda s: s.name + f"-g{s.group_size}")
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("adj", [False, True], ids=["halves", "adjacent"])
+def test_mv_pair_words(spec, dt, adj):
+    # a pair-order weight (with_pair_words) through mv / mvs vs x @ dequant(W)^T of the planar weight: split-K with
+    # a masked two-block step, num_stages 1 / 2 / 3, N not a tile multiple, K padded (MXFP4 bf16: FOLD). On the CPU
+    # the kernel takes the words back to planar (PAIRW 1); on the GPU at num_stages 2 / 3 the pair-order PTX
+    # (PAIRW 2, checked below). adjacent: the pair's two words stored next to each other (the [R / 2, 2 BN] tile
+    # load, ADJ). Fails if the kernel reads the words in the planar order or storage; gemv / dot refuse them
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.quant.weight import with_pair_words
+    qw = quantize(torch.randn(40, 5 * 128 - 16, generator=torch.Generator().manual_seed(31)), spec)
+    qp = with_pair_words(qw, adjacent=adj)
+    fmt = {"IS_INT": spec.is_int}
+    for m, cfg in ((3, ComputeConfig("mv", 16, 32, 256, split_k=2, num_warps=4, num_stages=2)),
+                   (16, ComputeConfig("mv", 16, 16, 0, split_k=3, num_warps=1, num_stages=3)),
+                   (5, ComputeConfig("mvs", 8, 16, 0, split_k=2, num_warps=1, num_stages=3)),
+                   (2, ComputeConfig("mv", 16, 32, 0, split_k=2, num_warps=2, num_stages=1))):
+        assert sm.pair_words_mode(qp, fmt, cfg, True, dt) == (
+            2 if cfg.num_stages > 1 and (spec.is_int or dt == torch.bfloat16) else 1)
+        assert sm.pair_words_mode(qw, fmt, cfg, True, dt) == 0
+        g = torch.Generator().manual_seed(m)
+        x = torch.randn(m, qw.shape[1], generator=g).to(dt)
+        ref = x.double() @ dequantize(qw).double().t()
+        y = gemm_wna16(x.to(DEV), qp.to(DEV), cfg).cpu()
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL, f"{spec.name} M={m} cfg={cfg}: rel err {err:.3g}"
+    for cfg in (ComputeConfig("gemv", 1, 32, 0, split_k=1, num_warps=1, num_stages=2),
+                ComputeConfig("dot", 16, 32, 0, split_k=1, num_stages=2)):
+        with pytest.raises(ValueError):
+            gemm_wna16(torch.randn(1, qw.shape[1]).to(dt).to(DEV), qp.to(DEV), cfg)
+
+
+def test_mv_pair_order_ptx_semantics():
+    # the pair-order PTX (PAIRW 2, GPU only) by the tc test's emulator on pair_halves of random planar word pairs
+    # vs the reference decode of the planar fields: e2m1 (bf16, int32 and 16-bit pair multipliers, FOLD's scales)
+    # and int4 (OFF + c, and c - 8 by the packed FMA; bf16 / fp16). Fails with a wrong word, nibble or shift
+    from test_gemm_wna16_tc import _run_ptx
+    from kestrel.kernels import gemm_wna16_small as sm
+    from kestrel.quant.formats import decode_minifloat
+    from kestrel.quant.packing import pair_halves
+    g = torch.Generator().manual_seed(32)
+    fe = sm.FOLD_EXP.value
+    mbits = lambda e: min(max(e + 126 - fe, 1), 254) << 7
+    halves = lambda out, dt: torch.tensor([out & 0xFFFF, out >> 16], dtype=torch.int32).to(torch.int16).view(
+        dt).double()
+    for _ in range(16):
+        w = torch.randint(-2**31, 2**31 - 1, (2, 1), generator=g, dtype=torch.int64).to(torch.int32)
+        p0, p1 = (int(v) & 0xFFFFFFFF for v in pair_halves(w).flatten())
+        w0, w1 = (int(v) & 0xFFFFFFFF for v in w.flatten())
+        e0, e1 = (int(v) for v in torch.randint(fe - 5, fe + 128, (2,), generator=g))
+        for f in range(8):
+            codes = torch.tensor([(w0 >> 4 * f) & 15, (w1 >> 4 * f) & 15])
+            want = decode_minifloat(codes, 2, 1).double()
+            out = _run_ptx(sm._ASM_FP4_PAIR.value[f], [p0, p1, 0x7E807E80, 0x7E807E80])
+            assert torch.equal(halves(out, torch.bfloat16), want), (f, hex(w0), hex(w1))
+            out = _run_ptx(sm._ASM_FP4_PAIR.value[f], [p0, p1, mbits(e0) | (mbits(e1) << 16)])  # MUL16
+            scaled = want * torch.tensor([2.0 ** (e0 - 127 - fe), 2.0 ** (e1 - 127 - fe)], dtype=torch.float64)
+            assert torch.equal(halves(out, torch.bfloat16), scaled), (f, e0, e1)
+            for fp16 in (False, True):
+                dt, off = (torch.float16, 1024) if fp16 else (torch.bfloat16, 128)
+                magic, one = (0x64006400, 0x3C003C00) if fp16 else (0x43004300, 0x3F803F80)
+                for sub in (-1, 8):
+                    neg = (0xE400 if fp16 else 0xC300) | max(sub, 0)
+                    asm = sm._ASM_INT4_PAIR.value[(2 * fp16 + (sub >= 0)) * 8 + f]  # the kernel's table entry
+                    assert asm == sm._asm_int4_pair_order(f, fp16, sub)
+                    out = _run_ptx(asm,
+                                   [p0, p1, magic, magic, one, one, neg * 0x10001, neg * 0x10001])
+                    want_i = codes.double() + (off if sub < 0 else -sub)
+                    assert torch.equal(halves(out, dt), want_i), (f, fp16, sub, hex(w0), hex(w1))

@@ -272,6 +272,9 @@ def _run_ptx(asm: str, ops: list[int], first: int = 1, outs: int = 1):
         elif op == "lop3.b32":
             r = sum((((v[3] >> (((v[0] >> i) & 1) << 2 | ((v[1] >> i) & 1) << 1 | ((v[2] >> i) & 1))) & 1) << i)
                     for i in range(32))
+        elif op.startswith("fma.rn"):  # (the exact small-integer sums of the int4 decode: one rounding)
+            dt = torch.bfloat16 if op.endswith("bf16x2") else torch.float16
+            r = pack(halves(v[0], dt) * halves(v[1], dt) + halves(v[2], dt), dt)
         else:
             dt = torch.bfloat16 if op.endswith("bf16x2") else torch.float16
             a_, b_ = halves(v[0], dt), halves(v[1], dt)

@@ -128,6 +128,8 @@ def gemm_wna16(x: torch.Tensor, qw: QuantizedWeight, config: ComputeConfig | Non
         raise ValueError(f"compute config {cfg} does not fit layer {layer.key}")
     if m == 0:
         return x2.new_empty((*lead, n))
+    if getattr(qw, "pair_words", False) and cfg.kernel not in ("mv", "mvs"):  # the opt-in pair word order: mv / mvs read it
+        raise ValueError(f"pair-order words are read by the mv / mvs kernels only, not {cfg.kernel}")
     if cfg.kernel == "dequant_mm":  # bf16 W is rebuilt every call (no caching of dequantized weights)
         if cfg.chunks > 1:
             y = dequant_matmul_streamed(x2, qw, _format_args(qw), cfg.chunks, cfg.block_n, cfg.num_warps)

@@ -95,6 +95,35 @@ def _asm_fp4_imad(odd: bool) -> tl.constexpr:
                         f"mul.lo.u32 u, u, {k}; " + tail)
 
 
+def _asm_fp4_pair_order(field: int) -> str:
+    """A bf16 e2m1 field of a pair-order word pair (packing.pair_halves: $1 holds fields 0-3 of the two k rows in
+    its low | high halves, $2 fields 4-7): the field's two codes are nibble field % 4 of both halves already, so
+    _asm_fp4_imad's form runs on the word itself (nibbles 0, 1) or on the word >> 8 (nibbles 2, 3; one SHF that
+    ptxas can share between the two) instead of on a byte-permuted copy: no PRMT. Then the multiply by $3 (the
+    pair's multiplier: int32 both halves, or the two 16-bit ones)."""
+    word, j = ("$1" if field < 4 else "$2"), field % 4
+    src, shift = (word, "") if j < 2 else ("t", f"shr.u32 t, {word}, 8; ")
+    mask, k = ("0x00F000F0", "0x0104") if j % 2 else ("0x000F000F", "0x1040")
+    return ("{ .reg .b32 t, u; " + shift + f"and.b32 u, {src}, {mask}; mul.lo.u32 u, u, {k}; "
+            "and.b32 u, u, 0x81C081C0; mul.rn.bf16x2 $0, u, $3; }")
+
+
+def _asm_int4_pair_order(field: int, fp16: bool, sub: int) -> str:
+    """_nibble_pairs for a pair-order word pair: nibble field % 4 of both halves of $1 (fields 0-3) or $2 (4-7),
+    shifted down (SHF; none for nibble 0) and merged with the magic exponent $3 (LOP3): OFF + c, and with sub >= 0
+    minus (OFF + sub) by the packed FMA ($5 = one, $7 = -(OFF + sub)); no PRMT."""
+    word, j = ("$1" if field < 4 else "$2"), field % 4
+    src, shift = (word, "") if j == 0 else ("t", f"shr.u32 t, {word}, {4 * j}; ")
+    fma = "" if sub < 0 else f"fma.rn.{'f16x2' if fp16 else 'bf16x2'} $0, $0, $5, $7; "
+    return "{ .reg .b32 t; " + shift + f"lop3.b32 $0, {src}, 0x000F000F, $3, 0xEA; " + fma + "}"
+
+
+# by field; int4 by (fp16 * 2 + (sub >= 0)) * 8 + field (the string depends on sub's sign only)
+_ASM_FP4_PAIR = tl.constexpr(tuple(_asm_fp4_pair_order(f) for f in range(8)))
+_ASM_INT4_PAIR = tl.constexpr(tuple(_asm_int4_pair_order(f, h, s) for h in (False, True) for s in (-1, 0)
+                                    for f in range(8)))
+
+
 _ASM_FP4_EVEN_BF16 = _asm_fp4_field(False, False)
 _ASM_FP4_ODD_BF16 = _asm_fp4_field(True, False)
 _ASM_FP4_EVEN_F16 = _asm_fp4_field(False, True)
@@ -185,6 +214,12 @@ INT_XSUM = False
 SCALE_WORDS_GROW = False
 
 
+# Pair word order (QuantizedWeight.pair_words, packing.pair_halves; opt-in at pack time, the weight carries it and
+# the mv / mvs kernels specialise on it: PAIRW): e2m1 (bf16) and int4 decode a register pair without the byte
+# permute; with QuantizedWeight.pair_adjacent (ADJ) a pair's two words are also adjacent in memory (64-bit LDS).
+# Offline sm_90a SASS (bench/results/gemm_wna16_smallm.md session 11, K loop bn128 w2 s3): int4 642 -> 615 (ADJ 591),
+# MXFP4 fold 900 -> 880 (ADJ 864); off (planar) unless a weight is repacked with quant.weight.with_pair_words.
+
 _FP4_CONS = tl.constexpr("=r,r,r,r,r,r,r")  # $0; $1 $2 words, $3 $4 selector, $5 $6 int32 multipliers
 _FP4_CONS_MUL16 = tl.constexpr("=r,r,r,r,r,r")  # $0; $1 $2 words, $3 $4 selector, $5 = both 16-bit multipliers
 
@@ -209,6 +244,52 @@ def _fp4_pairs(q, FIELD: tl.constexpr, FP16: tl.constexpr, mul, IMAD: tl.constex
     # out; words, selector, multiplier (each twice: pack=2)
     return tl.inline_asm_elementwise(asm, _FP4_CONS, [q, sel, mul], dtype=tl.float16 if FP16 else tl.bfloat16,
                                      is_pure=True, pack=2)
+
+
+_FP4_PAIR_CONS = tl.constexpr("=r,r,r,r,r")  # $0; $1 $2 words, $3 $4 int32 multipliers
+_FP4_PAIR_CONS_MUL16 = tl.constexpr("=r,r,r,r")  # $0; $1 $2 words, $3 both 16-bit multipliers
+
+
+@triton.jit
+def _fp4_pairs_pw(q, FIELD: tl.constexpr, mul, MUL16: tl.constexpr = False):
+    """_fp4_pairs (bf16, IMAD form) for pair-order words: GPU only, and right only where a pack=2 pair is two
+    adjacent k (rows 2p, 2p + 1) of one column, the MMA operand layout of num_stages 2 / 3 (PAIRW 2)."""
+    asm: tl.constexpr = _ASM_FP4_PAIR[FIELD]
+    if MUL16:
+        return tl.inline_asm_elementwise(asm, _FP4_PAIR_CONS_MUL16, [q, mul], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return tl.inline_asm_elementwise(asm, _FP4_PAIR_CONS, [q, mul], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _nibble_pairs_pw(q, FIELD: tl.constexpr, FP16: tl.constexpr, SUB: tl.constexpr):
+    """_nibble_pairs for pair-order words (PAIRW 2; same layout condition as _fp4_pairs_pw)."""
+    asm: tl.constexpr = _ASM_INT4_PAIR[(2 * FP16 + (SUB >= 0)) * 8 + FIELD]
+    magic = tl.full(q.shape, 0x64006400 if FP16 else 0x43004300, tl.int32)
+    one = tl.full(q.shape, 0x3C003C00 if FP16 else 0x3F803F80, tl.int32)
+    NEG: tl.constexpr = (0xE400 if FP16 else 0xC300) | (SUB if SUB >= 0 else 0)
+    neg = tl.full(q.shape, (NEG << 16) | NEG, tl.int32)
+    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r,r,r", [q, magic, one, neg],
+                                     dtype=tl.float16 if FP16 else tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _unpair_words(q, R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pair-order word tile [R, BN] -> the planar words (packing.pair_halves is its own inverse): for PAIRW 1, the
+    interpreter and the layouts where a pack=2 pair is not two k of one column (num_stages 1, fp16 e2m1)."""
+    q3 = tl.permute(tl.reshape(q, (R // 2, 2, BLOCK_N)), (0, 2, 1))  # [pair, column, row in pair]
+    a, c = tl.split(q3)
+    lo = (a & 0xFFFF) | (c << 16)
+    hi = ((a >> 16) & 0xFFFF) | (c & -65536)
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (R, BLOCK_N))
+
+
+@triton.jit
+def _adj_tile(q2, R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Planar block's [R, BN] word tile from the [R / 2, 2 BN] tile of the adjacent-pair storage
+    (packing.adjacent_pairs, ADJ), which loads as contiguous rows (16-byte cp.async, as the planar tile); Triton then
+    reads each thread's two words of a column from shared memory with one 64-bit LDS (offline sm_90a SASS, MXFP4
+    fold bn128 w2 s3: LDS 43 -> 27 per loop, same LDGSTS and barriers)."""
+    return tl.reshape(tl.permute(tl.reshape(q2, (R // 2, BLOCK_N, 2)), (0, 2, 1)), (R, BLOCK_N))
 
 
 @triton.jit
@@ -294,7 +375,7 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
               IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0, row_g=None,
               PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
               MUL16: tl.constexpr = False, BIASED: tl.constexpr = False,
-              XSUM: tl.constexpr = False):
+              XSUM: tl.constexpr = False, PAIRW: tl.constexpr = 0):
     """acc += this planar block's [BM, BN] (or [BN, BM] with SWAP) contribution; q is its [R, BN] word tile,
     s_pre its group-scale row when PRE_S, or with PRE_G its 4 e8m0 group codes packed (_scale_word), both
     prefetched by the caller. FOLD (e2m1 + e8m0, bf16): the group scale is
@@ -303,8 +384,11 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
     load), so it adds exact zeros. With SCALE_WORDS (FOLD or GROW, 4 groups per block) s_ptr is e8m0_words(qw): one
     int32 load per column per block, which Triton pipelines (cp.async, with the word tile) and reads from shared
     memory straight into the layout it is used in (the multiplier's MMA operand layout, or the accumulator's): no
-    layout conversion, no extra CTA barrier."""
+    layout conversion, no extra CTA barrier. PAIRW (pair-order words, packing.pair_halves): 1 = back to planar
+    first (_unpair_words), 2 = the pair-order PTX decode (bf16 e2m1 / int4, num_stages 2 / 3)."""
     PB: tl.constexpr = R * EPW
+    if PAIRW == 1:
+        q = _unpair_words(q, R, BLOCK_N)
     # fields per quantization group run: all of a block when one group covers it
     FPG: tl.constexpr = EPW if (PER_CHANNEL or GROUP_SIZE >= PB) else GROUP_SIZE // R
     FPP: tl.constexpr = FPG * GROW  # GROW: fields per pass (one MMA chain, one scale tile)
@@ -353,14 +437,20 @@ def _mv_block(acc, q, s_pre, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_
                 w = _gather_pairs(q, i)
             elif PROBE & 2:
                 w = _nibble_pairs(q, i, False, -1)
+            elif FOLD and PAIRW == 2:
+                w = _fp4_pairs_pw(q, i, mulq, MUL16)
             elif FOLD:
                 w = _fp4_pairs(q, i, False, mulq, IMAD, MUL16)
+            elif PAIRW == 2:  # (bf16 only: gemm_small) value * 2^126 exactly
+                w = _fp4_pairs_pw(q, i, tl.full(q.shape, 0x7E807E80, tl.int32))
             else:
                 w = _fp4_pairs(q, i, x_ptr.dtype.element_ty == tl.float16,
                                tl.full(q.shape, 0x74007400 if x_ptr.dtype.element_ty == tl.float16 else 0x7E807E80,
                                        tl.int32), IMAD)  # 2^14 / 2^126 in both halves
         elif FOLD:  # the same folded value without PTX (interpreter)
             w = (fp_plane(q, i, BITS, EXP_BITS, MAN_BITS) * sf[None, :]).to(x_ptr.dtype.element_ty)
+        elif ASM and PAIRW == 2:
+            w = _nibble_pairs_pw(q, i, x_ptr.dtype.element_ty == tl.float16, SUB)
         elif ASM:  # c - CODE_OFFSET (symmetric) or OFF + c (zero points: corrected through the x sum)
             w = _nibble_pairs(q, i, x_ptr.dtype.element_ty == tl.float16, SUB)
         else:
@@ -505,7 +595,7 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0,
                PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
                MUL16: tl.constexpr = False, BIASED: tl.constexpr = False,
-               XSUM: tl.constexpr = False):
+               XSUM: tl.constexpr = False, PAIRW: tl.constexpr = 0, ADJ: tl.constexpr = False):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
@@ -540,6 +630,10 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     q_ptrs = qw_ptr + offs_r[:, None] * N + offs_n[None, :]
+    if ADJ:  # the adjacent-pair storage (pair-order words): a block's tile is [R / 2, 2 BN] in memory
+        offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        q_ptrs = qw_ptr + tl.arange(0, R // 2)[:, None] * (2 * N) + offs_c[None, :]
+        c_mask = offs_c < 2 * N
     if NUM_STAGES == 1:
         # manual prefetch instead of Triton's cp.async pipeline (one step in flight, several CTA barriers per step):
         # the words (and scale row) of blocks b+1 and b+2 are loaded into registers before block b is computed, so
@@ -547,8 +641,14 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
         PRE_S: tl.constexpr = not PER_CHANNEL and GROUP_SIZE >= PB
         m1 = n_mask & ((offs_n * 0 + b0) < b1)
         m2 = n_mask & ((offs_n * 0 + b0 + 1) < b1)
-        q_n1 = tl.load(q_ptrs + b0 * R * N, mask=m1[None, :], other=0)
-        q_n2 = tl.load(q_ptrs + (b0 + 1) * R * N, mask=m2[None, :], other=0)
+        if ADJ:  # (the adjacent-pair storage of pair-order words)
+            q_n1 = _adj_tile(tl.load(q_ptrs + b0 * R * N, mask=(c_mask & ((offs_c * 0 + b0) < b1))[None, :],
+                                     other=0), R, BLOCK_N)
+            q_n2 = _adj_tile(tl.load(q_ptrs + (b0 + 1) * R * N,
+                                     mask=(c_mask & ((offs_c * 0 + b0 + 1) < b1))[None, :], other=0), R, BLOCK_N)
+        else:
+            q_n1 = tl.load(q_ptrs + b0 * R * N, mask=m1[None, :], other=0)
+            q_n2 = tl.load(q_ptrs + (b0 + 1) * R * N, mask=m2[None, :], other=0)
         if PRE_S:
             s_n1 = tl.load(s_ptr + (b0 * PB // GROUP_SIZE) * N + offs_n, mask=m1, other=0)
             s_n2 = tl.load(s_ptr + ((b0 + 1) * PB // GROUP_SIZE) * N + offs_n, mask=m2, other=0)
@@ -561,7 +661,11 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             q_n1 = q_n2
             s_n1 = s_n2
             m2 = n_mask & ((offs_n * 0 + b + 2) < b1)
-            q_n2 = tl.load(q_ptrs + (b + 2) * R * N, mask=m2[None, :], other=0)
+            if ADJ:
+                q_n2 = _adj_tile(tl.load(q_ptrs + (b + 2) * R * N,
+                                         mask=(c_mask & ((offs_c * 0 + b + 2) < b1))[None, :], other=0), R, BLOCK_N)
+            else:
+                q_n2 = tl.load(q_ptrs + (b + 2) * R * N, mask=m2[None, :], other=0)
             if PRE_S:
                 s_n2 = tl.load(s_ptr + ((b + 2) * PB // GROUP_SIZE) * N + offs_n, mask=m2, other=0)
             else:
@@ -569,7 +673,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             acc = _mv_block(acc, q, s_cur, b, b1, n_blocks, x_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, K,
                             N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                             GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM, False, PRE_S, R, FOLD,
-                            IMAD, PROBE, GROW, row_g, SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED, XSUM=XSUM)
+                            IMAD, PROBE, GROW, row_g, SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED, XSUM=XSUM,
+                            PAIRW=PAIRW)
     else:
         if PRE_G:  # (KB = 1, e8m0, 4 groups per block: SCALE_PREFETCH) block b0's scale codes
             s_nx = _scale_word(s_ptr, b0, N, offs_n, n_mask & ((offs_n * 0 + b0) < b1))
@@ -580,7 +685,11 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             for kb in tl.static_range(KB):  # KB word tiles per step: more bytes in flight per program
                 b = b_step + kb
                 nb_mask = n_mask & ((offs_n * 0 + b) < b1)
-                q = tl.load(q_ptrs + b * R * N, mask=nb_mask[None, :], other=0)
+                if ADJ:
+                    q = _adj_tile(tl.load(q_ptrs + b * R * N, mask=(c_mask & ((offs_c * 0 + b) < b1))[None, :],
+                                          other=0), R, BLOCK_N)
+                else:
+                    q = tl.load(q_ptrs + b * R * N, mask=nb_mask[None, :], other=0)
                 if PRE_G:  # this block's codes; the next block's in flight while this one is computed
                     s_cur = s_nx
                     s_nx = _scale_word(s_ptr, b + 1, N, offs_n, n_mask & ((offs_n * 0 + b + 1) < b1))
@@ -590,7 +699,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                                 nb_mask, K, N, stride_xm, BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET,
                                 HAS_ZERO, SCALE_KIND, GROUP_SIZE, PER_CHANNEL, BLOCK_N, SWAP, EVEN_K, DOT_F32, ASM,
                                 KB > 1, False, R, FOLD, IMAD, PROBE, GROW, row_g, PRE_G,
-                                SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED, XSUM=XSUM)
+                                SCALE_WORDS=SCALE_WORDS, MUL16=MUL16, BIASED=BIASED, XSUM=XSUM,
+                                PAIRW=PAIRW)
     if PDL == 2:
         gdc_launch_dependents()
     if SWAP:
@@ -807,6 +917,16 @@ def pair_multipliers(cfg) -> bool:
     return MUL16 or cfg.num_stages == 1
 
 
+def pair_words_mode(qw, fmt: dict, cfg, asm: bool, dtype: torch.dtype) -> int:
+    """PAIRW of mv / mvs for this weight: 0 planar words; pair-order words (QuantizedWeight.pair_words): 2 = the
+    pair-order PTX decode where a pack=2 pair is two k of one column (the MMA operand layout Triton decodes in at
+    num_stages 2 / 3; offline sm_90a TTGIR, bench/wna16_mv_sass.py --ab) for int4 and bf16 e2m1, else 1 = the
+    words back to planar in the kernel (interpreter, num_stages 1, fp16 e2m1)."""
+    if not getattr(qw, "pair_words", False):
+        return 0
+    return 2 if asm and cfg.num_stages > 1 and (fmt["IS_INT"] or dtype == torch.bfloat16) else 1
+
+
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     """x2 [M, K] contiguous (act-order already applied) -> y [M, N] in x2's dtype, kernel cfg.kernel in
     ("gemv", "mv", "mvs": mv with W as the MMA A operand). `fmt` is gemm_wna16's format constexpr dict."""
@@ -820,6 +940,8 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     on_gpu = x2.device.type == "cuda"
     kb = max(1, cfg.block_k // (fmt["R"] * fmt["EPW"]))  # planar blocks per K step (block_k = K elements)
     is_e2m1 = not fmt["IS_INT"] and fmt["EXP_BITS"] == 2 and fmt["MAN_BITS"] == 1
+    if getattr(qw, "pair_words", False) and cfg.kernel == "gemv":
+        raise ValueError("pair-order words (QuantizedWeight.pair_words) are read by the mv / mvs kernels only")
     if cfg.kernel == "gemv":
         grid = (triton.cdiv(n, cfg.block_n), m, split)
     else:
@@ -848,10 +970,12 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         mul16 = fold and pair_multipliers(cfg)
         biased = sw and fold and FOLD_BIAS_WORDS
         words = (fold_words(qw) if biased else e8m0_words(qw)) if sw else qw.scales
+        asm = on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1)
+        pairw = pair_words_mode(qw, fmt, cfg, asm, x2.dtype)
         _mv_kernel[grid](x2, qw.qweight, words, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
                          split, BLOCK_M=cfg.block_m, SWAP=cfg.kernel == "mvs", DOT_F32=not on_gpu, KB=kb,
                          PF=cfg.prefetch if on_gpu else 0,
-                         ASM=on_gpu and _ASM and fmt["BITS"] == 4 and (fmt["IS_INT"] or is_e2m1),
+                         ASM=asm, PAIRW=pairw, ADJ=pairw > 0 and qw.pair_adjacent,
                          RED_STEP=RED_STEP, FOLD=fold, GROW=grow, SCALE_WORDS=sw, BIASED=biased,
                          XSUM=INT_XSUM and fmt["IS_INT"],
                          PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold and not sw,

@@ -53,6 +53,32 @@ def unpack_codes(qweight: torch.Tensor, container_bits: int, k: int) -> torch.Te
     return c.reshape(kp, n)[:k].t().to(torch.int32).contiguous()
 
 
+def pair_halves(qweight: torch.Tensor) -> torch.Tensor:
+    """The pair word order (4-bit codes; an opt-in packing, QuantizedWeight.pair_words): word rows 2p, 2p + 1 of the
+    planar layout (adjacent k of one column, the two words a thread of the mv kernel's MMA operand decodes together)
+    swap the high half of the first with the low half of the second, so row 2p holds fields 0-3 of rows 2p | 2p + 1
+    in its low | high 16 bits and row 2p + 1 their fields 4-7. A field's two codes then sit at the same offset of
+    the two halves of one word, as a bf16x2 / f16x2 register wants them (no byte permute to gather them). The swap
+    is its own inverse."""
+    rows, n = qweight.shape
+    if rows % 2 or qweight.dtype != torch.int32:
+        raise ValueError(f"pair order needs int32 words with an even row count, got {qweight.dtype} {rows}")
+    h = qweight.contiguous().view(torch.int16).view(rows // 2, 2, n, 2)  # [pair, row in pair, column, half]
+    return h.transpose(1, 3).contiguous().view(rows, 2 * n).view(torch.int32)
+
+
+def adjacent_pairs(qweight: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Storage of word rows 2p, 2p + 1 of each column next to each other (opt-in, with the pair order:
+    QuantizedWeight.pair_adjacent): element (r, n) of the [rows, N] array moves to flat position
+    (r // 2) * 2N + 2n + r % 2, so a thread's two words of one column are one 64-bit shared-memory load; the shape
+    stays [rows, N] and a planar block keeps its bytes. inverse=True undoes it."""
+    rows, n = qweight.shape
+    if rows % 2:
+        raise ValueError(f"adjacent pairs need an even row count, got {rows}")
+    shape = (rows // 2, n, 2) if inverse else (rows // 2, 2, n)
+    return qweight.contiguous().view(shape).transpose(1, 2).contiguous().view(rows, n)
+
+
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
     w = words & 0xFFFFFFFF
     return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)

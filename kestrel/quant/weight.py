@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kestrel.quant.formats import decode_minifloat, decode_scales
-from kestrel.quant.packing import padded_k, unpack_codes
+from kestrel.quant.packing import adjacent_pairs, padded_k, pair_halves, unpack_codes
 from kestrel.quant.spec import QuantSpec
 
 
@@ -21,6 +21,10 @@ class QuantizedWeight:
     zeros:   [G, N] float or None  w = (code - zero) * scale; symmetric types use the constant spec.code_offset
     perm:    int64 [K] or None     act-order: stored row j holds input channel perm[j]; the kernel gathers x[:, perm]
     global_scale: float32 scalar tensor or None (NVFP4 second-level scale, a multiplier)
+    pair_words: bool               qweight in the pair word order (packing.pair_halves; 4-bit codes, opt-in): only the
+                                   mv / mvs kernels read it (they specialise on it), see with_pair_words
+    pair_adjacent: bool            with pair_words: rows 2p, 2p + 1 of a column stored next to each other
+                                   (packing.adjacent_pairs)
     """
 
     spec: QuantSpec
@@ -30,6 +34,8 @@ class QuantizedWeight:
     zeros: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
+    pair_words: bool = False
+    pair_adjacent: bool = False
 
     def __post_init__(self):
         n, k = self.shape
@@ -37,6 +43,10 @@ class QuantizedWeight:
         kp = padded_k(k, self.spec.container_bits)
         if tuple(self.qweight.shape) != (kp // epw, n) or self.qweight.dtype != torch.int32:
             raise ValueError(f"qweight must be int32 [{kp // epw}, {n}], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
+        if self.pair_words and self.spec.container_bits != 4:
+            raise ValueError("the pair word order is for 4-bit codes only")
+        if self.pair_adjacent and not self.pair_words:
+            raise ValueError("pair_adjacent is a storage of the pair word order (pair_words)")
         if self.spec.group_size == -1:
             g = g_real = 1
         else:
@@ -72,6 +82,19 @@ class QuantizedWeight:
         return sum(t.nbytes for t in (self.qweight, self.scales, self.zeros) if t is not None)
 
 
+def with_pair_words(qw: QuantizedWeight, adjacent: bool = False) -> QuantizedWeight:
+    """The same weight with qweight in the pair word order (packing.pair_halves), for the mv / mvs kernels' e2m1
+    and int4 decode without the byte permute per register pair (gemm_wna16_small PAIRW); adjacent: also the two
+    words of a pair stored next to each other (packing.adjacent_pairs: one 64-bit LDS per pair). Done once at
+    pack / load time. Other kernels refuse such a weight."""
+    if qw.pair_words:
+        if qw.pair_adjacent != adjacent:
+            raise ValueError("the weight is in the pair word order with the other storage already")
+        return qw
+    words = pair_halves(qw.qweight)
+    return replace(qw, qweight=adjacent_pairs(words) if adjacent else words, pair_words=True, pair_adjacent=adjacent)
+
+
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], dim=0)
 
@@ -79,7 +102,9 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """Reference: float32 [N, K] in the original input-channel order (computed on the weight's device)."""
     spec, (n, k) = qw.spec, qw.shape
-    codes = unpack_codes(qw.qweight, spec.container_bits, k).t()  # [K, N], stored order
+    words = adjacent_pairs(qw.qweight, inverse=True) if qw.pair_adjacent else qw.qweight
+    words = pair_halves(words) if qw.pair_words else words
+    codes = unpack_codes(words, spec.container_bits, k).t()  # [K, N], stored order
     if spec.is_int:
         zero = qw.zeros.float().repeat_interleave(qw.group_size, 0)[:k] if qw.zeros is not None else spec.code_offset
         vals = codes.to(torch.float32) - zero
