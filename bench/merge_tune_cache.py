@@ -2,11 +2,14 @@
 tune_cache_h200.json): entries of later files win; only keys of the given GPU name are taken.
 
   python bench/merge_tune_cache.py bench/results/gemm_wna16_largem_tune_h200_s3r1.json [more.json ...]
+  python bench/merge_tune_cache.py --gpu "NVIDIA H100 80GB HBM3" bench/results/wna16_tune_h100_s15_mxfp4.json
+
+(The file holds every GPU's entries: keys start with the torch device name, so an H100 entry never reaches an H200.)
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 from kestrel.kernels.configs import PACKAGED_CACHE, load_cache, store_cache
 
@@ -22,4 +25,8 @@ def main(paths: list[str], gpu: str = "NVIDIA H200") -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    ap = argparse.ArgumentParser(description="merge GPU tune results into the packaged WNA16 tune cache")
+    ap.add_argument("paths", nargs="+", help="tune result JSON files (kestrel tune / bench sweeps' entries)")
+    ap.add_argument("--gpu", default="NVIDIA H200", help="take only the keys of this torch device name")
+    a = ap.parse_args()
+    main(a.paths, a.gpu)

@@ -320,7 +320,8 @@ def test_ws_block_rows_auto(monkeypatch):
 def test_tcg_loop2_flag_reaches_the_gluon_configs(monkeypatch):
     """KESTREL_MOE_TCG_LOOP=2 (moe_gemm.TCG_LOOP): the race-free K loop for the tcgp / WS / persistent configs the
     heuristic makes, but only where moe_tcg.supports has that loop (the persistent one needs BN 256) - never a silent
-    fall-back to the Triton kernel; 0 (the default) leaves every config at LOOP 0."""
+    fall-back to the Triton kernel; 0 (KESTREL_MOE_TCG_LOOP=0, the pre-session-15 default) leaves every config at
+    LOOP 0."""
     from kestrel.kernels import moe_gemm
     if moe_gemm.moe_tcg is None:
         pytest.skip("no Gluon in this Triton")
@@ -328,7 +329,8 @@ def test_tcg_loop2_flag_reaches_the_gluon_configs(monkeypatch):
     H, I, E, k = 128, 128, 2, 1
     router, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1
     moe = FusedMoE.from_float(router, w13, w2, k, "int4", "bf16", group=128)
-    assert moe_gemm.TCG_LOOP == 0 and all(c.LOOP == 0 for c in moe_configs(200, k, E, "bf16", moe.w13, moe.w2))
+    monkeypatch.setattr(moe_gemm, "TCG_LOOP", 0)
+    assert all(c.LOOP == 0 for c in moe_configs(200, k, E, "bf16", moe.w13, moe.w2))
     monkeypatch.setattr(moe_gemm, "TCG_LOOP", 2)
     for mode, bm, slots, want in (("5", "", 200, 2), ("3", "", 200, 2), ("3", "128", 400, 2), ("4", "", 200, 2),
                                   ("4", "128", 400, 0), ("2", "", 200, 0)):

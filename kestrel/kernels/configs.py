@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kestrel.quant.spec import QuantSpec
 
+# named for its first GPU; it holds every GPU's entries, keyed by the torch device name (H200; H100 since session 15)
 PACKAGED_CACHE = Path(__file__).with_name("tune_cache_h200.json")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 

@@ -199,15 +199,18 @@ FOLD_S1 = False
 # 254), instead of the e8m0 code e (fold_words, built once per weight like e8m0_words): the kernel's per group and
 # column clamp (VIMNMX) and bias go to pack time; byte << 7 duplicated is the multiplier (offline sm_90a SASS, see
 # bench/results/gemm_wna16_smallm.md session 11: MXFP4 bn128 w2 s3 900 -> 867 instructions per loop; with MUL16
-# 899 -> 875, and at num_stages 1 (FOLD_S1) bn64 w1 1051 -> 985, spills 24 -> 0 B). A/B switch, off until GPU-timed.
-FOLD_BIAS_WORDS = False
+# 899 -> 875, and at num_stages 1 (FOLD_S1) bn64 w1 1051 -> 985, spills 24 -> 0 B). On since session 15: H100,
+# same process, 8 Llama-3 layers x M 1/4/8/16 (bench/results/gemm_wna16_smallm.md "Session 15"): median 1.014x the
+# unbiased words, 25 of 32 faster, worst 0.982x; its GPU tests pass.
+FOLD_BIAS_WORDS = True
 # Integer weights (int4 g128, ...), mv / mvs: the group's x sum from one extra MMA per field (x times a ones tile)
 # so the decode keeps OFF + c and drops its packed FMA per register pair; the OFF + offset correction is one FFMA
 # per accumulator element per group (_mv_block XSD); with zero points it replaces the x sum by tl.sum. Offline
 # sm_90a SASS (Triton 3.6, mv K loop): int4 bn128 w2 s3 642 -> 555 instructions (HFMA2 128 -> 0, HMMA 64 -> 72,
 # FFMA 32 -> 64), registers 147 -> 160; bn128 w4 s2 351 -> 307 (96 -> 127 registers); uint4 (zero points) g128
-# 819 -> 603. A/B switch, off until GPU-timed.
-INT_XSUM = False
+# 819 -> 603. On since session 15: H100, same process, int4 8 Llama-3 layers x M 1/4/8/16: median 1.010x the
+# per-pair FMA decode, 26 of 32 faster or equal, worst 0.988x; its GPU tests pass.
+INT_XSUM = True
 # The same word load for the GROUP_ROWS passes (mv, M <= 8; A/B switch until GPU-timed): offline sm_90 SASS
 # (MXFP4, M-tile 16) bn64 w1 all 4 groups on the rows 979 -> 926 instructions per loop (156 -> 197 registers),
 # 2 groups per pass 1029 -> 1001 (217 -> 212).
