@@ -200,7 +200,7 @@ FOLD_S1 = False
 # column clamp (VIMNMX) and bias go to pack time; byte << 7 duplicated is the multiplier (offline sm_90a SASS, see
 # bench/results/gemm_wna16_smallm.md session 11: MXFP4 bn128 w2 s3 900 -> 867 instructions per loop; with MUL16
 # 899 -> 875, and at num_stages 1 (FOLD_S1) bn64 w1 1051 -> 985, spills 24 -> 0 B). On since session 15: H100,
-# same process, 8 Llama-3 layers x M 1/4/8/16 (bench/results/gemm_wna16_smallm.md "Session 15"): median 1.014x the
+# same process, 8 Llama-3 layers x M 1/4/8/16 (bench/results/gemm_wna16_smallm_h100_s15.md): median 1.014x the
 # unbiased words, 25 of 32 faster, worst 0.982x; its GPU tests pass.
 FOLD_BIAS_WORDS = True
 # Integer weights (int4 g128, ...), mv / mvs: the group's x sum from one extra MMA per field (x times a ones tile)
