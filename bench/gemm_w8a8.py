@@ -294,6 +294,20 @@ def run_w4(N, K, ms, rows, budget, sections):
             if not LEAN[0]:  # (lean: the default layout / path only)
                 r["kestrel_w4a8_pairs_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4p[i]) for i in range(nc)])
             r["kestrel_w4a8_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
+            # the two W4A8 paths forced, side by side (default: WNA16 kernels up to gemm_w4a8.BF16_MAX_M tokens)
+            r["w4a8_bf16_err_vs_dequant"] = rel(w4a8_linear(x, w4[0], bf16_max_m=1 << 30),
+                                                aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
+            r["kestrel_w4a8_viawna16_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i], bf16_max_m=1 << 30)
+                                                         for i in range(nc)])
+            r["kestrel_w4a8_fp8_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i], bf16_max_m=0, tcg=False)
+                                                    for i in range(nc)])
+            if M > 16:  # the Gluon fp8 kernel (gemm_w4a8_tcg.py) forced, on the same planar twin
+                r["w4a8_tcg_err_vs_dequant"] = rel(gemm_w4a8(a, s, w4[0], bf16_max_m=0, tcg=True),
+                                                   aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
+                r["kestrel_w4a8_tcg_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i], bf16_max_m=0, tcg=True)
+                                                         for i in range(nc)])
+                r["kestrel_w4a8_tcg_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i], bf16_max_m=0, tcg=True)
+                                                        for i in range(nc)])
             if M > 256 and not LEAN[0]:  # the expand-to-fp8 + TMA path's alternative: the fused in-register (swapped) kernel
                 fused = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
                 r["kestrel_w4a8_fused_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i], config=fused)
@@ -378,6 +392,11 @@ RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
     ("int8 e2e vs torch._int_mm+scale + our act quant", "int_mm_e2e_us", "kestrel_e2e_us"),
     ("w4a8 e2e vs Humming W4A8", "humming_w4a8_e2e_us", "kestrel_w4a8_e2e_us"),
     ("w4a8 e2e vs kestrel WNA16 int4", "kestrel_wna16_int4_us", "kestrel_w4a8_e2e_us"),
+    ("w4a8 e2e, fp8 kernels forced, vs Humming W4A8", "humming_w4a8_e2e_us", "kestrel_w4a8_fp8_e2e_us"),
+    ("w4a8 e2e, WNA16 kernels forced, vs Humming W4A8", "humming_w4a8_e2e_us", "kestrel_w4a8_viawna16_e2e_us"),
+    ("w4a8 e2e: fp8 kernels / WNA16 kernels", "kestrel_w4a8_fp8_e2e_us", "kestrel_w4a8_viawna16_e2e_us"),
+    ("w4a8 e2e, Gluon kernel forced, vs Humming W4A8", "humming_w4a8_e2e_us", "kestrel_w4a8_tcg_e2e_us"),
+    ("w4a8 gemm: default path / Gluon kernel", "kestrel_w4a8_gemm_us", "kestrel_w4a8_tcg_gemm_us"),
     ("w4a8 gemm: fused in-register / default (expand + TMA)", "kestrel_w4a8_fused_gemm_us", "kestrel_w4a8_gemm_us"),
     ("w4a8 gemm: pairs packing / halves packing", "kestrel_w4a8_pairs_gemm_us", "kestrel_w4a8_gemm_us"),
     ("w4a8 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a8_e2e_us"),

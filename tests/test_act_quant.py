@@ -31,6 +31,17 @@ def test_fp8_matches_reference_bit_exact(group):
     assert (err <= x.float().abs() * 2 ** -4 + s.repeat_interleave(256 // s.shape[1], 1) * 2 ** -9 + 1e-12).all()
 
 
+def test_fake_quant_fp8_is_dequantized_fp8():
+    """fake_quant_fp8 (one launch) == bf16(dequant(quant_fp8(x))): the W4A8 small-M path's activations."""
+    x = _x(7, 384, 5)
+    y = aq.fake_quant_fp8(x)
+    q, s = aq.ref_quant_fp8(x)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert torch.equal(y, aq.dequant_8bit(q, s).to(torch.bfloat16))
+    assert torch.equal(y, aq.ref_fake_quant_fp8(x))
+    assert not torch.equal(y, x)  # it did round (x is bf16: finer than e4m3)
+
+
 def test_int8_matches_reference():
     x = _x(6, 192, 1)
     q, s = aq.quant_int8(x)
@@ -39,14 +50,20 @@ def test_int8_matches_reference():
     assert ((aq.dequant_8bit(q, s) - x.float()).abs() <= s * 0.5 + 1e-6).all()
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("k", [20000, 40000])
-def test_per_token_8bit_wide_rows(k):
-    """per-token rows wider than 8192: one trip of a block up to 32768 wide (20000), the two-pass loop beyond
-    (40000); both bit-exact with the torch reference."""
+def test_per_token_8bit_wide_rows(k, chunked, monkeypatch):
+    """per-token rows wider than 8192: one program per row (one trip of a block up to 32768 wide (20000), the
+    two-pass loop beyond (40000)), or with few rows each row split over column chunks (_chunk_block, every chunk's
+    program taking the whole row's amax); all bit-exact with the torch reference."""
+    if not chunked:
+        monkeypatch.setattr(aq, "CHUNK_PROGRAMS", 0)
+    assert bool(aq._chunk_block(2, k)) == chunked
     x = _x(2, k, 3)
     for fn, ref in ((aq.quant_fp8, aq.ref_quant_fp8), (aq.quant_int8, aq.ref_quant_int8)):
         (q, s), (rq, rs) = fn(x), ref(x)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert torch.equal(aq.fake_quant_fp8(x), aq.ref_fake_quant_fp8(x))
 
 
 def test_fp4_codec_against_value_table():

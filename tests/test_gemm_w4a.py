@@ -52,10 +52,38 @@ def test_w4a8_vs_dequant_matmul(fmt, group, swap):
 def test_w4a8_linear_split_k_bf16():
     x, w = _data(20, 64, 512, 2)
     qw = quantize_weight_w4(w, "int4", 128)
-    y = w4a8_linear(x.to(torch.bfloat16), qw)
+    y = w4a8_linear(x.to(torch.bfloat16), qw, bf16_max_m=0)  # the fp8 kernels (not the small-M WNA16 path)
     a, s = aq.ref_quant_fp8(x.to(torch.bfloat16))
     assert y.dtype == torch.bfloat16
     assert _rel(y, aq.dequant_8bit(a, s) @ qw.dequantize().t()) < 4e-3
+
+
+@pytest.mark.parametrize("group,layout", [(128, "halves"), (128, "pairs"), (256, "halves"), (-1, "pairs")])
+def test_w4a8_small_m_runs_on_wna16(group, layout):
+    """M <= BF16_MAX_M: W4Weight.wna16() is the same weight (planar codes, bf16 scales), and w4a8_linear /
+    gemm_w4a8 on it give the W4A8 product (fp8-grid activations) up to bf16 roundings."""
+    from kestrel.kernels import gemm_w4a8 as g4
+    from kestrel.quant import dequantize
+    M, N, K = 6, 64, 512
+    x, w = _data(M, N, K, 7)
+    qw = quantize_weight_w4(w, "int4", group)
+    if layout == "halves":
+        qw = qw.kernel_layout()
+    tw = qw.wna16()
+    assert tw is qw.wna16()  # made once
+    assert tw.spec.weight_dtype == "int4" and tw.spec.group_size == (-1 if group == -1 else group)
+    assert torch.equal(dequantize(tw).float(), (qw.dequantize() / qw.scale.repeat_interleave(
+        K // qw.scale.shape[1], 1)).round() * qw.scale.to(torch.bfloat16).float().repeat_interleave(
+        K // qw.scale.shape[1], 1))  # codes exact, scales rounded to bf16
+    xb = x.to(torch.bfloat16)
+    a, s = aq.ref_quant_fp8(xb)
+    ref = aq.dequant_8bit(a, s) @ qw.dequantize().t()
+    assert g4.use_wna16(M, qw)
+    y = w4a8_linear(xb, qw)
+    assert y.dtype == torch.bfloat16 and _rel(y, ref) < 8e-3
+    assert _rel(gemm_w4a8(a, s, qw, torch.float32), ref) < 8e-3
+    assert not g4.use_wna16(M, quantize_weight_w4(w, "int4", 32)) and not g4.use_wna16(M, quantize_weight_w4(w, "mxfp4"))
+    assert not g4.use_wna16(g4.BF16_MAX_M + 1, qw)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])

@@ -37,7 +37,11 @@ def _check_2d(x: torch.Tensor, multiple: int, what: str) -> torch.Tensor:
 
 @triton.jit
 def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
-                       IS_INT8: tl.constexpr, BLOCK: tl.constexpr, ONE_TRIP: tl.constexpr, PDL: tl.constexpr):
+                       IS_INT8: tl.constexpr, BLOCK: tl.constexpr, ONE_TRIP: tl.constexpr, PDL: tl.constexpr,
+                       DEQ: tl.constexpr = False, CB: tl.constexpr = 0):
+    """DEQ (fp8 only): store the rounded value times its scale as bf16 (fake_quant_fp8) instead of the code.
+    CB > 0 (few rows, _chunks): program (row, group, c) takes the amax of the whole group (BLOCK-wide trips, from the
+    L2 after the first of the group's programs) and quantizes only columns c * CB .. + CB of it."""
     if PDL:  # let the GEMM that consumes q (a programmatic dependent launch) start its weight prefetch now
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
@@ -47,7 +51,28 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
         qmax = 127.0
     else:
         qmax = 448.0
-    if ONE_TRIP:  # the group fits one block: load it once and keep it in registers for both passes
+    if CB > 0:
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for off in range(0, G, BLOCK):
+            cols = base + off + tl.arange(0, BLOCK)
+            m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), qmax)
+        c = tl.program_id(2)
+        if c == 0:
+            tl.store(s_ptr + row * n_groups + g, scale)
+        off = c * CB + tl.arange(0, CB)
+        cols = base + off
+        m = (off < G) & (cols < K)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -qmax), qmax)
+        if IS_INT8:
+            tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
+        elif DEQ:
+            tl.store(q_ptr + row * stride_q + cols, round_bf16(round_e4m3(y) * scale).to(tl.bfloat16), mask=m)
+        else:
+            tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
+    elif ONE_TRIP:  # the group fits one block: load it once and keep it in registers for both passes
         cols = base + tl.arange(0, BLOCK)
         m = (tl.arange(0, BLOCK) < G) & (cols < K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
@@ -56,6 +81,8 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -qmax), qmax)
         if IS_INT8:
             tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
+        elif DEQ:
+            tl.store(q_ptr + row * stride_q + cols, round_bf16(round_e4m3(y) * scale).to(tl.bfloat16), mask=m)
         else:
             tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
     else:
@@ -74,19 +101,22 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
             y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -qmax), qmax)
             if IS_INT8:
                 tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
+            elif DEQ:
+                tl.store(q_ptr + row * stride_q + cols, round_bf16(round_e4m3(y) * scale).to(tl.bfloat16), mask=m)
             else:
                 tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
 
 
-def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = False):
-    name = "quant_int8" if is_int8 else "quant_fp8"
+def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = False, deq: bool = False):
+    name = "quant_int8" if is_int8 else "fake_quant_fp8" if deq else "quant_fp8"
     x = _check_2d(x, 1 if group_size in (-1, None) else group_size, name)
     M, K = x.shape
     G = K if group_size in (-1, None) else group_size
     if G <= 0:
         raise ValueError(f"{name}: group_size must be -1 (per token) or positive, got {group_size}")
     n_groups = triton.cdiv(K, G)
-    q = torch.empty((M, K), dtype=torch.int8 if is_int8 else torch.float8_e4m3fn, device=x.device)
+    q = torch.empty((M, K), dtype=torch.int8 if is_int8 else torch.bfloat16 if deq else torch.float8_e4m3fn,
+                    device=x.device)
     s = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, s
@@ -95,12 +125,34 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = Fal
     # ... and up to 32768 (16 warps, 64 values per thread) since session 5: with the 2 x 2-4 trips of an 8192 block
     # the per-token quant of M = 64 rows of K = 14336 / 28672 took 8.7 / 15.4 us of the FP8 e2e (H200 R1: the
     # GEMM alone 26.4 / 62.9 us, e2e 35.1 / 78.2, Humming 26.0 / 68.3; bench/results/gemm_w8a8_h200_s5.md)
+    # ... but one program per row is bound by its one SM (~80 instructions per element, mostly the IEEE divide):
+    # H100 s16, M = 1: 2.7 / 5.2 / 9.0 us for K = 4096 / 14336 / 28672 (bench/results/gemm_w8a8_h100_s16.md). With
+    # few rows each group is now split over CB-wide column chunks (_chunks), each program re-reading the group's amax
+    # (H100 s16: with 4096-wide amax trips the chunks took 4.0 / 7.4 us at K = 14336 / 28672, M = 1: the trips'
+    # loads wait on each other; now one trip up to 32768)
+    cb = _chunk_block(M * n_groups, G)
     BLOCK = min(triton.next_power_of_2(G), 32768)
+    if cb:
+        _quant_8bit_kernel[(M, n_groups, triton.cdiv(G, cb))](
+            x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8, BLOCK=BLOCK, ONE_TRIP=False, PDL=pdl,
+            DEQ=deq, CB=cb, num_warps=16 if BLOCK >= 16384 else 8 if BLOCK >= 4096 else 4)
+        return q, s
     _quant_8bit_kernel[(M, n_groups)](x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8,
-                                      BLOCK=BLOCK, ONE_TRIP=G <= BLOCK, PDL=pdl,
+                                      BLOCK=BLOCK, ONE_TRIP=G <= BLOCK, PDL=pdl, DEQ=deq,
                                       num_warps=16 if BLOCK >= 16384 else 8 if BLOCK >= 4096 else
                                       4 if BLOCK >= 1024 else 2)
     return q, s
+
+
+CHUNK_PROGRAMS = 1024  # _chunk_block: split groups into column chunks while the grid has fewer programs than this
+MIN_CHUNK = 1024
+
+
+def _chunk_block(n_rows: int, G: int) -> int:
+    """The column chunk (a power of two) each program of a group quantizes, or 0 for one program per group: groups
+    wider than 2 MIN_CHUNK, while n_rows (token rows x groups) leave the grid short of CHUNK_PROGRAMS programs."""
+    want = min(CHUNK_PROGRAMS // max(n_rows, 1), G // MIN_CHUNK)
+    return triton.next_power_of_2(triton.cdiv(G, want)) if want >= 2 else 0
 
 
 def quant_fp8(x: torch.Tensor, group_size: int = -1, pdl: bool = False):
@@ -109,6 +161,19 @@ def quant_fp8(x: torch.Tensor, group_size: int = -1, pdl: bool = False):
     if not use_triton(x):
         return ref_quant_fp8(x, group_size)
     return _quant_8bit(x, group_size, is_int8=False, pdl=pdl)
+
+
+def fake_quant_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> bf16 [M, K]: x on its per-token e4m3 grid, q * scale rounded once to bf16 (one launch, the cost of
+    quant_fp8). What W4A8 at small M feeds the bf16-MMA WNA16 kernels (gemm_w4a8.w4a8_linear)."""
+    if not use_triton(x):
+        return ref_fake_quant_fp8(x)
+    return _quant_8bit(x, -1, is_int8=False, deq=True)[0]
+
+
+def ref_fake_quant_fp8(x: torch.Tensor) -> torch.Tensor:
+    q, s = ref_quant_fp8(x)
+    return dequant_8bit(q, s).to(torch.bfloat16)
 
 
 def quant_int8(x: torch.Tensor, pdl: bool = False):

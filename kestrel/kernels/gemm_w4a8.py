@@ -11,7 +11,16 @@ Kernel paths: swapped operands (C^T = W @ A^T: the converted weight tile is the 
 config TMA=1 and int4, expand to fp8 once per call, then the TMA fp8 kernel (lowbit_tma.py; not faster so far). int4 weights repacked by
 W4Weight.kernel_layout() ("halves": each byte holds k and k + 64 of a 128-wide K block) decode with no nibble
 interleave — two dots of K/2 per tile instead of a join/reshape shuffle.
+
+Small M (<= BF16_MAX_M tokens, int4): the product is bound by the weight stream and the decode, not by MMA
+throughput, so fp8 MMA buys nothing there; the activations are put on their per-token e4m3 grid (as bf16,
+act_quant.fake_quant_fp8: one launch, the cost of the fp8 quant) and the tuned WNA16 kernels (decode / swap-AB
+wgmma paths) run on the same int4 weight in the planar layout (W4Weight.wna16, made once and cached on the weight:
+while both paths run the 4-bit weight is held twice). Numerics: the W4A8 product up to one bf16 rounding of each
+activation code * scale and of each group scale (bf16 in the WNA16 format).
 """
+import os
+
 import torch
 
 from kestrel.kernels import act_quant
@@ -23,6 +32,15 @@ W4_FORMATS = ("int4", "mxfp4", "nvfp4")
 
 
 HALF_BLOCK = 128  # K block of the "halves" packing (= the kernels' K tile when they read it)
+# W4A8 int4 up to this many tokens runs as fp8-grid activations on the WNA16 kernels (see the module doc); 0 = never.
+# 256 from the session-10 H200 table (bench/results/gemm_w8a8_h200_s10r1.json): WNA16 int4 at M = 16 / 64 took
+# 18-46 / 22-64 us where the fp8 W4A8 e2e took 22-69 / 44-148; at M = 1024 the two were level (198 vs 208 us)
+BF16_MAX_M = int(os.environ.get("KESTREL_W4A8_BF16_MAX_M", "256"))
+# from this M on, int4 on a Hopper GPU: the Gluon kernel on the same planar twin (gemm_w4a8_tcg.py: two consumer
+# warpgroups, each decode / wgmma / scaled add, interleaved on the SM) instead of the Triton fp8 kernels; 0 = never.
+# H100 s16 (bench/results/gemm_w8a8_h100_s16.md), e2e Gluon / Triton: M = 4096 1.00 / 0.96 / 0.89 of the time
+# (4096x14336, 8192x28672, 28672x4096), M = 1024 1.02 / 0.97 / 1.02, M = 256 1.48 / 0.96 / 1.03
+TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_TCG_MIN_M", "2048"))
 
 
 def to_halves(packed: torch.Tensor) -> torch.Tensor:
@@ -61,6 +79,28 @@ class W4Weight:
         if self.layout == "halves" or not self.halves_ok():
             return self
         return W4Weight(self.fmt, to_halves(self.packed), self.scale, self.group, self.global_scale, "halves")
+
+    def wna16_ok(self) -> bool:
+        N, K = self.shape
+        return (self.fmt == "int4" and self.packed.dim() == 2 and K % HALF_BLOCK == 0
+                and (self.group in (-1, K) or self.group % HALF_BLOCK == 0))
+
+    def wna16(self):
+        """The same int4 weight as a WNA16 QuantizedWeight (planar codes c = q + 8, bf16 group scales [G, N]); made
+        on first use and cached (the small-M path of gemm_w4a8 / w4a8_linear)."""
+        if getattr(self, "_wna16", None) is None:
+            if not self.wna16_ok():
+                raise ValueError(f"no WNA16 form for a {self.fmt} weight of shape {tuple(self.packed.shape)}, group "
+                                 f"{self.group} (int4, 2-D, K and group multiples of {HALF_BLOCK})")
+            from kestrel.quant import QuantSpec, QuantizedWeight
+            from kestrel.quant.packing import pack_codes
+            N, K = self.shape
+            per_channel = self.group in (-1, K)
+            spec = QuantSpec("int4", "bf16", -1 if per_channel else self.group, False, "bf16")
+            codes = unpack_nibbles(self.pairs_packed()).to(torch.int32) ^ 8  # two's complement q -> q + 8
+            scales = self.scale.reshape(N, -1).t().to(torch.bfloat16).contiguous()
+            self._wna16 = QuantizedWeight(spec, (N, K), pack_codes(codes, 4), scales)
+        return self._wna16
 
     def pairs_packed(self) -> torch.Tensor:
         return from_halves(self.packed) if self.layout == "halves" else self.packed
@@ -131,14 +171,24 @@ def quantize_weight_w4(w: torch.Tensor, fmt: str = "int4", group: int = 128) -> 
 
 
 def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=torch.bfloat16,
-              config: GemmConfig | None = None) -> torch.Tensor:
-    """fp8 a_q [M, K] with per-token a_scale [M, 1] x 4-bit W [N, K] -> [M, N]."""
+              config: GemmConfig | None = None, bf16_max_m: int | None = None, tcg: bool | None = None
+              ) -> torch.Tensor:
+    """fp8 a_q [M, K] with per-token a_scale [M, 1] x 4-bit W [N, K] -> [M, N]. bf16_max_m / tcg: BF16_MAX_M's /
+    TCG_MIN_M's override (a `config` always means the Triton fp8 kernels)."""
     N, K = w.shape
     if a_q.dim() != 2 or a_q.shape[1] != K or a_q.dtype != torch.float8_e4m3fn:
         raise ValueError(f"gemm_w4a8: expected float8_e4m3fn activations [M, {K}], got {a_q.dtype} {tuple(a_q.shape)}")
     M = a_q.shape[0]
     if not act_quant.use_triton(a_q):
         return (act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, -1)) @ w.dequantize().t()).to(out_dtype)
+    if config is None and use_wna16(M, w, bf16_max_m):  # small M: the WNA16 kernels on the fp8 values (module doc)
+        from kestrel.kernels.gemm_wna16 import gemm_wna16
+        x = (a_q.float() * a_scale.float().reshape(M, 1)).to(torch.bfloat16)
+        return gemm_wna16(x, w.wna16()).to(out_dtype)
+    if config is None and (0 < TCG_MIN_M <= M if tcg is None else tcg) and w.wna16_ok():
+        from kestrel.kernels import gemm_w4a8_tcg
+        if gemm_w4a8_tcg.supported(a_q, N, K):
+            return gemm_w4a8_tcg.gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype)
     a_op = Operand(A_FP8, a_q.contiguous(), a_scale.float().reshape(M, 1).contiguous())
     from kestrel.kernels.lowbit_tune import lookup
     cfg = config or lookup("w4a8-" + w.fmt, M, N, K) or heuristic_config(M, N, K, A_FP8, W_INT4)
@@ -153,16 +203,27 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
     return run_dense(a_op, w_op, M, N, K, out_dtype, cfg)
 
 
-def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None) -> torch.Tensor:
-    """bf16 x [..., K] -> fp8 activations -> W4A8 GEMM. Decode sizes (<= FUSED_MAX_M tokens) with int4 in the halves
-    packing: one launch that quantizes per (token, 128) group itself (gemm_w8a8_fused.gemm_w4a8_fused); else a
-    per-token quant launch, then gemm_w4a8."""
+def use_wna16(M: int, w: W4Weight, max_m: int | None = None) -> bool:
+    return M <= (BF16_MAX_M if max_m is None else max_m) and w.wna16_ok()
+
+
+def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None, bf16_max_m: int | None = None,
+                tcg: bool | None = None) -> torch.Tensor:
+    """bf16 x [..., K] -> fp8 activations -> W4A8 GEMM. Up to BF16_MAX_M tokens (bf16_max_m overrides it) with int4:
+    the fp8-grid activations on the WNA16 kernels (module doc); tcg: TCG_MIN_M's override. Else decode sizes (<= FUSED_MAX_M tokens) with int4
+    in the halves packing: one launch that quantizes per (token, 128) group itself (gemm_w8a8_fused.gemm_w4a8_fused);
+    else a per-token quant launch, then gemm_w4a8."""
     from kestrel.kernels.gemm_w8a8 import FUSED_MAX_M
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
+    if (use_wna16(x2.shape[0], w, bf16_max_m) and x.dtype in (torch.bfloat16, torch.float16)
+            and act_quant.use_triton(x2)):
+        from kestrel.kernels.gemm_wna16 import gemm_wna16
+        y = gemm_wna16(act_quant.fake_quant_fp8(x2), w.wna16())
+        return y.to(out_dtype or x.dtype).reshape(*lead, -1)
     if (x2.shape[0] <= FUSED_MAX_M and w.fmt == "int4" and w.layout == "halves" and K % HALF_BLOCK == 0
             and (w.group in (-1, K) or w.group % HALF_BLOCK == 0) and act_quant.use_triton(x2)):
         from kestrel.kernels.gemm_w8a8_fused import gemm_w4a8_fused
         return gemm_w4a8_fused(x2, w, out_dtype or x.dtype).reshape(*lead, -1)
     a_q, a_s = act_quant.quant_fp8(x2)
-    return gemm_w4a8(a_q, a_s, w, out_dtype or x.dtype).reshape(*lead, -1)
+    return gemm_w4a8(a_q, a_s, w, out_dtype or x.dtype, bf16_max_m=bf16_max_m, tcg=tcg).reshape(*lead, -1)

@@ -1,0 +1,164 @@
+"""Hopper W4A8 GEMM in Gluon for M > gemm_w4a8.BF16_MAX_M: int4 g128 weights (the WNA16 planar twin, W4Weight.wna16)
+decoded to e4m3 in registers as the wgmma A operand, x fp8 e4m3 from a TMA ring as B (swap-AB, y^T = W x^T), per
+token scales in the epilogue.
+
+Why: a weight group's scale must multiply its K step's product before it joins the sum. Written as acc += dot * s
+(the Triton kernel, lowbit_gemm.py) every wgmma is waited for right after it is issued and the decode of the next
+step cannot overlap it (sm_90a SASS, bench/lowbit_compile.py: 2 waits per K tile). Here two accumulators take the K
+steps in turn (even / odd), each kept *relative to its last group scale*: before step i joins acc_i % 2, that
+accumulator (whose previous wgmma, step i - 2, has retired) is multiplied per weight row by s_prev / s_i, so the
+wgmma adds the unscaled product and the sum stays sum_g (s_g / s_last) P_g; the epilogue multiplies each by its last
+scale. One wgmma stays in flight while the next step is decoded and the other accumulator rescaled (the same
+two-register-set discipline as gemm_wna16_tcg._swap_step: each A set and accumulator is rewritten only after the wait
+that retired the wgmma reading it). The fp8 wgmma accumulates as Triton's fp8 dots do on sm_90 (no promotion).
+
+Decode: word row r of a planar K step holds field f = k // 16 of k = 16 f + r (packing.py); the fp8 A fragment holds
+4 consecutive k per register (k_width 4), i.e. 4 word rows of one field: byte f // 2 of two words per prmt, the
+nibble masked under the f16 exponent of 1024 (0x6400 | c = 1024 + c), minus 1032 (exact), cvt to e4m3 pairs.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kestrel.kernels.gemm_wna16_tcg import BK, R, _swap_load_halves, _swap_store, _tile_and_split
+
+# 4 elements (word rows r .. r + 3 of one field) -> 4 e4m3 (c - 8) in one register: $1..$4 the words, $5 the prmt
+# selector of the field's byte (same in $5..$8), $9 its nibble shift (0 / 4, same in $9..$12)
+_ASM_E4M3 = gl.constexpr(
+    "{ .reg .b32 a, b, m; .reg .b16 lo, hi; mov.b32 m, 0x64086408; "
+    "prmt.b32 a, $1, $2, $5; shr.u32 a, a, $9; lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; sub.rn.f16x2 a, a, m; "
+    "cvt.rn.satfinite.e4m3x2.f16x2 lo, a; "
+    "prmt.b32 b, $3, $4, $5; shr.u32 b, b, $9; lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA; sub.rn.f16x2 b, b, m; "
+    "cvt.rn.satfinite.e4m3x2.f16x2 hi, b; mov.b32 $0, {lo, hi}; }")
+
+
+@gluon.constexpr_function
+def _decode_layout8(a_ll):
+    """[BN, 8, 16] (n, field, word row) layout whose reshape to [BN, 128] is the fp8 A fragment a_ll, registers
+    ordered (row bit 0, row bit 1, ...): one pack-4 asm call gets 4 consecutive rows (k) of one field."""
+    conv = lambda b: [b[0], b[1] // 16, b[1] % 16]
+    first = [[0, 0, 1], [0, 0, 2]]
+    regs = first + [conv(b) for b in a_ll.reg_bases if conv(b) not in first]
+    return gl.DistributedLinearLayout(regs, [conv(b) for b in a_ll.lane_bases], [conv(b) for b in a_ll.warp_bases],
+                                      [], [a_ll.shape[0], a_ll.shape[1] // 16, 16])
+
+
+@gluon.jit
+def _keep_alive(a):
+    """An empty asm reading every register of A (fp8) here, after the wait that retired the wgmma reading it: the
+    registers cannot be reused for the next decode before (Triton 3.6's wgmma wait takes no 8-bit deps)."""
+    gl.inline_asm_elementwise("", "=r,r", [a], dtype=gl.float8e4nv, is_pure=False, pack=4)
+
+
+@gluon.jit
+def _keep_alive(a):
+    """An empty asm reading every register of A (fp8) here, after the wait that retired the wgmma reading it: the
+    registers cannot be reused for the next decode before (Triton 3.6's wgmma wait takes no 8-bit deps)."""
+    gl.inline_asm_elementwise("", "=r,r", [a], dtype=gl.float8e4nv, is_pure=False, pack=4)
+
+
+@gluon.jit
+def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
+                  gsteps, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
+                  ATOMIC: gl.constexpr):
+    """One of the two consumer warpgroups (its own partition): weight rows off_n + H * HN .. + HN of the tile from
+    its half of each K step's words; per step decode, wgmma (unscaled, fresh), wait, acc += product * group scale,
+    release the slot (one of the two arrivals its empty barrier counts); then the per-token scales and y."""
+    gl.assume(cnt > 0)  # the kernel's assumption does not reach into the partition
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 32])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
+    L3: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, BK]))
+    srow: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    n0 = off_n + H * HN
+    f = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)  # byte f // 2 of both words
+    sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
+    shape: gl.constexpr = [HN, 8, R]
+    s_offs = n0 + gl.arange(0, HN, layout=srow)
+    acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    p = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(cnt):
+        slot = i % STAGES
+        sc = gl.load(s_ptr + ((s0 + i) // gsteps) * N + s_offs).to(gl.float32)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
+        a = gl.inline_asm_elementwise(_ASM_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                      [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape)],
+                                      dtype=gl.float8e4nv, is_pure=True, pack=4)
+        a = gl.convert_layout(gl.reshape(a, (HN, 8 * R)), a_layout)  # a register renaming (same linear layout)
+        p = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), p, use_acc=False, is_async=True)
+        p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
+        _keep_alive(a)
+        fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
+        mbarrier.arrive(empty.index(slot))
+        acc += p * gl.expand_dims(sc, 1)  # while the other warpgroup's wgmma runs
+    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    acc = acc * gl.expand_dims(gl.load(as_ptr + rm, mask=rm < M, other=0.0), 0)  # per-token activation scales
+    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, n0, BLOCK_M, HN, ATOMIC, False, 4)
+
+
+@gluon.jit
+def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, split_k, gsteps,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """y[M, N] (+= with ATOMIC, split_k > 1) = a_scale[m] * sum_k x[m, k] (c[k, n] - 8) s[k // group, n];
+    gsteps = group // 128 (K // 128 per channel). Launched with num_warps = 4: two consumer warpgroups in two
+    partitions plus a loader warp (gemm_wna16_tcg._swap_load_halves: x tile + both halves of the words)."""
+    pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
+    gl.assume(cnt > 0)
+    HN: gl.constexpr = BLOCK_N // 2
+    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BK], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [2 * STAGES, R, HN], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=2)  # one arrival per consumer warpgroup
+    gl.warp_specialize([
+        (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
+                         gsteps, 0, BLOCK_M, HN, STAGES, ATOMIC)),
+        (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
+                         gsteps, 1, BLOCK_M, HN, STAGES, ATOMIC)),
+        (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# (consumer, loader) register budgets (setmaxnreg): the loader at 120 left a 16-byte stack on 128x128 (offline
+# sm_90a compile, bench/w4a8_tcg_compile.py), at 40 none
+WS_REGS = (232, 40)
+
+
+def supported(a_q: torch.Tensor, N: int, K: int, block_n: int = 128) -> bool:
+    """A Hopper GPU, fp8 activations whose rows TMA can read, N a multiple of the tile, K of 128."""
+    return (a_q.is_cuda and torch.cuda.get_device_capability(a_q.device)[0] == 9 and a_q.is_contiguous()
+            and a_q.data_ptr() % 16 == 0 and N % block_n == 0 and K % 128 == 0)
+
+
+def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.bfloat16, block_m: int = 128,
+                  block_n: int = 128, stages: int = 4, split_k: int = 1) -> torch.Tensor:
+    """a_q fp8 [M, K] (per-token a_scale [M]) x the planar int4 QuantizedWeight qw [N, K] (symmetric, bf16 scales,
+    group a multiple of 128 or per channel) -> [M, N]."""
+    M, K = a_q.shape
+    N = qw.shape[0]
+    lay = gl.NVMMASharedLayout.get_default_for
+    x_desc = TensorDescriptor.from_tensor(a_q, [block_m, BK.value], lay([block_m, BK.value], gl.float8e4nv))
+    hn = block_n // 2
+    q_desc = TensorDescriptor.from_tensor(qw.qweight, [R.value, hn], lay([R.value, hn], gl.int32))
+    gsteps = qw.group_size // BK.value
+    steps = K // BK.value
+    split_k = max(1, min(split_k, steps))
+    while split_k > 1 and (split_k - 1) * -(-steps // split_k) >= steps:  # no empty split
+        split_k -= 1
+    y = (torch.zeros if split_k > 1 else torch.empty)((M, N), device=a_q.device,
+                                                         dtype=torch.float32 if split_k > 1 else out_dtype)
+    grid = (-(-M // block_m) * (N // block_n), split_k)
+    _w4a8_tcg_kernel[grid](x_desc, q_desc, qw.scales, a_scale.float().reshape(M).contiguous(), y, M, N, K,
+                           y.stride(0), split_k, gsteps, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=split_k > 1,
+                           STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4)
+    return y.to(out_dtype) if split_k > 1 else y

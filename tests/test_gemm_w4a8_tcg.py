@@ -1,0 +1,35 @@
+"""The Gluon W4A8 kernel (gemm_w4a8_tcg.py: int4 planar twin decoded to e4m3 in registers, fp8 wgmma, two consumer
+warpgroups) vs dequantize-then-matmul. Gluon runs only on a Hopper GPU: skipped elsewhere (the offline compile,
+bench/w4a8_tcg_compile.py, checks that it builds)."""
+import pytest
+import torch
+
+from kestrel.kernels import act_quant as aq
+from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear
+from kestrel.quant import dequantize
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                                reason="Gluon wgmma kernel: Hopper GPU only")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("M,group,block_m,split", [(300, 128, 128, 1), (64, 128, 64, 1), (200, -1, 128, 1),
+                                                   (130, 256, 128, 3), (1, 128, 64, 2)])
+def test_w4a8_tcg_vs_dequant(M, group, block_m, split):
+    from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
+    g = torch.Generator().manual_seed(M + group)
+    N, K = 384, 1536
+    x = torch.randn(M, K, generator=g).cuda().to(torch.bfloat16)
+    w = quantize_weight_w4(torch.randn(N, K, generator=g) * 0.05, "int4", group).kernel_layout().to("cuda")
+    a, s = aq.quant_fp8(x)
+    tw = w.wna16()
+    ref = aq.dequant_8bit(a, s) @ dequantize(tw).float().t()  # the twin's bf16 scales: what the kernel multiplies
+    y = gemm_w4a8_tcg(a, s, tw, torch.float32, block_m=block_m, split_k=split)
+    assert _rel(y, ref) < 2e-3  # fp8 wgmma accumulation (no promotion within a K step)
+    yb = gemm_w4a8(a, s, w, tcg=True, bf16_max_m=0)
+    assert yb.dtype == torch.bfloat16 and _rel(yb, ref) < 5e-3
+    if M > 16:  # (up to FUSED_MAX_M tokens w4a8_linear takes the fused per-group-quant kernel instead)
+        assert _rel(w4a8_linear(x, w, tcg=True, bf16_max_m=0), ref) < 5e-3
