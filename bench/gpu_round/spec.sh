@@ -17,7 +17,7 @@ stage train 130 python3 -m kestrel.cli train-draft $G --device cuda --dtype bflo
   --heldout 0.04 --gen-seconds 28 --max-seconds 50 --batch-positions 1024 --lr 2e-3 --weight-decay 0.01 --ignore-eos \
   --save-every 12 --save-dtype bfloat16 --no-progress
 stage ttft 40 python3 bench/prefill_ttft.py --model $G --tokenizer bench_out/tok --device cuda --dtype bfloat16 --prefill-graphs
-for pg in 0 1; do
+for pg in ${SPEC_PG:-0 1}; do  # SPEC_PG=1: the prefill-graph run only (its no-spec baseline has them too)
   stage c1_pg$pg 90 env KESTREL_PREFILL_GRAPHS=$pg python3 bench/spec_decode.py --model $G --tokenizer bench_out/tok \
     --device cuda --max-tokens 128 --token-budget 16 --c1-prompts 8 --workloads chat --kmax 6 --buckets 1 64 \
     --concurrency 1 64 --dtype bfloat16 --repeats 3 --drafter hybrid-fused --head /tmp/head.safetensors \
