@@ -80,7 +80,7 @@ class ModelRunner:
             self.graphs.windows = [int(w or 0) for w in self.kv_groups.layer_windows]
         self.graphs.capture(progress)
         from .prefill_graphs import wanted
-        if wanted():
+        if wanted() and self.kv_groups is None:  # (hybrid KV layouts: the eager prefill)
             self.enable_prefill_graphs(max_model_len)
 
     def enable_prefill_graphs(self, max_model_len: int, buckets=None, capture: bool = True, check: bool = True,
