@@ -142,16 +142,15 @@ def scaled_mm(a, s, wq, ws_row, fast=False):
 
 def pdl_case(r, x, q, nc):
     """above the fused-decode M: act quant + GEMM as a programmatic dependent launch pair (the GEMM prefetches its
-    first weight lines into the L2 while the quant runs; w8a8_linear's default), checked against the plain pair,
-    both timed."""
+    first weight lines into the L2 while the quant runs; w8a8_linear's default up to gemm_w8a8.PDL_MAX_M tokens),
+    checked against the plain pair, both timed (lean too: they decide PDL_MAX_M)."""
     from kestrel.kernels.gemm_w8a8 import FUSED_MAX_M
     if x.shape[0] <= FUSED_MAX_M:
         return
     try:
         r["pdl_err_vs_plain"] = rel(w8a8_linear(x, *q[0], pdl=True), w8a8_linear(x, *q[0], pdl=False))
-        if not LEAN[0]:  # (lean: kestrel_e2e_us is the default path, the PDL pair; only its check here)
-            r["kestrel_e2e_pdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=True) for i in range(nc)])
-            r["kestrel_e2e_nopdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=False) for i in range(nc)])
+        r["kestrel_e2e_pdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=True) for i in range(nc)])
+        r["kestrel_e2e_nopdl_us"] = safe_us([lambda i=i: w8a8_linear(x, *q[i], pdl=False) for i in range(nc)])
     except Exception as ex:
         traceback.print_exc()
         r["pdl_error"] = repr(ex)[:200]

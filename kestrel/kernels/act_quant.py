@@ -131,7 +131,9 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = Fal
     # H100 s16, M = 1: 2.7 / 5.2 / 9.0 us for K = 4096 / 14336 / 28672 (bench/results/gemm_w8a8_h100_s16.md). With
     # few rows each group is now split over CB-wide column chunks (_chunks), each program re-reading the group's amax
     # (H100 s16: with 4096-wide amax trips the chunks took 4.0 / 7.4 us at K = 14336 / 28672, M = 1: the trips'
-    # loads wait on each other; now one trip up to 32768)
+    # loads wait on each other; now one trip up to 32768). Lead, not measured: the 32768 one-trip block spills (656
+    # bytes of stack per thread at 16 warps x 128 registers, 56 in the chunked form; 16384 none: offline sm_90a
+    # compile, session 16), where the quant of 256 x 28672 took 25-36 us on the H100 (s16 R2 / R3)
     cb = _chunk_block(M * n_groups, G)
     BLOCK = min(triton.next_power_of_2(G), 32768)
     if cb:

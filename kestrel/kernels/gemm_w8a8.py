@@ -17,6 +17,10 @@ FUSED_MAX_M = 16  # w8a8_linear: fused activation quant up to this many tokens (
 # w8a8_linear above FUSED_MAX_M: quant + GEMM as a programmatic-dependent-launch pair (KESTREL_W8A8_PDL=0 turns it
 # off). H200 fp8 8192x8192 M = 64: e2e 26.37 -> 25.62 us, same output (bench/results/gemm_w8a8_h200_run6_r2.md, s4)
 USE_PDL = os.environ.get("KESTREL_W8A8_PDL", "1") == "1"
+# ... up to this many tokens only. Above, the GEMM's early CTAs hold SMs the quant's later waves need: H100 s16 (same
+# process, bench/results/gemm_w8a8_h100_s16.md R2 / R3) e2e minus GEMM at M = 256 was 30-57 us as a PDL pair where the
+# same quant before cuBLASLt (no PDL) took 8-25; at M = 1024 on 28672x4096 33 vs 10
+PDL_MAX_M = int(os.environ.get("KESTREL_W8A8_PDL_MAX_M", "64"))
 
 
 def quantize_weight_w8a8(w: torch.Tensor, dtype: str = "fp8", block: int = 0):
@@ -99,7 +103,9 @@ def w8a8_linear(x: torch.Tensor, w_q, w_scale, act_group: int = -1, out_dtype=No
         from kestrel.kernels.gemm_w8a8_fused import gemm_w8a8_fused
         return gemm_w8a8_fused(x2, w_q, w_scale, out_dtype or x.dtype).reshape(*lead, -1)
     # quant -> GEMM as a programmatic dependent launch pair (Hopper+): the GEMM's CTAs start while the quant runs
-    pdl = (USE_PDL if pdl is None else pdl) and x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
+    if pdl is None:
+        pdl = USE_PDL and x2.shape[0] <= PDL_MAX_M
+    pdl = pdl and x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
     if w_q.dtype == torch.int8:
         a_q, a_s = act_quant.quant_int8(x2, pdl=pdl)
     else:
