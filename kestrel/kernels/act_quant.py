@@ -38,6 +38,29 @@ def _check_2d(x: torch.Tensor, multiple: int, what: str) -> torch.Tensor:
 # ---------------------------------------------------------------- FP8 / INT8, per token or per group
 
 @triton.jit
+def _group_amax(x_ptr, row, stride_x, base, G, K, BLOCK: tl.constexpr):
+    """max |x| over columns base .. base + G of a row, in BLOCK-wide trips."""
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for off in range(0, G, BLOCK):
+        cols = base + off + tl.arange(0, BLOCK)
+        m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)))
+    return tl.max(amax, 0)
+
+
+@triton.jit
+def _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8: tl.constexpr, DEQ: tl.constexpr):
+    """x / scale (times the reciprocal, as the reference) rounded to int8 / e4m3 codes, or with DEQ back to bf16."""
+    y = tl.minimum(tl.maximum(x * tl.math.div_rn(1.0, scale), -qmax), qmax)
+    if IS_INT8:
+        tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
+    elif DEQ:
+        tl.store(q_ptr + row * stride_q + cols, round_bf16(round_e4m3(y) * scale).to(tl.bfloat16), mask=m)
+    else:
+        tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
+
+
+@triton.jit
 def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
                        IS_INT8: tl.constexpr, BLOCK: tl.constexpr, ONE_TRIP: tl.constexpr, PDL: tl.constexpr,
                        DEQ: tl.constexpr = False, CB: tl.constexpr = 0):
@@ -54,12 +77,7 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
     else:
         qmax = 448.0
     if CB > 0:
-        amax = tl.zeros((BLOCK,), tl.float32)
-        for off in range(0, G, BLOCK):
-            cols = base + off + tl.arange(0, BLOCK)
-            m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), qmax)
+        scale = tl.math.div_rn(tl.maximum(_group_amax(x_ptr, row, stride_x, base, G, K, BLOCK), 1e-10), qmax)
         c = tl.program_id(2)
         if c == 0:
             tl.store(s_ptr + row * n_groups + g, scale)
@@ -67,46 +85,22 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
         cols = base + off
         m = (off < G) & (cols < K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x * tl.math.div_rn(1.0, scale), -qmax), qmax)
-        if IS_INT8:
-            tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
-        elif DEQ:
-            tl.store(q_ptr + row * stride_q + cols, round_bf16(round_e4m3(y) * scale).to(tl.bfloat16), mask=m)
-        else:
-            tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
+        _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ)
     elif ONE_TRIP:  # the group fits one block: load it once and keep it in registers for both passes
         cols = base + tl.arange(0, BLOCK)
         m = (tl.arange(0, BLOCK) < G) & (cols < K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-10), qmax)
         tl.store(s_ptr + row * n_groups + g, scale)
-        y = tl.minimum(tl.maximum(x * tl.math.div_rn(1.0, scale), -qmax), qmax)
-        if IS_INT8:
-            tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
-        elif DEQ:
-            tl.store(q_ptr + row * stride_q + cols, round_bf16(round_e4m3(y) * scale).to(tl.bfloat16), mask=m)
-        else:
-            tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
-    else:
-        amax = tl.zeros((BLOCK,), tl.float32)
-        for off in range(0, G, BLOCK):  # pass 1: amax over the group (re-read in pass 2 hits L2)
-            cols = base + off + tl.arange(0, BLOCK)
-            m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
-            x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), qmax)
+        _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ)
+    else:  # pass 1: amax over the group (re-read in pass 2 hits L2)
+        scale = tl.math.div_rn(tl.maximum(_group_amax(x_ptr, row, stride_x, base, G, K, BLOCK), 1e-10), qmax)
         tl.store(s_ptr + row * n_groups + g, scale)
         for off in range(0, G, BLOCK):
             cols = base + off + tl.arange(0, BLOCK)
             m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
             x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-            y = tl.minimum(tl.maximum(x * tl.math.div_rn(1.0, scale), -qmax), qmax)
-            if IS_INT8:
-                tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
-            elif DEQ:
-                tl.store(q_ptr + row * stride_q + cols, round_bf16(round_e4m3(y) * scale).to(tl.bfloat16), mask=m)
-            else:
-                tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
+            _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ)
 
 
 def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = False, deq: bool = False):

@@ -25,7 +25,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kestrel.kernels.gemm_wna16_tcg import BK, R, _swap_load_halves, _swap_store, _tile_and_split
+from kestrel.kernels.gemm_wna16_tcg import (BK, R, _halves_ring, _swap_load_halves, _swap_store,
+                                             _tile_and_split)
 
 # 4 elements (word rows r .. r + 3 of one field) -> 4 e4m3 (c - 8) in one register: $1..$4 the words, $5 the prmt
 # selector of the field's byte (same in $5..$8), $9 its nibble shift (0 / 4, same in $9..$12)
@@ -113,13 +114,7 @@ def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, s
     pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
-    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BK], x_desc.layout)
-    q_smem = gl.allocate_shared_memory(gl.int32, [2 * STAGES, R, HN], q_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
-        mbarrier.init(empty.index(j), count=2)  # one arrival per consumer warpgroup
+    x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
     gl.warp_specialize([
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
                          gsteps, 0, BLOCK_M, HN, STAGES, ATOMIC)),

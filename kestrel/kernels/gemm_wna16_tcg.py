@@ -613,6 +613,21 @@ def _swap_load_halves(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n
 
 
 @gluon.jit
+def _halves_ring(x_desc, q_desc, X_DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """The two-consumer kernels' ring (_swap_load_halves fills it): STAGES x tiles [BM, 128], two word tiles
+    [16, HN] per slot, a ready barrier per slot and an empty one counting both consumers' arrivals."""
+    x_smem = gl.allocate_shared_memory(X_DTYPE, [STAGES, BLOCK_M, BK], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [2 * STAGES, R, HN], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    return x_smem, q_smem, ready, empty
+
+
+@gluon.jit
 def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr, CODE_OFFSET: gl.constexpr,
                   FP4: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
@@ -622,13 +637,7 @@ def _tcgs2_kernel(x_desc, q_desc, s_ptr, y_ptr, M, N, K, stride_ym, split_k, BLO
     pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BK], x_desc.layout)
-    q_smem = gl.allocate_shared_memory(gl.int32, [2 * STAGES, R, HN], q_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.bfloat16, BLOCK_M, HN, STAGES)
     gl.warp_specialize([
         (_swap_consume_half, (x_smem, q_smem, ready, empty, s_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt, 0,
                               BLOCK_M, HN, STAGES, CODE_OFFSET, FP4, ATOMIC)),
