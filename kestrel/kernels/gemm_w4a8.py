@@ -17,7 +17,9 @@ throughput, so fp8 MMA buys nothing there; the activations are put on their per-
 act_quant.fake_quant_fp8: one launch, the cost of the fp8 quant) and the tuned WNA16 kernels (decode / swap-AB
 wgmma paths) run on the same int4 weight in the planar layout (W4Weight.wna16, made once and cached on the weight:
 while both paths run the 4-bit weight is held twice). Numerics: the W4A8 product up to one bf16 rounding of each
-activation code * scale and of each group scale (bf16 in the WNA16 format).
+activation code * scale and of each group scale (bf16 in the WNA16 format). Tuning: `kestrel tune --lowbit w4a8-*`
+times the fp8 kernels (the path above BF16_MAX_M); below it the WNA16 int4 tune entries apply.
+Large M (>= TCG_MIN_M tokens, int4, Hopper): the Gluon kernel on the same planar twin (gemm_w4a8_tcg.py).
 """
 import os
 
