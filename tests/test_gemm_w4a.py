@@ -82,7 +82,8 @@ def test_w4a8_small_m_runs_on_wna16(group, layout):
     y = w4a8_linear(xb, qw)
     assert y.dtype == torch.bfloat16 and _rel(y, ref) < 8e-3
     assert _rel(gemm_w4a8(a, s, qw, torch.float32), ref) < 8e-3
-    assert not g4.use_wna16(M, quantize_weight_w4(w, "int4", 32)) and not g4.use_wna16(M, quantize_weight_w4(w, "mxfp4"))
+    assert not g4.use_wna16(M, quantize_weight_w4(w, "int4", 32))
+    assert not g4.use_wna16(M, quantize_weight_w4(w, "mxfp4"))
     assert not g4.use_wna16(g4.BF16_MAX_M + 1, qw)
 
 

@@ -449,6 +449,17 @@ def test_dequantize_tc_and_streamed(spec):
     assert ((y - r).norm() / r.norm()).item() < TOL
 
 
+def test_nonempty_split_vs_brute_force():
+    """configs.nonempty_split (tail_plan, lowbit_tma.split_parts, gemm_w4a8_tcg): the most splits <= asked whose
+    ceil-sized parts all get a K step, against enumerating every split count."""
+    from kestrel.kernels.configs import nonempty_split
+    for steps in range(1, 40):
+        for asked in range(1, 50):
+            ok = [s for s in range(1, asked + 1) if all(min(steps, (j + 1) * -(-steps // s)) > j * -(-steps // s)
+                                                        for j in range(s))]
+            assert nonempty_split(asked, steps) == max(ok), (asked, steps)
+
+
 def test_tail_plan_splits_only_the_last_partial_wave():
     from kestrel.kernels.gemm_wna16_tcg import tail_plan
     # 70B qkv M = 256, 128x128: 160 tiles on 132 SMs -> 132 unsplit + 28 split in 4 (112 CTAs, one wave)

@@ -6,8 +6,8 @@ table lookup for fp4, torch casts for fp8) so tests compare the Triton kernels a
 Divisions use IEEE round-to-nearest (tl.math.div_rn, as torch does on the GPU), so codes match the references bit
 for bit on the GPU too, not only in the interpreter. The 8-bit quant multiplies by the scale's reciprocal (one IEEE
 division per row, the reference does the same): a division per element made it compute-bound (~80 instructions per
-element; H100 s16: 256 x 14336 in 12-18 us where the bytes take ~5). Scales are fp32 dequant multipliers (x ≈ q * scale); MX scales are raw e8m0 bytes (uint8), NV block scales are
-torch.float8_e4m3fn. 4-bit outputs are packed two per byte as described in kestrel/kernels/lowbit.py.
+element; H100 s16: 256 x 14336 in 12-18 us where the bytes take ~5). Scales are fp32 dequant multipliers
+(x ≈ q * scale); MX scales are raw e8m0 bytes (uint8), NV block scales are torch.float8_e4m3fn. 4-bit outputs are packed two per byte as described in kestrel/kernels/lowbit.py.
 """
 import os
 

@@ -21,6 +21,14 @@ PACKAGED_CACHE = Path(__file__).with_name("tune_cache_h200.json")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
+def nonempty_split(split: int, steps: int) -> int:
+    """At most `split` K splits of `steps` K steps with none empty (ceil-sized parts: the last must get a step)."""
+    split = max(1, min(split, steps))
+    while split > 1 and (split - 1) * -(-steps // split) >= steps:
+        split -= 1
+    return split
+
+
 @dataclass(frozen=True)
 class LayerConfig:
     spec: QuantSpec

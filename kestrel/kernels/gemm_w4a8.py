@@ -83,9 +83,7 @@ class W4Weight:
         return W4Weight(self.fmt, to_halves(self.packed), self.scale, self.group, self.global_scale, "halves")
 
     def wna16_ok(self) -> bool:
-        N, K = self.shape
-        return (self.fmt == "int4" and self.packed.dim() == 2 and K % HALF_BLOCK == 0
-                and (self.group in (-1, K) or self.group % HALF_BLOCK == 0))
+        return self.packed.dim() == 2 and self.halves_ok()  # (the same int4 / K / group conditions)
 
     def wna16(self):
         """The same int4 weight as a WNA16 QuantizedWeight (planar codes c = q + 8, bf16 group scales [G, N]); made
@@ -185,7 +183,7 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
         return (act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, -1)) @ w.dequantize().t()).to(out_dtype)
     if config is None and use_wna16(M, w, bf16_max_m):  # small M: the WNA16 kernels on the fp8 values (module doc)
         from kestrel.kernels.gemm_wna16 import gemm_wna16
-        x = (a_q.float() * a_scale.float().reshape(M, 1)).to(torch.bfloat16)
+        x = act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, 1)).to(torch.bfloat16)
         return gemm_wna16(x, w.wna16()).to(out_dtype)
     if config is None and (0 < TCG_MIN_M <= M if tcg is None else tcg) and w.wna16_ok():
         from kestrel.kernels import gemm_w4a8_tcg
@@ -212,9 +210,9 @@ def use_wna16(M: int, w: W4Weight, max_m: int | None = None) -> bool:
 def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None, bf16_max_m: int | None = None,
                 tcg: bool | None = None) -> torch.Tensor:
     """bf16 x [..., K] -> fp8 activations -> W4A8 GEMM. Up to BF16_MAX_M tokens (bf16_max_m overrides it) with int4:
-    the fp8-grid activations on the WNA16 kernels (module doc); tcg: TCG_MIN_M's override. Else decode sizes (<= FUSED_MAX_M tokens) with int4
-    in the halves packing: one launch that quantizes per (token, 128) group itself (gemm_w8a8_fused.gemm_w4a8_fused);
-    else a per-token quant launch, then gemm_w4a8."""
+    the fp8-grid activations on the WNA16 kernels (module doc); tcg: TCG_MIN_M's override. Else decode sizes
+    (<= FUSED_MAX_M tokens) with int4 in the halves packing: one launch that quantizes per (token, 128) group itself
+    (gemm_w8a8_fused.gemm_w4a8_fused); else a per-token quant launch, then gemm_w4a8."""
     from kestrel.kernels.gemm_w8a8 import FUSED_MAX_M
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
@@ -223,8 +221,7 @@ def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None, bf16_max_m: int | 
         from kestrel.kernels.gemm_wna16 import gemm_wna16
         y = gemm_wna16(act_quant.fake_quant_fp8(x2), w.wna16())
         return y.to(out_dtype or x.dtype).reshape(*lead, -1)
-    if (x2.shape[0] <= FUSED_MAX_M and w.fmt == "int4" and w.layout == "halves" and K % HALF_BLOCK == 0
-            and (w.group in (-1, K) or w.group % HALF_BLOCK == 0) and act_quant.use_triton(x2)):
+    if x2.shape[0] <= FUSED_MAX_M and w.layout == "halves" and w.halves_ok() and act_quant.use_triton(x2):
         from kestrel.kernels.gemm_w8a8_fused import gemm_w4a8_fused
         return gemm_w4a8_fused(x2, w, out_dtype or x.dtype).reshape(*lead, -1)
     a_q, a_s = act_quant.quant_fp8(x2)

@@ -1,16 +1,14 @@
-"""Hopper W4A8 GEMM in Gluon for M > gemm_w4a8.BF16_MAX_M: int4 g128 weights (the WNA16 planar twin, W4Weight.wna16)
-decoded to e4m3 in registers as the wgmma A operand, x fp8 e4m3 from a TMA ring as B (swap-AB, y^T = W x^T), per
-token scales in the epilogue.
+"""Hopper W4A8 GEMM in Gluon for large M (gemm_w4a8.TCG_MIN_M): int4 g128 weights (the WNA16 planar twin,
+W4Weight.wna16) decoded to e4m3 in registers as the wgmma A operand, x fp8 e4m3 from a TMA ring as B (swap-AB,
+y^T = W x^T), per-token scales in the epilogue.
 
-Why: a weight group's scale must multiply its K step's product before it joins the sum. Written as acc += dot * s
-(the Triton kernel, lowbit_gemm.py) every wgmma is waited for right after it is issued and the decode of the next
-step cannot overlap it (sm_90a SASS, bench/lowbit_compile.py: 2 waits per K tile). Here two accumulators take the K
-steps in turn (even / odd), each kept *relative to its last group scale*: before step i joins acc_i % 2, that
-accumulator (whose previous wgmma, step i - 2, has retired) is multiplied per weight row by s_prev / s_i, so the
-wgmma adds the unscaled product and the sum stays sum_g (s_g / s_last) P_g; the epilogue multiplies each by its last
-scale. One wgmma stays in flight while the next step is decoded and the other accumulator rescaled (the same
-two-register-set discipline as gemm_wna16_tcg._swap_step: each A set and accumulator is rewritten only after the wait
-that retired the wgmma reading it). The fp8 wgmma accumulates as Triton's fp8 dots do on sm_90 (no promotion).
+Why: a weight group's scale must multiply its K step's product before it joins the sum, and ptxas serialises every
+wgmma as soon as a non-wgmma instruction reads or writes any wgmma accumulator while one is in flight (C7514 /
+C7515, offline sm_90a compile, bench/w4a8_tcg_compile.py: both a two-accumulator chain rescaled by s_prev / s_i and
+partial products added after a wait(1) were serialised). So one warpgroup cannot hide the scaled add behind its own
+wgmma; here two consumer warpgroups in their own partitions (plus a loader warp, gemm_wna16_tcg._swap_load_halves)
+each take half of the tile's weight rows and run decode -> fresh wgmma -> wait -> acc += product * group scale, the
+other warpgroup's wgmma running meanwhile. The fp8 wgmma accumulates within a K step as Triton's fp8 dots do on sm_90.
 
 Decode: word row r of a planar K step holds field f = k // 16 of k = 16 f + r (packing.py); the fp8 A fragment holds
 4 consecutive k per register (k_width 4), i.e. 4 word rows of one field: byte f // 2 of two words per prmt, the
@@ -25,6 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kestrel.kernels.configs import nonempty_split
 from kestrel.kernels.gemm_wna16_tcg import (BK, R, _halves_ring, _swap_load_halves, _swap_store,
                                              _tile_and_split)
 
@@ -47,13 +46,6 @@ def _decode_layout8(a_ll):
     regs = first + [conv(b) for b in a_ll.reg_bases if conv(b) not in first]
     return gl.DistributedLinearLayout(regs, [conv(b) for b in a_ll.lane_bases], [conv(b) for b in a_ll.warp_bases],
                                       [], [a_ll.shape[0], a_ll.shape[1] // 16, 16])
-
-
-@gluon.jit
-def _keep_alive(a):
-    """An empty asm reading every register of A (fp8) here, after the wait that retired the wgmma reading it: the
-    registers cannot be reused for the next decode before (Triton 3.6's wgmma wait takes no 8-bit deps)."""
-    gl.inline_asm_elementwise("", "=r,r", [a], dtype=gl.float8e4nv, is_pure=False, pack=4)
 
 
 @gluon.jit
@@ -146,10 +138,7 @@ def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.
     hn = block_n // 2
     q_desc = TensorDescriptor.from_tensor(qw.qweight, [R.value, hn], lay([R.value, hn], gl.int32))
     gsteps = qw.group_size // BK.value
-    steps = K // BK.value
-    split_k = max(1, min(split_k, steps))
-    while split_k > 1 and (split_k - 1) * -(-steps // split_k) >= steps:  # no empty split
-        split_k -= 1
+    split_k = nonempty_split(split_k, K // BK.value)
     y = (torch.zeros if split_k > 1 else torch.empty)((M, N), device=a_q.device,
                                                          dtype=torch.float32 if split_k > 1 else out_dtype)
     grid = (-(-M // block_m) * (N // block_n), split_k)

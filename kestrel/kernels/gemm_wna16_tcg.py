@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kestrel.kernels.configs import ComputeConfig
+from kestrel.kernels.configs import ComputeConfig, nonempty_split
 from kestrel.quant.weight import QuantizedWeight
 
 R = gl.constexpr(16)  # word rows per planar block (packing.PLANE_ROWS)
@@ -662,9 +662,7 @@ def tail_plan(tiles: int, max_split: int, steps: int, num_sms: int) -> tuple[int
     fit one wave. tail_split 1: nothing to split (the grid is whole waves, or the tail fills a wave already)."""
     n_full = tiles // num_sms * num_sms
     n_tail = tiles - n_full
-    sk = min(max_split, num_sms // n_tail) if n_tail else 1
-    while sk > 1 and (sk - 1) * -(-steps // sk) >= steps:  # an empty last split
-        sk -= 1
+    sk = nonempty_split(min(max_split, num_sms // n_tail), steps) if n_tail else 1
     return (n_full, n_tail, sk) if sk > 1 else (tiles, 0, 1)
 
 

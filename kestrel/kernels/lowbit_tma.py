@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.configs import nonempty_split
 from kestrel.kernels.gemm_wna16_tc import _epilogue, _split_counters
 from kestrel.kernels.lowbit import round_bf16
 from kestrel.kernels.lowbit_gemm import int4_to_e4m3
@@ -140,11 +141,7 @@ def split_parts(cfg, K: int, bk: int) -> int:
     where K has fewer K tiles than that (no empty part)."""
     if cfg.TMA != 1 or cfg.SPLIT_K <= 1:
         return 1
-    k_tiles = triton.cdiv(K, bk)
-    split = min(cfg.SPLIT_K, k_tiles)
-    while split > 1 and (split - 1) * triton.cdiv(k_tiles, split) >= k_tiles:  # an empty last part
-        split -= 1
-    return split
+    return nonempty_split(cfg.SPLIT_K, triton.cdiv(K, bk))
 
 
 def launch_tma(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
