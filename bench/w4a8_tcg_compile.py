@@ -3,7 +3,8 @@ front-end / layout / ptxas errors, registers, spills, shared memory, the K loop'
 ptxas' wgmma serialisation warnings per tile. Not a correctness check (tests/test_gemm_w4a8_tcg.py on a GPU is).
 
   PYTHONPATH=/tmp/t36:$PWD python bench/w4a8_tcg_compile.py             # the GPU's Triton 3.6 (pip --target)
-  PYTHONPATH=/tmp/t36:$PWD python bench/w4a8_tcg_compile.py 128:128:4:4  # BM:BN:WARPS:STAGES[:atomic] (WARPS 4: the ws launch)
+  PYTHONPATH=/tmp/t36:$PWD python bench/w4a8_tcg_compile.py 128:128:4:4  # BM:BN:WARPS:STAGES[:atomic]
+  (WARPS 4: the warp-specialised launch)
 """
 from __future__ import annotations
 
@@ -11,11 +12,6 @@ import os
 import sys
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -23,27 +19,15 @@ import wna16_tcg_compile as wc  # noqa: E402  (its Triton 3.6 shims apply here t
 from kestrel.kernels import gemm_w4a8_tcg as w4  # noqa: E402
 from wna16_tc_sass import sass_loop  # noqa: E402
 
-if tuple(int(v) for v in triton.__version__.split(".")[:2]) > (3, 6):
-    w4.tma = wc.tcg.tma
-
-
 def compile_w4a8_tcg(bm: int, bn: int, warps: int, stages: int, atomic: bool = False, regs=None):
     regs = regs or w4.WS_REGS
-    lay = gl.NVMMASharedLayout.get_default_for
-    x_desc = TensorDescriptor.from_tensor(torch.empty(256, 512, dtype=torch.float8_e4m3fn), [bm, 128],
-                                          lay([bm, 128], gl.float8e4nv))
-    q_desc = TensorDescriptor.from_tensor(torch.empty(64, 512, dtype=torch.int32), [16, bn // 2],
-                                          lay([16, bn // 2], gl.int32))
-    fn = w4._w4a8_tcg_kernel
-    names = fn.arg_names
+    x_desc, q_desc = wc.descriptors(bm, bn // 2, torch.float8_e4m3fn)
     sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "s_ptr": "*bf16", "as_ptr": "*fp32",
            "y_ptr": "*fp32" if atomic else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "split_k": "i32", "gsteps": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, STAGES=stages, CONSUMER_REGS=regs[0],
                   LOADER_REGS=regs[1], num_warps=warps)
-    signature = {n: sig.get(n, "constexpr") for n in names}
-    src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return wc.gluon_compile(w4._w4a8_tcg_kernel, sig, consts, warps)
 
 
 def main():

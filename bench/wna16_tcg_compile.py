@@ -103,13 +103,28 @@ def wgmma_serialised(kern) -> str:
     return " ".join(sorted(set(re.findall(r"\((C75\d\d)\)[^\n]*serializ", res.stdout + res.stderr))))
 
 
-def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
+def descriptors(bm: int, q_cols: int, x_dtype=torch.bfloat16):
+    """The TMA descriptors of an x tile [bm, 128] (x_dtype) and a word tile [16, q_cols] for an offline compile."""
     lay = gl.NVMMASharedLayout.get_default_for
-    x_desc = TensorDescriptor.from_tensor(torch.empty(256, 512, dtype=torch.bfloat16), [bm, 128],
-                                          lay([bm, 128], gl.bfloat16))
-    q_desc = TensorDescriptor.from_tensor(torch.empty(64, 512, dtype=torch.int32), [16, bn], lay([16, bn], gl.int32))
-    fn = tcg._tcgs_kernel
+    gx = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[x_dtype]
+    x_desc = TensorDescriptor.from_tensor(torch.empty(256, 512, dtype=x_dtype), [bm, 128], lay([bm, 128], gx))
+    q_desc = TensorDescriptor.from_tensor(torch.empty(64, 512, dtype=torch.int32), [16, q_cols],
+                                          lay([16, q_cols], gl.int32))
+    return x_desc, q_desc
+
+
+def gluon_compile(fn, sig: dict, consts: dict, warps: int):
+    """sm_90 compile of a Gluon kernel: sig types the runtime arguments; every other argument (and any const given
+    as None) is a constexpr from consts."""
     names = fn.arg_names
+    signature = {n: sig.get(n, "constexpr") for n in names}
+    signature.update({n: "constexpr" for n, v in consts.items() if v is None})
+    src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
+    x_desc, q_desc = descriptors(bm, bn)
     sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "s_ptr": "*u8" if fp4 else "*bf16",
            "y_ptr": "*fp32" if const.get("ATOMIC") else "*bf16", "M": "i32", "N": "i32", "K": "i32",
            "stride_ym": "i32", "split_k": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "n_full": "i32",
@@ -121,12 +136,7 @@ def compile_tcgs(bm: int, bn: int, stages: int, warps: int, fp4: bool, **const):
         consts.update(ws_ptr=None, cnt_ptr=None)
     if not consts["TAIL"]:
         consts.update(n_full=0, n_tiles=0)
-    signature = {n: sig.get(n, "constexpr") for n in names}
-    for n, v in consts.items():
-        if v is None:
-            signature[n] = "constexpr"
-    src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return gluon_compile(tcg._tcgs_kernel, sig, consts, warps)
 
 
 def compile_tcgs2(bm: int, bn: int, stages: int, fp4: bool, atomic: bool = False, consumer_regs: int | None = None,
@@ -136,41 +146,26 @@ def compile_tcgs2(bm: int, bn: int, stages: int, fp4: bool, atomic: bool = False
     given."""
     consumer_regs = consumer_regs or tcg.ws2_regs(bn)[0]
     loader_regs = loader_regs or tcg.ws2_regs(bn)[1]
-    lay = gl.NVMMASharedLayout.get_default_for
-    x_desc = TensorDescriptor.from_tensor(torch.empty(256, 512, dtype=torch.bfloat16), [bm, 128],
-                                          lay([bm, 128], gl.bfloat16))
-    q_desc = TensorDescriptor.from_tensor(torch.empty(64, 512, dtype=torch.int32), [16, bn // 2],
-                                          lay([16, bn // 2], gl.int32))
-    fn = tcg._tcgs2_kernel
-    names = fn.arg_names
+    x_desc, q_desc = descriptors(bm, bn // 2)
     sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "s_ptr": "*u8" if fp4 else "*bf16",
            "y_ptr": "*fp32" if atomic else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "split_k": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4,
                   CONSUMER_REGS=consumer_regs, num_warps=4, LOADER_REGS=loader_regs)
-    signature = {n: sig.get(n, "constexpr") for n in names}
-    src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return gluon_compile(tcg._tcgs2_kernel, sig, consts, 4)
 
 
 def compile_tcgsk(bm: int, bn: int, stages: int, warps: int, fp4: bool, atomic: bool = False, LOOP=2, OWN=False):
     """The stream-K persistent kernel (gemm_wna16_tcg_streamk._tcgsk_kernel)."""
     from kestrel.kernels import gemm_wna16_tcg_streamk as sk
-    lay = gl.NVMMASharedLayout.get_default_for
-    x_desc = TensorDescriptor.from_tensor(torch.empty(256, 512, dtype=torch.bfloat16), [bm, 128],
-                                          lay([bm, 128], gl.bfloat16))
-    q_desc = TensorDescriptor.from_tensor(torch.empty(64, 512, dtype=torch.int32), [16, bn], lay([16, bn], gl.int32))
-    fn = sk._tcgsk_kernel
-    names = fn.arg_names
+    x_desc, q_desc = descriptors(bm, bn)
     sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "s_ptr": "*u8" if fp4 else "*bf16",
            "y_ptr": "*fp32" if atomic else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "n_dp": "i32", "per": "i32",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "max_parts": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CODE_OFFSET=0 if fp4 else 8, FP4=fp4, num_warps=warps,
                   ATOMIC=atomic, LOOP=LOOP, OWN=OWN)
-    signature = {n: sig.get(n, "constexpr") for n in names}
-    src = GluonASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return gluon_compile(sk._tcgsk_kernel, sig, consts, warps)
 
 
 def main():
