@@ -70,6 +70,7 @@ class W4Weight:
             raise ValueError(f"4-bit weight format must be one of {W4_FORMATS}, got {fmt!r}")
         self.fmt, self.packed, self.scale, self.group, self.global_scale = fmt, packed, scale, group, global_scale
         self.layout = layout
+        self._wna16 = None  # wna16(): the planar twin, made on first use
 
     def halves_ok(self) -> bool:
         K = self.shape[1]
@@ -88,7 +89,7 @@ class W4Weight:
     def wna16(self):
         """The same int4 weight as a WNA16 QuantizedWeight (planar codes c = q + 8, bf16 group scales [G, N]); made
         on first use and cached (the small-M path of gemm_w4a8 / w4a8_linear)."""
-        if getattr(self, "_wna16", None) is None:
+        if self._wna16 is None:
             if not self.wna16_ok():
                 raise ValueError(f"no WNA16 form for a {self.fmt} weight of shape {tuple(self.packed.shape)}, group "
                                  f"{self.group} (int4, 2-D, K and group multiples of {HALF_BLOCK})")
