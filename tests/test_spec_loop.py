@@ -239,6 +239,53 @@ def test_loop_cost_model_batch_one_is_not_swung_by_single_outcomes():
         assert chosen.count(best) >= 0.9 * len(chosen), (seed, {K: chosen.count(K) for K in costs})
 
 
+def test_loop_cost_model_tree_not_stuck_on_its_first_probe():
+    """The tree is observed only on its probes. Session 16's C=1 costs (H100, ms) with a tree that yields more tokens
+    per ms than any chain: after a first tree step that accepted nothing the loop must still find it the best and
+    verify it in most steps (with the moving average alone it stayed near that first 1.0 token and chain K=6 won:
+    tree-conf chose the tree in 21 of 642 live steps)."""
+    from kestrel.spec.spec_loop import SpecLoop
+
+    p_chain = [0.45, 0.5, 0.55, 0.6, 0.6, 0.6]  # P(accept slot i | slots before accepted) of the greedy chain
+    p_tree = [0.75, 0.6, 0.55, 0.5, 0.5, 0.5]  # the tree's deepest accepted path (its root has 4 candidates)
+    costs = {0: 1.078, 1: 1.262, 2: 1.297, 4: 1.323, 6: 1.347, 30: 1.405}
+
+    def walk(p, rng, K):
+        a = 0
+        while a < K and rng.random() < p[a]:
+            a += 1
+        return a
+
+    def exact(p, K):
+        s, out = 1.0, 1.0
+        for q in p[:K]:
+            s *= q
+            out += s
+        return out
+    assert max(costs, key=lambda K: exact(p_tree if K == 30 else p_chain, min(K, 6)) / costs[K]) == 30
+    for seed in range(3):
+        loop = SpecLoop.__new__(SpecLoop)
+        loop.schedule, loop.k, loop.ks, loop.bs, loop.probe_every, loop.num_steps = "confidence", 6, [0, 1, 2, 4, 6], 1, 16, 1
+        loop.host_ms, loop.last_k, loop._probe = 0.11, None, 0
+        loop.kt, loop.kchain, loop.tree_tokens, loop.tree_rows = 30, 6, 0.0, 0
+        loop.tree = type("Shape", (), {"D": 6})()
+        loop.cands = loop.ks + [loop.kt]
+        loop.surv = [1.0] + [0.5 ** i for i in range(1, 7)]
+        loop.gpu_ms = {(1, K): c for K, c in costs.items()}
+        loop.gpu_n = {key: 2 for key in loop.gpu_ms}
+        rng, chosen = random.Random(seed), []
+        for step in range(600):
+            loop.num_steps += 1
+            K = loop.choose_k()
+            chosen.append(K)
+            if K == 30:  # the first tree step rejects everything
+                loop.observe_tree(0.0 if not loop.tree_rows else walk(p_tree, rng, 6), 1)
+            elif K:
+                a = walk(p_chain, rng, K)
+                loop.observe([1 if i <= a else 0 for i in range(K + 1)], 1, K)
+        assert chosen.count(30) >= 0.8 * len(chosen), (seed, {K: chosen.count(K) for K in costs})
+
+
 @pytest.mark.parametrize("schedule", ["fixed", "confidence"])
 def test_loop_tree_identical_to_plain(tmp_path, plain, monkeypatch, schedule):
     """Tree verification in the loop (tree=8-2-1: 40 nodes): greedy token-identical to plain decoding, with accepted

@@ -129,7 +129,7 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = Fal
     # bytes of stack per thread at 16 warps x 128 registers, 56 in the chunked form; 16384 none: offline sm_90a
     # compile, session 16), where the quant of 256 x 28672 took 25-36 us on the H100 (s16 R2 / R3)
     cb = _chunk_block(M * n_groups, G)
-    BLOCK = min(triton.next_power_of_2(G), 32768)
+    BLOCK = min(triton.next_power_of_2(G), BLOCK_MAX)
     if cb:
         _quant_8bit_kernel[(M, n_groups, triton.cdiv(G, cb))](
             x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8, BLOCK=BLOCK, ONE_TRIP=False, PDL=pdl,
@@ -142,6 +142,7 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = Fal
     return q, s
 
 
+BLOCK_MAX = int(os.environ.get("KESTREL_QUANT_BLOCK_MAX", "32768"))  # widest trip (bench/act_quant_sweep.py)
 CHUNK_PROGRAMS = 264  # _chunk_block: split groups into column chunks while the grid has fewer programs than this
 MIN_CHUNK = 1024
 

@@ -75,6 +75,23 @@ def survival_weight(live: int, per_row: float = 0.02, cap: float = 0.3) -> float
     return min(cap, 1.0 - (1.0 - per_row) ** live)
 
 
+TREE_MIN_ROWS = 32  # tree rows observed before the cost model trusts tree_tokens (C=1: 32 steps, C>=32: 1)
+
+
+def tree_estimate(prev: float, mean: float, live: int, rows_seen: int) -> float:
+    """The tree's running tokens per row after a tree step whose `live` rows averaged `mean` (rows_seen counts them
+    too): the plain mean of all tree rows so far until there are 1 / survival_weight of them, then the same moving
+    average as the chains. Why (and TREE_MIN_ROWS): the tree is observed only on its probes (every 2nd probe, 1 step
+    in 32 at C=1), so with the moving average alone its first step's single row stuck for hundreds of steps (0.02
+    weight a probe):
+    session 16's tree-conf at C=1 verified the tree in 21 of 642 steps and chain K=4 in 448, 1.46x against the
+    tree's 1.72x on its own (1.64 against 2.15 tokens per verify at ~the same step cost)."""
+    if not prev:
+        return mean
+    w = max(survival_weight(live), live / rows_seen)
+    return (1 - w) * prev + w * mean
+
+
 def loop_eligible(seq) -> bool:
     p = seq.params
     return p.temperature == 0.0 and p.logprobs is None and not (p.presence_penalty or p.frequency_penalty)
@@ -139,6 +156,7 @@ class SpecLoop:
         # running estimates for the K choice
         self.surv = [1.0] + [0.5 ** i for i in range(1, self.kchain + 1)]  # s_i = P(first i drafts accepted)
         self.tree_tokens = 0.0  # running tokens per row of the tree steps (0: not observed yet)
+        self.tree_rows = 0  # rows of tree steps observed since attach (tree_estimate's plain-mean phase)
         self._probe = 0
         self.gpu_ms: dict[tuple[int, int], float] = {}
         self.gpu_n: dict[tuple[int, int], int] = {}  # samples behind gpu_ms (the first replay of a graph is cold)
@@ -275,7 +293,7 @@ class SpecLoop:
             self.owner, self.inflight, self.active_loop = decoder, None, False
             self.schedule, self.k = decoder.cfg.schedule, decoder.cfg.k
             self.surv = [1.0] + [0.5 ** i for i in range(1, self.kchain + 1)]
-            self.num_steps, self.last_k, self.tree_tokens = 0, None, 0.0
+            self.num_steps, self.last_k, self.tree_tokens, self.tree_rows = 0, None, 0.0, 0
 
     def can_enter(self, engine, batch, hidden: dict) -> bool:
         seqs, ns = batch.seqs, batch.num_new_tokens
@@ -338,7 +356,7 @@ class SpecLoop:
         untried = [K for K in reversed(self.cands) if self.gpu_n.get((bs, K), 0) < 2]
         if untried:
             return untried[0]
-        if self.kt and not self.tree_tokens:  # the tree's tokens per row not observed since attach: measure it
+        if self.kt and self.tree_rows < TREE_MIN_ROWS:  # too few of the tree's rows observed since attach: measure
             return self.kt
         # probe the largest K now and then to keep s_i current (and the tree, every other probe); 4x as often while
         # speculation is off, since an off step observes nothing (R2: survival that fell on a prompt's first tokens
@@ -462,12 +480,15 @@ class SpecLoop:
             decoder.num_draft_tokens += K * len(spec)
             decoder.num_accepted_tokens += sum(acc)
         if K and live and K == self.kt:  # the tree's own running tokens per row
-            w = survival_weight(live)
-            mean = 1 + float(sum(acc)) / live
-            self.tree_tokens = mean if not self.tree_tokens else (1 - w) * self.tree_tokens + w * mean
+            self.observe_tree(float(sum(acc)), live)
         elif K and live:
             self.observe(reach, live, K)
         return outputs
+
+    def observe_tree(self, accepted: float, live: int) -> None:
+        """Fold one committed tree step into tree_tokens: its `live` rows accepted `accepted` drafts in all."""
+        self.tree_rows += live
+        self.tree_tokens = tree_estimate(self.tree_tokens, 1 + accepted / live, live, self.tree_rows)
 
     def observe(self, reach, live: int, K: int) -> None:
         """Fold one committed step into s_i: reach[i] of its `live` rows accepted at least i of K drafts."""
