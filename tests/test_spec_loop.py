@@ -204,13 +204,29 @@ def test_loop_head_enters_without_hidden_states(tmp_path, plain, monkeypatch):
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
 
 
+def _batch_one_loop(costs: dict, tree_k: int | None = None):
+    """A SpecLoop with only its cost model set up: batch 1, measured device ms per K (`costs`, the tree keyed by
+    tree_k), survival at its 0.5 ** i prior, 0.11 ms host per step."""
+    from kestrel.spec.spec_loop import SpecLoop
+
+    loop = SpecLoop.__new__(SpecLoop)
+    loop.schedule, loop.k, loop.bs, loop.probe_every, loop.num_steps = "confidence", 6, 1, 16, 1
+    loop.ks = sorted(K for K in costs if K != tree_k)
+    loop.host_ms, loop.last_k, loop._probe = 0.11, None, 0
+    loop.kt, loop.kchain, loop.tree_tokens, loop.tree_rows = tree_k, loop.ks[-1], 0.0, 0
+    loop.tree = type("Shape", (), {"D": 6})()
+    loop.cands = loop.ks + ([tree_k] if tree_k else [])
+    loop.surv = [1.0] + [0.5 ** i for i in range(1, 7)]
+    loop.gpu_ms = {(1, K): c for K, c in costs.items()}
+    loop.gpu_n = {key: 2 for key in loop.gpu_ms}
+    return loop
+
+
 def test_loop_cost_model_batch_one_is_not_swung_by_single_outcomes():
     """At batch 1 every step observes one row (accept or reject): the running survival must not swing K with it.
     Session 7 R1's costs and a head accepting ~45% per slot: exact survival makes K=6 the best (rate 1.40 vs K=1's
     1.16 tokens/ms), and the loop must pick it nearly always (with a fixed weight of 0.3 per step it chose K=1 in
     ~2/3 of the steps, as the live conf runs did)."""
-    from kestrel.spec.spec_loop import SpecLoop
-
     p = [0.45, 0.45, 0.5, 0.55, 0.6, 0.6]  # P(accept slot i | slots before accepted)
     costs = {0: 1.19, 1: 1.25, 2: 1.29, 4: 1.33, 6: 1.33}
     exact = [1.0]
@@ -219,13 +235,7 @@ def test_loop_cost_model_batch_one_is_not_swung_by_single_outcomes():
     best = max(costs, key=lambda K: (1 + sum(exact[1:K + 1])) / costs[K])
     assert best == 6
     for seed in range(3):
-        loop = SpecLoop.__new__(SpecLoop)
-        loop.schedule, loop.k, loop.ks, loop.bs, loop.probe_every, loop.num_steps = "confidence", 6, sorted(costs), 1, 16, 1
-        loop.host_ms, loop.last_k = 0.11, None
-        loop.cands, loop.kt, loop.kchain, loop._probe = loop.ks, None, loop.ks[-1], 0
-        loop.surv = [1.0] + [0.5 ** i for i in range(1, 7)]
-        loop.gpu_ms = {(1, K): c for K, c in costs.items()}
-        loop.gpu_n = {key: 2 for key in loop.gpu_ms}
+        loop = _batch_one_loop(costs)
         rng, chosen = random.Random(seed), []
         for _ in range(600):
             loop.num_steps += 1
@@ -242,10 +252,8 @@ def test_loop_cost_model_batch_one_is_not_swung_by_single_outcomes():
 def test_loop_cost_model_tree_not_stuck_on_its_first_probe():
     """The tree is observed only on its probes. Session 16's C=1 costs (H100, ms) with a tree that yields more tokens
     per ms than any chain: after a first tree step that accepted nothing the loop must still find it the best and
-    verify it in most steps (with the moving average alone it stayed near that first 1.0 token and chain K=6 won:
-    tree-conf chose the tree in 21 of 642 live steps)."""
-    from kestrel.spec.spec_loop import SpecLoop
-
+    verify it in most steps (with the moving average alone it stayed near that first 1.0 token and the chains won,
+    K = 4 in most steps, as in session 16's live tree-conf run: the tree in 21 of 642 steps, K = 4 in 448)."""
     p_chain = [0.45, 0.5, 0.55, 0.6, 0.6, 0.6]  # P(accept slot i | slots before accepted) of the greedy chain
     p_tree = [0.75, 0.6, 0.55, 0.5, 0.5, 0.5]  # the tree's deepest accepted path (its root has 4 candidates)
     costs = {0: 1.078, 1: 1.262, 2: 1.297, 4: 1.323, 6: 1.347, 30: 1.405}
@@ -264,15 +272,7 @@ def test_loop_cost_model_tree_not_stuck_on_its_first_probe():
         return out
     assert max(costs, key=lambda K: exact(p_tree if K == 30 else p_chain, min(K, 6)) / costs[K]) == 30
     for seed in range(3):
-        loop = SpecLoop.__new__(SpecLoop)
-        loop.schedule, loop.k, loop.ks, loop.bs, loop.probe_every, loop.num_steps = "confidence", 6, [0, 1, 2, 4, 6], 1, 16, 1
-        loop.host_ms, loop.last_k, loop._probe = 0.11, None, 0
-        loop.kt, loop.kchain, loop.tree_tokens, loop.tree_rows = 30, 6, 0.0, 0
-        loop.tree = type("Shape", (), {"D": 6})()
-        loop.cands = loop.ks + [loop.kt]
-        loop.surv = [1.0] + [0.5 ** i for i in range(1, 7)]
-        loop.gpu_ms = {(1, K): c for K, c in costs.items()}
-        loop.gpu_n = {key: 2 for key in loop.gpu_ms}
+        loop = _batch_one_loop(costs, tree_k=30)
         rng, chosen = random.Random(seed), []
         for step in range(600):
             loop.num_steps += 1
