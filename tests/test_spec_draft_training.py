@@ -1,4 +1,5 @@
 """Pieces of the draft head's self-distillation: packed hidden-state collection, the recurrent refiner, bf16 save."""
+import pytest
 import torch
 
 from kestrel.spec.draft_head import DraftHead
@@ -194,6 +195,33 @@ def test_train_head_checkpoints_during_training():
                       checkpoint=ckpt, checkpoint_every=1e-9)
     assert len(seen) >= 2 and seen[0][0] < seen[-1][0]
     assert not torch.equal(seen[0][1], seen[-1][1]) and not head.training
+
+
+def test_train_head_on_the_clock_alone_runs_past_the_old_step_default():
+    """steps=None with max_seconds: training ends on the clock, not on a step count (session 16's GPU head stopped at
+    the then-default 500 steps after 12 s of a 50 s box); without max_seconds that is an error, and the CLI keeps 500
+    steps when no time box is given."""
+    import time
+
+    from kestrel.cli import build_parser
+    from kestrel.spec.train_cli import _check
+    from kestrel.spec.train_draft import train_head
+    torch.manual_seed(0)
+    V, H = 40, 16
+    embed, lm_head = torch.randn(V, H), torch.randn(V, H)
+    seqs = [torch.randint(V, (30,)).tolist() for _ in range(4)]
+    hidden = [torch.randn(len(s), H) for s in seqs]
+    t0 = time.monotonic()
+    head = train_head(embed, lm_head, hidden, seqs, k=2, steps=None, batch_positions=8, progress=False,
+                      max_seconds=3.0)
+    assert time.monotonic() - t0 >= 3.0 and head.train_stats["steps"] > 20
+    with pytest.raises(ValueError, match="max_seconds"):
+        train_head(embed, lm_head, hidden, seqs, k=2, steps=None, progress=False)
+    p = build_parser()
+    a = p.parse_args(["train-draft", "--max-seconds", "5"]); _check(a)
+    assert a.steps is None
+    a = p.parse_args(["train-draft"]); _check(a)
+    assert a.steps == 500
 
 
 def test_walk_tokens_per_verify_steps_over_accepted_prefixes():

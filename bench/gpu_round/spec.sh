@@ -13,13 +13,13 @@ fi
 [ "${SPEC_TESTS:-1}" = 1 ] && stage tests 60 $P tests/test_prefill_graphs.py tests/test_spec_verify_graph.py -k "cuda or padded"
 # the session-7 head was lost with its machine: train a fresh one with the session-7 recipe (~100 s at the default
 # 28 s of generation + 50 s of training; SPEC_GEN_S / SPEC_TRAIN_S lengthen both). The head comes back in $OUT/spec.
-# --steps: the clock ends training, not train-draft's default of 500 steps (session 16's head stopped there after 12
-# s of its 50: 500 steps where session 7's ran 3,295, accepting 2.15 tokens per verify where session 7's gave 2.52)
+# The clock ends training (train-draft without --steps, since session 17): session 16's head stopped at the then
+# default of 500 steps after 12 s of its 50 (session 7's ran 3,295), accepting 2.15 tokens per verify, s7's 2.52
 GEN_S=${SPEC_GEN_S:-28} TRAIN_S=${SPEC_TRAIN_S:-50}
 stage train $(( GEN_S + TRAIN_S + 60 )) python3 -m kestrel.cli train-draft $G --device cuda --dtype bfloat16 --out /tmp/head.safetensors --k 6 \
   --prompts chat+varied+self --seed 7 --num-prompts ${SPEC_PROMPTS:-16384} --gen-tokens 128 --greedy-fraction 1.0 --gen-batch 1024 \
   --heldout 0.04 --gen-seconds $GEN_S --max-seconds $TRAIN_S --batch-positions 1024 --lr 2e-3 --weight-decay 0.01 --ignore-eos \
-  --save-every 12 --save-dtype bfloat16 --no-progress --steps 1000000
+  --save-every 12 --save-dtype bfloat16 --no-progress
 [ "$DRY" != 1 ] && cp /tmp/head.safetensors $OUT/spec/ 2>/dev/null
 [ "${SPEC_TTFT:-1}" = 1 ] && stage ttft 40 python3 bench/prefill_ttft.py --model $G --tokenizer bench_out/tok --device cuda --dtype bfloat16 --prefill-graphs
 for pg in ${SPEC_PG:-0 1}; do  # SPEC_PG=1: the prefill-graph run only (its no-spec baseline has them too)

@@ -101,7 +101,8 @@ def add_parser(subparsers):
     p.add_argument("--hidden-cache", default=None,
                    help="torch file of the generated sequences and their hidden states: reused when it exists, "
                         "written otherwise (retraining skips both generation and the hidden-state pass)")
-    p.add_argument("--steps", type=int, default=500, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default: 500; with --max-seconds, as many as the clock allows)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop training after this many seconds (the LR schedule follows the clock; default: no limit)")
     p.add_argument("--batch-positions", type=int, default=256, help="positions per step (default: %(default)s)")
@@ -121,11 +122,15 @@ def add_parser(subparsers):
 
 
 def _check(args):
+    if args.steps is None and not args.max_seconds:  # with a time box alone the clock ends training (session 16:
+        args.steps = 500  # the then-default 500 steps cut a 50 s box after 12 s)
     for name in ("k", "layers", "num_prompts", "gen_tokens", "steps", "batch_positions", "gen_batch", "mult"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.lr <= 0:
         raise ValueError("--lr must be > 0")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        raise ValueError("--max-seconds must be > 0")
     if not 0.0 <= args.greedy_fraction <= 1.0:
         raise ValueError("--greedy-fraction must be in [0, 1]")
     if not 0.0 <= args.heldout < 0.5:

@@ -6,6 +6,7 @@ hidden @ lm_head^T, so they are recomputed for the sampled positions of each ste
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -115,7 +116,7 @@ def _sample_batch(p: _Packed, k, n, gen: torch.Generator, device, context: int =
 
 
 def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Tensor], seqs: list[list[int]],
-               k: int = 4, steps: int = 500, batch_positions: int = 256, lr: float = 1e-3, seed: int = 0,
+               k: int = 4, steps: int | None = 500, batch_positions: int = 256, lr: float = 1e-3, seed: int = 0,
                head: DraftHead | None = None, progress: bool = True, conf_weight: float = 0.5,
                vocab_subset: bool = False, max_seconds: float | None = None, hard_label: str = "argmax",
                log_every: int = 0, prompt_lens: list[int] | None = None, weight_decay: float = 0.0,
@@ -130,7 +131,7 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
     still reads out over the full vocabulary.
 
     max_seconds: a wall-clock budget; the learning-rate schedule then runs on max(step / steps, elapsed / budget),
-    so a run cut short by the clock still ends annealed.
+    so a run cut short by the clock still ends annealed. steps=None: no step limit, the clock alone (needs it).
 
     hard_label: "argmax" = the teacher's most likely token (what greedy verification accepts), "generated" = the
     token the target sampled there (different from the argmax wherever the data was generated with temperature).
@@ -165,13 +166,17 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp and device.type == "cuda")
     t0 = time.monotonic()
 
+    if steps is None and not max_seconds:
+        raise ValueError("train_head: steps=None (train on the clock) needs max_seconds")
+
     def frac(i):  # training progress in [0, 1]: by steps, or by the clock when that is further along
-        f = i / steps
+        f = i / steps if steps else 0.0
         return min(1.0, max(f, (time.monotonic() - t0) / max_seconds)) if max_seconds else min(f, 1.0)
     # linear warm-up over the first 5% of training, then cosine
-    cosine = lambda i: min(1.0, max(frac(i), (i + 1) / steps) / 0.05) * 0.5 * (1 + math.cos(math.pi * frac(i)))
+    cosine = lambda i: min(1.0, max(frac(i), (i + 1) / steps if steps else 0.0) / 0.05) * 0.5 * (1 + math.cos(math.pi * frac(i)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: max(cosine(i), 0.05))
-    bar = tqdm(range(steps), desc="Training draft head", unit="step", disable=not progress)
+    bar = tqdm(range(steps) if steps else itertools.count(), total=steps, desc="Training draft head", unit="step",
+               disable=not progress)
     stats, done, last_ckpt = {}, 0, time.monotonic()
     for step in bar:
         if max_seconds and time.monotonic() - t0 >= max_seconds:
@@ -200,7 +205,7 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
         opt.step()
         sched.step()
         done = step + 1
-        if step % 10 == 0 or step == steps - 1:
+        if step % 10 == 0 or step == (steps or 0) - 1:
             acc = (hit * m).sum(0) / m.sum(0).clamp_min(1)
             stats = {"loss": round(loss.item(), 3), "acc1": round(acc[0].item(), 3), f"acc{head.k}": round(acc[-1].item(), 3)}
             bar.set_postfix(stats)
