@@ -83,9 +83,8 @@ def tree_estimate(prev: float, mean: float, live: int, rows_seen: int) -> float:
     too): the plain mean of all tree rows so far until there are 1 / survival_weight of them, then the same moving
     average as the chains. Why (and TREE_MIN_ROWS): the tree is observed only on its probes (every 2nd probe, 1 step
     in 32 at C=1), so with the moving average alone its first step's single row stuck for hundreds of steps (0.02
-    weight a probe):
-    session 16's tree-conf at C=1 verified the tree in 21 of 642 steps and chain K=4 in 448, 1.46x against the
-    tree's 1.72x on its own (1.64 against 2.15 tokens per verify at ~the same step cost)."""
+    weight a probe): session 16's tree-conf at C=1 verified the tree in 21 of 642 steps and chain K=4 in 448, 1.46x
+    against the tree's 1.72x on its own (1.64 against 2.15 tokens per verify at ~the same step cost)."""
     if not prev:
         return mean
     w = max(survival_weight(live), live / rows_seen)
