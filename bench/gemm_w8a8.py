@@ -30,6 +30,7 @@ from gpu_timing import graph_us  # noqa: E402
 from kestrel.kernels import act_quant as aq  # noqa: E402
 from kestrel.kernels.gemm_w4a4 import w4a4_linear  # noqa: E402
 from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear  # noqa: E402
+import kestrel.kernels.gemm_w4a8 as g4  # noqa: E402
 from kestrel.kernels.gemm_w8a8 import gemm_w8a8, gemm_w8a16, quantize_weight_w8a8, ref_gemm_w8a8, w8a8_linear  # noqa: E402
 from kestrel.kernels.lowbit_gemm import A_BF16, W_FP8, GemmConfig, heuristic_config  # noqa: E402
 
@@ -266,7 +267,7 @@ def run_w4(N, K, ms, rows, budget, sections):
     # too); the interchange "pairs" packing is timed beside it (kestrel_w4a8_pairs_gemm_us)
     w4p = [quantize_weight_w4(W, "int4", 128) for W in Ws] if "w4a8" in sections else []
     w4 = [q.kernel_layout() for q in w4p]
-    mx = [quantize_weight_w4(W, "mxfp4") for W in Ws] if "w4a4" in sections else []
+    mx = [quantize_weight_w4(W, "mxfp4") for W in Ws] if {"w4a4", "w4a8mx"} & set(sections) else []
     wna, gemm_wna16 = [], None
     if w4:
         try:  # kestrel's WNA16 (the part-1 kernel), same int4 g128 weights
@@ -326,7 +327,22 @@ def run_w4(N, K, ms, rows, budget, sections):
                     r["humming_w4a8_e2e_us"] = safe_us([lambda L=L: L(x) for L in hum])
                 except Exception as ex:
                     r["humming_error"] = repr(ex)[:200]
-        if mx:
+        if mx and "w4a8mx" in sections:  # MXFP4 weights x fp8: the default path vs the exact scale fold
+            a, s = aq.quant_fp8(x)
+            ref = aq.dequant_8bit(a, s) @ mx[0].dequantize().t()
+            r["w4a8_mxfp4_err_vs_dequant"] = rel(gemm_w4a8(a, s, mx[0]), ref)
+            r["kestrel_w4a8_mxfp4_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, mx[i]) for i in range(nc)])
+            g4.FOLD_MIN_M, fold_min = 1, g4.FOLD_MIN_M
+            try:
+                if mx[0].fold_base() is not None:
+                    r["w4a8_mxfp4_fold_err_vs_dequant"] = rel(gemm_w4a8(a, s, mx[0]), ref)
+                    r["kestrel_w4a8_mxfp4_fold_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, mx[i])
+                                                                    for i in range(nc)])
+                    r["kestrel_w4a8_mxfp4_fold_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, mx[i])
+                                                                   for i in range(nc)])
+            finally:
+                g4.FOLD_MIN_M = fold_min
+        if mx and "w4a4" in sections:
             ya = w4a4_linear(x, mx[0])
             qa, sa = aq.quant_mxfp4(x)
             r["w4a4_err_vs_dequant"] = rel(ya, aq.dequant_mxfp4(qa, sa) @ mx[0].dequantize().t())
@@ -399,6 +415,9 @@ RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
     ("w4a8 gemm: fused in-register / default (expand + TMA)", "kestrel_w4a8_fused_gemm_us", "kestrel_w4a8_gemm_us"),
     ("w4a8 gemm: pairs packing / halves packing", "kestrel_w4a8_pairs_gemm_us", "kestrel_w4a8_gemm_us"),
     ("w4a8 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a8_e2e_us"),
+    ("w4a8 mxfp4 gemm: default path / scale fold", "kestrel_w4a8_mxfp4_gemm_us", "kestrel_w4a8_mxfp4_fold_gemm_us"),
+    ("w4a8 mxfp4 fold e2e vs Humming W4A8 (its int4 g128)", "humming_w4a8_e2e_us", "kestrel_w4a8_mxfp4_fold_e2e_us"),
+    ("w4a8 mxfp4 fold e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a8_mxfp4_fold_e2e_us"),
     ("w4a4 mxfp4 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a4_mxfp4_e2e_us"),
 ]
 
@@ -452,7 +471,7 @@ def write_report(rows, out, meta, stem="gemm_w8a8", ratios=None):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="fp8,int8,w4a8,w4a4", help="comma list of fp8,int8,w4a8,w4a4")
+    p.add_argument("--sections", default="fp8,int8,w4a8,w4a4", help="comma list of fp8,int8,w4a8,w4a8mx,w4a4 (w4a8mx: MXFP4 weights, default path vs the scale fold)")
     p.add_argument("--shapes", default="8192x8192,28672x8192", help="comma list of NxK weight shapes")
     p.add_argument("--ms", default="1,16,64,256,1024,4096", help="comma list of batch sizes M")
     p.add_argument("--w4a8-cfgs", default="", help="W4A8 swapped configs to time beside the default: "
@@ -477,7 +496,7 @@ def main():
         for sec, fn in (("fp8", lambda: run_fp8(N, K, ms, rows, args.budget_s)),
                         ("w4", lambda: run_w4(N, K, ms, rows, args.budget_s, secs)),
                         ("int8", lambda: run_int8(N, K, ms, rows, args.budget_s))):
-            if sec in secs or (sec == "w4" and ({"w4a8", "w4a4"} & set(secs))):
+            if sec in secs or (sec == "w4" and ({"w4a8", "w4a8mx", "w4a4"} & set(secs))):
                 log(f"== {sec} {N}x{K}")
                 try:
                     fn()

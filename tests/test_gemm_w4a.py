@@ -104,6 +104,42 @@ def test_w4a4_vs_dequant_matmul(fmt):
     assert _rel(y2, ref) < 1e-5
 
 
+def test_mxfp4_fold_is_exact_and_the_w4a8_fold_path(monkeypatch):
+    """lowbit_tma.mxfp4_fold_to_fp8: every e2m1 code times 2^0 .. 2^-8 (the fold's whole range, each group's
+    exponent 0..8 under its channel's largest) becomes an e4m3 value that, times the channel scale, equals
+    dequantize() bit for bit. Through gemm_w4a8 (KESTREL_W4A8_FOLD_MIN_M on) the product equals the FP8 matmul of
+    the dequantized weight; a weight with a group 9 binades down is not folded (fold_base None) and takes the old
+    path, which still matches."""
+    import kestrel.kernels.gemm_w4a8 as g4
+    from kestrel.kernels.lowbit_tma import mxfp4_fold_to_fp8
+
+    import kestrel.kernels.lowbit_tma as lt
+
+    M, N, K = 40, 16, 16 * 32  # 16 groups per channel: relative exponents 0, -1, ..., -8, 0, -1, ...
+    codes = torch.arange(N * K) % 16  # every code (both signs) in every group
+    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(N, K // 2)
+    top = 120 + torch.arange(N)[:, None]  # the channel's largest exponent, different per channel
+    scale = (top - torch.arange(16)[None, :] % 9).to(torch.uint8)
+    w = g4.W4Weight("mxfp4", packed, scale, 32)
+    base, chan = w.fold_base()
+    w8 = mxfp4_fold_to_fp8(w.packed, w.scale, base)
+    assert torch.equal(w8.float() * chan[:, None], w.dequantize())
+    x = torch.randn(M, K)
+    a_q, a_s = aq.ref_quant_fp8(x)
+    ref = aq.dequant_8bit(a_q, a_s) @ w.dequantize().t()
+    monkeypatch.setattr(g4, "FOLD_MIN_M", 16)
+    calls = []
+    fold = lt.mxfp4_fold_to_fp8
+    monkeypatch.setattr(lt, "mxfp4_fold_to_fp8", lambda *a: calls.append(1) or fold(*a))
+    y = gemm_w4a8(a_q, a_s, w, torch.float32)
+    assert calls and _rel(y, ref) < 1e-5
+    wide = g4.W4Weight("mxfp4", packed.clone(), torch.cat([scale[:, :8], scale[:, 8:] - 1], 1), 32)
+    assert wide.fold_base() is None
+    y2 = gemm_w4a8(a_q, a_s, wide, torch.float32)
+    assert len(calls) == 1
+    assert _rel(y2, aq.dequant_8bit(a_q, a_s) @ wide.dequantize().t()) < 1e-5
+
+
 def test_w4_bad_inputs():
     x, w = _data(4, 32, 128, 4)
     with pytest.raises(ValueError):

@@ -27,8 +27,8 @@ import torch
 
 from kestrel.kernels import act_quant
 from kestrel.kernels.lowbit import pack_nibbles, ref_fp4_decode, unpack_nibbles
-from kestrel.kernels.lowbit_gemm import (A_FP8, S_E4M3, S_E8M0, S_FLOAT, W_FP4, W_INT4, GemmConfig, Operand,
-                                         heuristic_config, run_dense)
+from kestrel.kernels.lowbit_gemm import (A_FP8, S_E4M3, S_E8M0, S_FLOAT, W_FP4, W_FP8, W_INT4, GemmConfig,
+                                         Operand, heuristic_config, run_dense)
 
 W4_FORMATS = ("int4", "mxfp4", "nvfp4")
 
@@ -43,6 +43,10 @@ BF16_MAX_M = int(os.environ.get("KESTREL_W4A8_BF16_MAX_M", "256"))
 # H100 s16 (bench/results/gemm_w8a8_h100_s16.md), e2e Gluon / Triton: M = 4096 1.00 / 0.96 / 0.89 of the time
 # (4096x14336, 8192x28672, 28672x4096), M = 1024 1.02 / 0.97 / 1.02, M = 256 1.48 / 0.96 / 1.03
 TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_TCG_MIN_M", "2048"))
+# from this M on, MXFP4 weights: the group scales folded into an fp8 copy of the weight made per call (exact:
+# lowbit_tma.mxfp4_fold_to_fp8), then the FP8 W8A8 kernels with per-channel scales, whose wgmma chain no K-varying
+# scale breaks; 0 = never (the default until a GPU measurement: the copy costs 1.5 bytes per weight per call)
+FOLD_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_MIN_M", "0"))
 
 
 def to_halves(packed: torch.Tensor) -> torch.Tensor:
@@ -71,6 +75,7 @@ class W4Weight:
         self.fmt, self.packed, self.scale, self.group, self.global_scale = fmt, packed, scale, group, global_scale
         self.layout = layout
         self._wna16 = None  # wna16(): the planar twin, made on first use
+        self._fold = None  # fold_base(): MXFP4 channel exponents for the scale fold, checked on first use
 
     def halves_ok(self) -> bool:
         K = self.shape[1]
@@ -102,6 +107,16 @@ class W4Weight:
             scales = self.scale.reshape(N, -1).t().to(torch.bfloat16).contiguous()
             self._wna16 = QuantizedWeight(spec, (N, K), pack_codes(codes, 4), scales)
         return self._wna16
+
+    def fold_base(self):
+        """MXFP4 only: (channel exponent codes [N], channel scales [N]) for lowbit_tma.mxfp4_fold_to_fp8, or None where
+        a group lies more than FOLD_SPAN binades under its channel's largest (the fold would not be exact). Checked
+        once (one host sync) and cached."""
+        if self._fold is None:
+            from kestrel.kernels.lowbit_tma import mxfp4_fold_base
+            ok = self.fmt == "mxfp4" and self.packed.dim() == 2 and self.layout == "pairs"
+            self._fold = (mxfp4_fold_base(self.scale) if ok else None) or False
+        return self._fold or None
 
     def pairs_packed(self) -> torch.Tensor:
         return from_halves(self.packed) if self.layout == "halves" else self.packed
@@ -191,6 +206,12 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
         if gemm_w4a8_tcg.supported(a_q, N, K):
             return gemm_w4a8_tcg.gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype)
     a_op = Operand(A_FP8, a_q.contiguous(), a_scale.float().reshape(M, 1).contiguous())
+    if config is None and 0 < FOLD_MIN_M <= M and w.fold_base() is not None:
+        from kestrel.kernels.gemm_w8a8 import tuned_config
+        from kestrel.kernels.lowbit_tma import mxfp4_fold_to_fp8
+        base, chan = w.fold_base()
+        w8 = Operand(W_FP8, mxfp4_fold_to_fp8(w.packed, w.scale, base), chan)
+        return run_dense(a_op, w8, M, N, K, out_dtype, tuned_config(M, N, K, A_FP8))
     from kestrel.kernels.lowbit_tune import lookup
     cfg = config or lookup("w4a8-" + w.fmt, M, N, K) or heuristic_config(M, N, K, A_FP8, W_INT4)
     w_op = w.operand()
