@@ -9,7 +9,7 @@ from kestrel.kernels import act_quant as aq
 from kestrel.kernels.gemm_w4a4 import gemm_w4a4, ref_dequant_act, w4a4_linear
 from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear
 from kestrel.kernels.lowbit import unpack_nibbles
-from kestrel.kernels.lowbit_gemm import GemmConfig, int4_to_e4m3, int4_to_f32
+from kestrel.kernels.lowbit_gemm import A_FP8, GemmConfig, Operand, int4_to_e4m3, int4_to_f32, max_block_k
 
 pytestmark = pytest.mark.skipif(not aq.use_triton(torch.empty(0)), reason="needs TRITON_INTERPRET=1 (or a GPU)")
 
@@ -121,8 +121,8 @@ def test_mxfp4_fold_is_exact_and_the_w4a8_fold_path(monkeypatch):
     top = 120 + torch.arange(N)[:, None]  # the channel's largest exponent, different per channel
     scale = (top - torch.arange(16)[None, :] % 9).to(torch.uint8)
     w = g4.W4Weight("mxfp4", packed, scale, 32)
-    base, chan = w.fold_base()
-    w8 = mxfp4_fold_to_fp8(w.packed, w.scale, base)
+    down, chan = w.fold_base()
+    w8 = mxfp4_fold_to_fp8(w.packed, down)
     assert torch.equal(w8.float() * chan[:, None], w.dequantize())
     x = torch.randn(M, K)
     a_q, a_s = aq.ref_quant_fp8(x)
@@ -133,6 +133,12 @@ def test_mxfp4_fold_is_exact_and_the_w4a8_fold_path(monkeypatch):
     monkeypatch.setattr(lt, "mxfp4_fold_to_fp8", lambda *a: calls.append(1) or fold(*a))
     y = gemm_w4a8(a_q, a_s, w, torch.float32)
     assert calls and _rel(y, ref) < 1e-5
+    # the in-register fold of the Triton W4A8 kernel (lowbit_gemm.S_FOLD), both orientations, 128-deep K tiles
+    monkeypatch.setattr(g4, "FOLD_KERNEL", True)
+    for swap in (0, 1):
+        cfg = GemmConfig(BM=16 if swap else 32, BN=16, BK=128, num_warps=4, num_stages=2, SWAP_AB=swap)
+        assert max_block_k(Operand(A_FP8, a_q, a_s), w.operand(fold=True), K) == 128  # (32 unfolded)
+        assert _rel(gemm_w4a8(a_q, a_s, w, torch.float32, config=cfg), ref) < 1e-5, swap
     wide = g4.W4Weight("mxfp4", packed.clone(), torch.cat([scale[:, :8], scale[:, 8:] - 1], 1), 32)
     assert wide.fold_base() is None
     y2 = gemm_w4a8(a_q, a_s, wide, torch.float32)

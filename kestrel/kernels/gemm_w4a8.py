@@ -27,8 +27,8 @@ import torch
 
 from kestrel.kernels import act_quant
 from kestrel.kernels.lowbit import pack_nibbles, ref_fp4_decode, unpack_nibbles
-from kestrel.kernels.lowbit_gemm import (A_FP8, S_E4M3, S_E8M0, S_FLOAT, W_FP4, W_FP8, W_INT4, GemmConfig,
-                                         Operand, heuristic_config, run_dense)
+from kestrel.kernels.lowbit_gemm import (A_FP8, S_E4M3, S_E8M0, S_FLOAT, S_FOLD, W_FP4, W_FP8, W_INT4,
+                                         GemmConfig, Operand, heuristic_config, run_dense)
 
 W4_FORMATS = ("int4", "mxfp4", "nvfp4")
 
@@ -47,6 +47,10 @@ TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_TCG_MIN_M", "2048"))
 # lowbit_tma.mxfp4_fold_to_fp8), then the FP8 W8A8 kernels with per-channel scales, whose wgmma chain no K-varying
 # scale breaks; 0 = never (the default until a GPU measurement: the copy costs 1.5 bytes per weight per call)
 FOLD_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_MIN_M", "0"))
+# below FOLD_MIN_M (or with it 0), MXFP4 weights: 1 = the Triton W4A8 kernels fold the group scales in registers
+# (lowbit_gemm.S_FOLD: exact e4m3 weights, one accumulator chain, K tiles of 128 instead of the group's 32); 0 (the
+# default until a GPU measurement) = today's per-group rescaled partial products
+FOLD_KERNEL = os.environ.get("KESTREL_W4A8_FOLD_KERNEL", "0") == "1"
 
 
 def to_halves(packed: torch.Tensor) -> torch.Tensor:
@@ -109,9 +113,9 @@ class W4Weight:
         return self._wna16
 
     def fold_base(self):
-        """MXFP4 only: (channel exponent codes [N], channel scales [N]) for lowbit_tma.mxfp4_fold_to_fp8, or None where
-        a group lies more than FOLD_SPAN binades under its channel's largest (the fold would not be exact). Checked
-        once (one host sync) and cached."""
+        """MXFP4 only: (down [N, K // 32], channel scales [N]) of lowbit_tma.mxfp4_fold_base, or None where a group
+        lies more than FOLD_SPAN binades under its channel's largest (the fold would not be exact). Checked once (one
+        host sync) and cached."""
         if self._fold is None:
             from kestrel.kernels.lowbit_tma import mxfp4_fold_base
             ok = self.fmt == "mxfp4" and self.packed.dim() == 2 and self.layout == "pairs"
@@ -125,8 +129,12 @@ class W4Weight:
     def shape(self):
         return self.packed.shape[-2], self.packed.shape[-1] * 2
 
-    def operand(self) -> Operand:
+    def operand(self, fold: bool = False) -> Operand:
+        """The kernels' view. fold (MXFP4 where fold_base() allows): the scale-fold form (lowbit_gemm.S_FOLD)."""
         N, K = self.shape
+        if fold:
+            down, chan = self.fold_base()
+            return Operand(W_FP4, self.packed, down, chan, group=self.group, scale_kind=S_FOLD)
         kind = {"int4": S_FLOAT, "mxfp4": S_E8M0, "nvfp4": S_E4M3}[self.fmt]
         group = 0 if self.group in (-1, K) and self.fmt == "int4" else self.group
         scale = self.scale.reshape(self.scale.shape[:-1]) if group == 0 else self.scale
@@ -209,12 +217,12 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
     if config is None and 0 < FOLD_MIN_M <= M and w.fold_base() is not None:
         from kestrel.kernels.gemm_w8a8 import tuned_config
         from kestrel.kernels.lowbit_tma import mxfp4_fold_to_fp8
-        base, chan = w.fold_base()
-        w8 = Operand(W_FP8, mxfp4_fold_to_fp8(w.packed, w.scale, base), chan)
+        down, chan = w.fold_base()
+        w8 = Operand(W_FP8, mxfp4_fold_to_fp8(w.packed, down), chan)
         return run_dense(a_op, w8, M, N, K, out_dtype, tuned_config(M, N, K, A_FP8))
     from kestrel.kernels.lowbit_tune import lookup
     cfg = config or lookup("w4a8-" + w.fmt, M, N, K) or heuristic_config(M, N, K, A_FP8, W_INT4)
-    w_op = w.operand()
+    w_op = w.operand(fold=FOLD_KERNEL and w.fold_base() is not None)
     if cfg.TMA and w.fmt == "int4" and (w_op.group == 0 or w_op.group % 128 == 0) and M > 0:
         # expand to fp8 once per call, then the TMA fp8 kernel (lowbit_tma.py)
         from kestrel.kernels.lowbit_tma import int4_to_fp8, launch_tma, tma_ok

@@ -28,6 +28,9 @@ A_BF16, A_FP8, A_INT8, A_MXFP4, A_NVFP4 = 0, 1, 2, 3, 4
 W_BF16, W_FP8, W_INT8, W_INT4, W_FP4 = 0, 1, 2, 3, 4
 # weight scale storage
 S_FLOAT, S_E8M0, S_E4M3 = 0, 1, 2
+# MXFP4 scale fold (fp8 activations, per-token scales): `scale` holds base - e8m0 (0..FOLD_SPAN) per 32, the channel
+# scales 2^(base - 127) ride in `global_scale`; the kernel makes exact e4m3 weights and chains one accumulator
+S_FOLD = 3
 
 
 @triton.jit
@@ -37,6 +40,12 @@ def _w_scale(ws_ptr, offs_n, kk, WGN: tl.constexpr, stride_wsn, W_SCALE: tl.cons
     if W_SCALE == 1:
         s = e8m0_to_f32(s)
     return s.to(tl.float32)
+
+
+@triton.jit
+def fp4_fold_e4m3(code, down):
+    """e2m1 code x 2^-down (down 0..8) -> float8e4nv, exact (see lowbit_tma.mxfp4_fold_to_fp8)."""
+    return (fp4_decode(code) * tl.exp2(-down.to(tl.float32))).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -120,7 +129,10 @@ def _qgemm_step(acc, a_ptr, as_ptr, w_base, ws_base, a_rows, offs_nc, k0, kk, kh
     else:
         wr = tl.load(w_base + offs_nc[None, :] * stride_wn + (k0 + kk[:, None]))
 
-    if MMA8:
+    if MMA8 and W_SCALE == 3:  # the scale fold: exact e4m3 weights, no K-varying scale, one accumulator chain
+        down = tl.load(ws_base + offs_nc[None, :] * stride_wsn + (k0 + kk[:, None]) // 32)
+        acc = tl.dot(a, fp4_fold_e4m3(wn, down), acc)
+    elif MMA8:
         # 8-bit MMA; K-varying scales applied to the partial product
         if A_FMT == 1:
             if W_FMT == 3:
@@ -248,7 +260,12 @@ def _qgemm_kernel(
         acc = tl.zeros((BM, BN), tl.float32)
 
     for k0 in range(k_start, k_start + k_per_split, BK):
-        if SWAP:
+        if SWAP and W_SCALE == 3:  # the scale fold, swapped (see _qgemm_step)
+            at = tl.load(a_ptr + a_rows[None, :] * stride_am + (k0 + kk[:, None]))  # [BK, BM]
+            wn = unpack_k_rows(tl.load(w_base + offs_nc[:, None] * stride_wn + (k0 // 2 + kh[None, :])), BN, BK)
+            down = tl.load(ws_base + offs_nc[:, None] * stride_wsn + (k0 + kk[None, :]) // 32)
+            acc = tl.dot(fp4_fold_e4m3(wn, down), at, acc)
+        elif SWAP:
             # C^T = W @ A^T (8-bit MMA only): the weight tile, converted in registers, is the wgmma A operand (which
             # may live in registers), the few activation rows are its N side (8..256 wide) -> small-M GEMMs fill
             # the 64-row MMA with weight rows instead of padding tokens, and no converted tile goes through smem
@@ -311,6 +328,8 @@ def _qgemm_kernel(
         acc = acc * tl.load(ags_ptr)
     if WG == 0 and W_FMT != 0:
         acc = acc * tl.load(ws_base + offs_nc * stride_wsn)[None, :].to(tl.float32)
+    if W_SCALE == 3:  # the fold's channel scales (dense only: launch refuses MoE)
+        acc = acc * tl.load(wgs_ptr + offs_nc)[None, :]
     if HAS_WGS:
         if IS_MOE:
             acc = acc * tl.load(wgs_ptr + expert)
@@ -374,7 +393,7 @@ def max_block_k(a: Operand, w: Operand, K: int) -> int:
     """largest BK the scale layout allows (8-bit MMA with K-varying scales needs BK <= group)."""
     bk = 128
     if uses_mma8(a, w):
-        for g in (a.group, w.group):
+        for g in (a.group, 0 if w.scale_kind == S_FOLD else w.group):  # (folded scales do not bound the K tile)
             if g:
                 bk = min(bk, g)
     return bk
@@ -386,6 +405,8 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
     BK = 128 if w.halves else min(cfg.BK, max_block_k(a, w, K))  # halves: the packing block is the K tile
     while BK > 32 and (K // cfg.SPLIT_K) % BK and not w.halves:  # small / odd K: shrink the K tile rather than fail
         BK //= 2
+    if w.scale_kind == S_FOLD and (moe is not None or a.fmt != A_FP8 or a.group or w.fmt != W_FP4):
+        raise ValueError("the MXFP4 scale fold takes a dense fp8 GEMM with per-token activation scales")
     if a.group and not uses_mma8(a, w):
         raise ValueError("per-group activation scales need weight scale groups of >= 32 (8-bit MMA path)")
     if K % BK or (K // cfg.SPLIT_K) % BK:
@@ -421,7 +442,7 @@ def launch(a: Operand, w: Operand, out: torch.Tensor, M: int, N: int, K: int, cf
         a.data.stride(0), a_s.stride(0) if a_s.dim() > 1 else 1, stride_we, wd.stride(-2), stride_wse, stride_wsn,
         out.stride(0),
         A_FMT=a.fmt, A_G=a.group if a.fmt in (A_FP8, A_INT8) else 0, W_FMT=w.fmt, W_SCALE=w.scale_kind,
-        WG=w.group, WGN=w.group_n, HAS_WGS=w.global_scale is not None,
+        WG=w.group, WGN=w.group_n, HAS_WGS=w.global_scale is not None and w.scale_kind != S_FOLD,
         IS_MOE=moe is not None, MUL_ROUTED=mul_routed, SPLIT_K=cfg.SPLIT_K, REDUCE=out_div > 1,
         BM=cfg.BM, BN=cfg.BN, BK=BK, GROUP_M=cfg.GROUP_M, DOT_F32=not out.is_cuda, MMA8=uses_mma8(a, w),
         OUT_BF16=out.dtype == torch.bfloat16, SWAP=swap, HALVES=w.halves,

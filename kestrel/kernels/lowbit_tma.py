@@ -18,8 +18,8 @@ import triton.language as tl
 
 from kestrel.kernels.configs import nonempty_split
 from kestrel.kernels.gemm_wna16_tc import _epilogue, _split_counters
-from kestrel.kernels.lowbit import fp4_decode, round_bf16
-from kestrel.kernels.lowbit_gemm import int4_to_e4m3
+from kestrel.kernels.lowbit import round_bf16
+from kestrel.kernels.lowbit_gemm import fp4_fold_e4m3, int4_to_e4m3
 
 
 @triton.jit
@@ -124,43 +124,41 @@ FOLD_SPAN = 8  # MXFP4 fold: groups at most this many binades below their channe
 
 
 @triton.jit
-def _mxfp4_fold_kernel(src, sc, base, dst, n_bytes, Kh, stride_sn, BLOCK: tl.constexpr):
-    """pairs-packed e2m1 bytes -> e4m3 bytes of code x 2^(group exponent - channel exponent) (exact: see
-    mxfp4_fold_to_fp8)."""
+def _mxfp4_fold_kernel(src, down_ptr, dst, n_bytes, Kh, stride_dn, BLOCK: tl.constexpr):
+    """pairs-packed e2m1 bytes -> e4m3 bytes of code x 2^-down (exact: see mxfp4_fold_to_fp8)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_bytes
     p = tl.load(src + offs, mask=ok, other=0)
-    n = offs // Kh
     k = 2 * (offs % Kh)  # the even k of the byte's pair: both nibbles share its 32-wide group
-    rel = tl.load(sc + n * stride_sn + k // 32, mask=ok, other=0).to(tl.int32) - tl.load(base + n, mask=ok, other=0)
-    f = tl.exp2(rel.to(tl.float32))
-    lo = (fp4_decode(p & 0xF) * f).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    hi = (fp4_decode(p >> 4) * f).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    down = tl.load(down_ptr + (offs // Kh) * stride_dn + k // 32, mask=ok, other=0)
+    lo = fp4_fold_e4m3(p & 0xF, down).to(tl.uint8, bitcast=True)
+    hi = fp4_fold_e4m3(p >> 4, down).to(tl.uint8, bitcast=True)
     o = tl.program_id(0) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
     tl.store(dst + o, tl.reshape(tl.join(lo, hi), (2 * BLOCK,)), mask=o < 2 * n_bytes)
 
 
 def mxfp4_fold_base(scale_e8m0: torch.Tensor):
-    """-> (base exponent codes int32 [N], channel scale fp32 [N] = 2^(base - 127)) when every group of every channel
-    lies within FOLD_SPAN binades of its channel's largest (checked once per weight: a host sync), else None."""
+    """e8m0 group scales [N, K // 32] -> (down uint8 [N, K // 32] = the channel's largest exponent minus the group's,
+    channel scales fp32 [N] = 2^(largest - 127)) when every down is <= FOLD_SPAN (checked once per weight: a host
+    sync), else None."""
     s = scale_e8m0.view(torch.uint8).to(torch.int32)
     base = s.amax(-1)
-    if int((base[:, None] - s).amax()) > FOLD_SPAN:
+    down = base[:, None] - s
+    if int(down.amax()) > FOLD_SPAN:
         return None
-    return base.contiguous(), torch.pow(2.0, (base - 127).float()).contiguous()
+    return down.to(torch.uint8).contiguous(), torch.pow(2.0, (base - 127).float()).contiguous()
 
 
-def mxfp4_fold_to_fp8(packed: torch.Tensor, scale_e8m0: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """MXFP4 weight (pairs-packed [N, K // 2], e8m0 scales per 32 [N, K // 32]) -> float8_e4m3fn [N, K] with the group
-    scale folded in relative to the channel's: w = fold * 2^(base - 127) exactly. Why exact: an e2m1 value times a
+def mxfp4_fold_to_fp8(packed: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """MXFP4 weight (pairs-packed [N, K // 2]) with mxfp4_fold_base's `down` -> float8_e4m3fn [N, K] with the group
+    scales folded in relative to the channel's: w = fold * channel scale exactly. Why exact: an e2m1 value times a
     power of two 2^-8 .. 1 is an e4m3 number (0.5 x 2^-8 = 2^-9 is e4m3's smallest subnormal, 6 is normal). Why: a
     K-varying scale multiplies each K tile's partial product and breaks the wgmma accumulator chain (W4A8 at large
     M far under the fp8 MMA bound); folded, the FP8 TMA kernel runs with per-channel scales only."""
     N, Kh = packed.shape
     out = torch.empty((N, 2 * Kh), dtype=torch.uint8, device=packed.device)
     n = packed.numel()
-    sc = scale_e8m0.view(torch.uint8)
-    _mxfp4_fold_kernel[(triton.cdiv(n, 4096),)](packed.contiguous(), sc, base, out, n, Kh, sc.stride(0), BLOCK=4096)
+    _mxfp4_fold_kernel[(triton.cdiv(n, 4096),)](packed.contiguous(), down, out, n, Kh, down.stride(0), BLOCK=4096)
     return out.view(torch.float8_e4m3fn)
 
 
