@@ -8,6 +8,7 @@ under-filled grid (K split, narrower tiles). Run with the H200's Triton for its 
   PYTHONPATH=/tmp/t36:$PWD python bench/lowbit_compile.py                 # W4A8: 64:64:1 64:64:2 64:64:4 ...
   PYTHONPATH=/tmp/t36:$PWD python bench/lowbit_compile.py 64:64:4:4:4     # BM:BN:SPLIT[:WARPS[:STAGES]]
   PYTHONPATH=/tmp/t36:$PWD python bench/lowbit_compile.py --tma           # FP8 TMA: 64:64:1:4:6 64:64:2:4:6 ...
+  PYTHONPATH=/tmp/t36:$PWD python bench/lowbit_compile.py --fmt mxfp4-fold --no-swap 128:128:1:8:3  # the scale fold
 """
 from __future__ import annotations
 
@@ -37,13 +38,22 @@ DEFAULT = ("64:64:1", "64:64:2", "64:64:4", "32:64:1", "32:64:2", "32:64:4", "64
 DEFAULT_TMA = ("64:64:1:4:6", "64:64:2:4:6", "64:64:4:4:6", "64:32:1:4:6", "64:128:1:4:6", "64:128:2:4:6")
 
 
-def compile_w4a8(bm: int, bn: int, split: int, warps: int = 4, stages: int = 4, halves: bool = True):
+# --fmt: the weight format's constexprs (W_FMT, W_SCALE, WG, the K tile, the scale pointer's type)
+FMTS = {"int4": (lg.W_INT4, lg.S_FLOAT, 128, 128, "*fp32"),
+        "mxfp4": (lg.W_FP4, lg.S_E8M0, 32, 32, "*u8"),  # today: the e8m0 group bounds the K tile (BK <= 32)
+        "mxfp4-fold": (lg.W_FP4, lg.S_FOLD, 32, 128, "*u8")}  # the in-register scale fold (one accumulator chain)
+
+
+def compile_w4a8(bm: int, bn: int, split: int, warps: int = 4, stages: int = 4, halves: bool = True,
+                 fmt: str = "int4", swap: bool = True):
     fn = lg._qgemm_kernel
     names = fn.arg_names
-    sig = dict(PTRS, c_ptr="*fp32" if split > 1 else "*bf16", **{n: "i32" for n in INTS})
-    const = dict(A_FMT=lg.A_FP8, A_G=0, W_FMT=lg.W_INT4, W_SCALE=lg.S_FLOAT, WG=128, WGN=1, HAS_WGS=False,
-                 IS_MOE=False, MUL_ROUTED=False, SPLIT_K=split, REDUCE=False, BM=bm, BN=bn, BK=128, GROUP_M=8,
-                 DOT_F32=False, MMA8=True, OUT_BF16=split == 1, SWAP=True, HALVES=halves, ASM=lg.DECODE_ASM)
+    w_fmt, w_scale, wg, bk, ws_type = FMTS[fmt]
+    sig = dict(PTRS, ws_ptr=ws_type, c_ptr="*fp32" if split > 1 else "*bf16", **{n: "i32" for n in INTS})
+    const = dict(A_FMT=lg.A_FP8, A_G=0, W_FMT=w_fmt, W_SCALE=w_scale, WG=wg, WGN=1, HAS_WGS=False,
+                 IS_MOE=False, MUL_ROUTED=False, SPLIT_K=split, REDUCE=False, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                 DOT_F32=False, MMA8=True, OUT_BF16=split == 1, SWAP=swap, HALVES=halves and fmt == "int4",
+                 ASM=lg.DECODE_ASM)
     sig = {n: sig.get(n, "constexpr") for n in names}
     div = [n for n in (*PTRS, "c_ptr", "K", "stride_am", "stride_wn", "stride_cm")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
@@ -77,16 +87,19 @@ def main():
     p.add_argument("configs", nargs="*", help="BM:BN:SPLIT[:WARPS[:STAGES]]")
     p.add_argument("--pairs", action="store_true", help="W4A8: the interchange pairs packing instead of halves")
     p.add_argument("--tma", action="store_true", help="the FP8 W8A8 TMA kernel instead of W4A8")
+    p.add_argument("--fmt", choices=list(FMTS), default="int4", help="W4A8 weight format (default: %(default)s)")
+    p.add_argument("--no-swap", action="store_true", help="W4A8: activation rows on the MMA's M side (large M)")
     args = p.parse_args()
     args.configs = args.configs or list(DEFAULT_TMA if args.tma else DEFAULT)
     ok = True
     for c in args.configs:
         v = [int(t) for t in c.split(":")]
         bm, bn, split, warps, stages = (v + ([4, 6] if args.tma else [4, 4])[len(v) - 3:])[:5]
-        name = "fp8 tma" if args.tma else f"w4a8 {'pairs' if args.pairs else 'halves'}"
+        layout = "pairs" if args.pairs or args.fmt != "int4" else "halves"
+        name = "fp8 tma" if args.tma else f"w4a8 {args.fmt} {layout}{' unswapped' if args.no_swap else ''}"
         try:
             k = (compile_tma(bm, bn, split, warps, stages) if args.tma else
-                 compile_w4a8(bm, bn, split, warps, stages, not args.pairs))
+                 compile_w4a8(bm, bn, split, warps, stages, not args.pairs, args.fmt, not args.no_swap))
             a = analyse(k, warps)
             a["QGMMA"] = sum("QGMMA" in t for t in sass_loop(k)[0])  # (fp8 wgmma: QGMMA in SASS)
             # writes to the A registers of an in-flight fp8 wgmma (the count reads HGMMA lines: renamed)

@@ -44,8 +44,14 @@ def _w_scale(ws_ptr, offs_n, kk, WGN: tl.constexpr, stride_wsn, W_SCALE: tl.cons
 
 @triton.jit
 def fp4_fold_e4m3(code, down):
-    """e2m1 code x 2^-down (down 0..8) -> float8e4nv, exact (see lowbit_tma.mxfp4_fold_to_fp8)."""
-    return (fp4_decode(code) * tl.exp2(-down.to(tl.float32))).to(tl.float8e4nv)
+    """e2m1 code x 2^-down (down 0..8) -> float8e4nv, exact (see lowbit_tma.mxfp4_fold_to_fp8). The e2m1 bits placed
+    in an fp16 (sign at 15, magnitude at 9..11) are the value x 2^-14 exactly (0.5 lands on the fp16 subnormal
+    2^-15); times the fp16 power of two 2^(14 - down) (its bits (29 - down) << 10) it is the folded value, exact in
+    fp16 and in e4m3. Integer-field and fp32 / exp2 forms took 1.3-1.9x the K-loop SASS (offline sm_90a compile)."""
+    c = code.to(tl.int32)
+    v = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+    f = ((29 - down.to(tl.int32)) << 10).to(tl.int16).to(tl.float16, bitcast=True)
+    return (v * f).to(tl.float8e4nv)
 
 
 @triton.jit
