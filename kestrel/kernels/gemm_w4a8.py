@@ -79,7 +79,7 @@ class W4Weight:
         self.fmt, self.packed, self.scale, self.group, self.global_scale = fmt, packed, scale, group, global_scale
         self.layout = layout
         self._wna16 = None  # wna16(): the planar twin, made on first use
-        self._fold = None  # fold_base(): MXFP4 channel exponents for the scale fold, checked on first use
+        self._fold = None  # fold_base(): the MXFP4 scale fold's (down exponents, channel scales), made on first use
 
     def halves_ok(self) -> bool:
         K = self.shape[1]
