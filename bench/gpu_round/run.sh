@@ -14,7 +14,7 @@ if [ "$DRY" != 1 ]; then  # peers + gguf from the carried wheels; the image has 
   git rev-parse HEAD 2>/dev/null; nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader || true
 fi
 source $here/lib.sh
-[ "${1:-}" = all ] && set -- decode:9999 largem:9999 moe:9999 spec:9999
+[ "${1:-}" = all ] && set -- decode:9999 largem:9999 moe:9999 w8a8:9999 spec:9999
 for item in "$@"; do
   AREA=${item%%:*}; AREA_END=$(( $(date +%s) + ${item#*:} ))
   mkdir -p "$OUT/$AREA"
