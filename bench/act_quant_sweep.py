@@ -3,7 +3,9 @@ one process, against the bytes it must move (read bf16 + write the codes) at the
 
 Why: in W8A8 / W4A8 e2e the quant is the part that is not the GEMM, and at M = 256 x K = 28672 it took 25-36 us on
 the H100 (session 16) where its bytes take ~7. Variants: BLOCK_MAX (widest single trip: 32768 spills 656 B of stack
-per thread offline, 16384 none) and CHUNK_PROGRAMS (how many programs few rows are spread over).
+per thread offline, 16384 none) and CHUNK_PROGRAMS (how many programs few rows are spread over). Timing: a CUDA
+graph of 20 calls on the same x (so x is read from the L2 after the first call, as a layer's output usually is when
+its GEMM's quant reads it; the floor column counts HBM bytes, so it is a bound, not a like-for-like peer).
 
   python bench/act_quant_sweep.py --ms 1,16,64,256,1024 --ks 4096,14336,28672
 """
