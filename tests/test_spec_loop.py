@@ -125,6 +125,19 @@ def test_loop_mixed_lengths_stops_arrival_and_abort(plain):
     assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
 
 
+def test_loop_shrinks_to_a_smaller_bucket_as_rows_finish(plain):
+    """A burst whose rows finish at different steps: once the live rows fit a bucket a quarter of the loop's, it
+    drains and re-enters there (the tail stops paying the full batch's verify); outputs stay plain decoding's."""
+    lens = (24, 3, 4, 5, 6)  # 5 rows -> bucket 8; 1 live row left fits bucket 1 (the engine's buckets 1 2 4 8)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in lens]
+    e = _engine("drafter=ngram,k=4,loop=on")
+    _, final, _ = _run(e, PROMPTS, params)
+    assert {r: o.output_token_ids for r, o in final.items()} == {f"r{i}": plain[f"r{i}"][:m] for i, m in enumerate(lens)}
+    s, loop = e.stats(), e.spec.loop
+    assert s["spec_loop_shrinks"] >= 1 and loop.bs < 8  # it ended in a smaller bucket than it entered
+    assert s["num_free_kv_blocks"] == s["num_kv_blocks"]
+
+
 def test_loop_cost_model_picks_k():
     """Confidence schedule: with measured costs and survival, K maximises tokens per unit of step cost."""
     from kestrel.spec.spec_loop import SpecLoop

@@ -27,7 +27,7 @@ stage train $(( GEN_S + TRAIN_S + 60 )) python3 -m kestrel.cli train-draft $G --
 [ "${SPEC_TTFT:-1}" = 1 ] && stage ttft 40 python3 bench/prefill_ttft.py --model $G --tokenizer bench_out/tok --device cuda --dtype bfloat16 --prefill-graphs
 for pg in ${SPEC_PG:-0 1}; do  # SPEC_PG=1: the prefill-graph run only (its no-spec baseline has them too)
   stage c1_pg$pg ${SPEC_BENCH_S:-90} env KESTREL_PREFILL_GRAPHS=$pg python3 bench/spec_decode.py --model $G --tokenizer bench_out/tok \
-    --device cuda --max-tokens 128 --token-budget 16 --c1-prompts 8 --workloads chat --kmax 6 --buckets 1 64 \
+    --device cuda --max-tokens 128 --token-budget 16 --c1-prompts 8 --workloads chat --kmax 6 --buckets ${SPEC_BUCKETS:-1 16 64} \
     --concurrency 1 64 --dtype bfloat16 --repeats ${SPEC_REPEATS:-3} --drafter hybrid-fused --head /tmp/head.safetensors \
     --tree ${SPEC_TREES:-4-1-1-1-1-1+6} --modes nospec tree tree-conf --out $OUT/spec/c1_pg$pg.md
 done

@@ -76,7 +76,8 @@ class SpecDecoder:
             "spec_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
             # tokens emitted per verification (accepted drafts + the one the target always adds)
             "spec_mean_accepted_length": (self.num_accepted_tokens + self.num_verifies) / v if self.num_verifies else 0.0,
-            **({"spec_loop_steps": dict(sorted(self.loop_k_steps.items()))} if self.loop is not None else {}),
+            **({"spec_loop_steps": dict(sorted(self.loop_k_steps.items())),
+                "spec_loop_shrinks": self.loop.num_shrinks} if self.loop is not None else {}),
             **({"spec_loop_device_ms": {f"{b}x{k}": round(v, 3) for (b, k), v in sorted(self.loop.gpu_ms.items())},
                 "spec_loop_host_ms": round(self.loop.host_ms, 3)} if self.loop is not None and self.loop.owner is self
                else {}),
