@@ -111,8 +111,6 @@ def test_mxfp4_fold_is_exact_and_the_w4a8_fold_path(monkeypatch):
     the dequantized weight; a weight with a group 9 binades down is not folded (fold_base None) and takes the old
     path, which still matches."""
     import kestrel.kernels.gemm_w4a8 as g4
-    from kestrel.kernels.lowbit_tma import mxfp4_fold_to_fp8
-
     import kestrel.kernels.lowbit_tma as lt
 
     M, N, K = 40, 16, 16 * 32  # 16 groups per channel: relative exponents 0, -1, ..., -8, 0, -1, ...
@@ -122,14 +120,14 @@ def test_mxfp4_fold_is_exact_and_the_w4a8_fold_path(monkeypatch):
     scale = (top - torch.arange(16)[None, :] % 9).to(torch.uint8)
     w = g4.W4Weight("mxfp4", packed, scale, 32)
     down, chan = w.fold_base()
-    w8 = mxfp4_fold_to_fp8(w.packed, down)
+    fold = lt.mxfp4_fold_to_fp8
+    w8 = fold(w.packed, down)
     assert torch.equal(w8.float() * chan[:, None], w.dequantize())
     x = torch.randn(M, K)
     a_q, a_s = aq.ref_quant_fp8(x)
     ref = aq.dequant_8bit(a_q, a_s) @ w.dequantize().t()
     monkeypatch.setattr(g4, "FOLD_MIN_M", 16)
     calls = []
-    fold = lt.mxfp4_fold_to_fp8
     monkeypatch.setattr(lt, "mxfp4_fold_to_fp8", lambda *a: calls.append(1) or fold(*a))
     y = gemm_w4a8(a_q, a_s, w, torch.float32)
     assert calls and _rel(y, ref) < 1e-5

@@ -169,11 +169,13 @@ def train_head(embed: torch.Tensor, lm_head: torch.Tensor, hidden: list[torch.Te
     if steps is None and not max_seconds:
         raise ValueError("train_head: steps=None (train on the clock) needs max_seconds")
 
+    by_steps = lambda i: i / steps if steps else 0.0  # (steps=None: the clock alone measures progress)
+
     def frac(i):  # training progress in [0, 1]: by steps, or by the clock when that is further along
-        f = i / steps if steps else 0.0
+        f = by_steps(i)
         return min(1.0, max(f, (time.monotonic() - t0) / max_seconds)) if max_seconds else min(f, 1.0)
     # linear warm-up over the first 5% of training, then cosine
-    cosine = lambda i: min(1.0, max(frac(i), (i + 1) / steps if steps else 0.0) / 0.05) * 0.5 * (1 + math.cos(math.pi * frac(i)))
+    cosine = lambda i: min(1.0, max(frac(i), by_steps(i + 1)) / 0.05) * 0.5 * (1 + math.cos(math.pi * frac(i)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: max(cosine(i), 0.05))
     bar = tqdm(range(steps) if steps else itertools.count(), total=steps, desc="Training draft head", unit="step",
                disable=not progress)
