@@ -48,10 +48,14 @@ def main(argv=None) -> None:
                     act_quant.BLOCK_MAX, act_quant.CHUNK_PROGRAMS = bm, cp
                     q, s = act_quant.quant_fp8(x)
                     ok = torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+                    # how far from the torch reference, when not bit-exact: codes that differ, worst scale ratio
+                    code_diff = int((q.view(torch.uint8) != ref_q.view(torch.uint8)).sum())
+                    scale_rel = float(((s.float() - ref_s.float()).abs() / ref_s.float().abs().clamp_min(1e-30)).max())
                     us = graph_us([lambda: act_quant.quant_fp8(x)])
                     fq = graph_us([lambda: act_quant.fake_quant_fp8(x)])
                     row = dict(M=M, K=K, block_max=bm, chunk_programs=cp, quant_us=round(us, 2),
-                               fake_quant_us=round(fq, 2), floor_us=round(floor_us, 2), bit_exact=ok)
+                               fake_quant_us=round(fq, 2), floor_us=round(floor_us, 2), bit_exact=ok,
+                               code_diff=code_diff, scale_rel_diff=scale_rel)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if args.out:

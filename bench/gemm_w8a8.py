@@ -327,21 +327,22 @@ def run_w4(N, K, ms, rows, budget, sections):
                     r["humming_w4a8_e2e_us"] = safe_us([lambda L=L: L(x) for L in hum])
                 except Exception as ex:
                     r["humming_error"] = repr(ex)[:200]
-        if mx and "w4a8mx" in sections:  # MXFP4 weights x fp8: the default path vs the exact scale fold
+        if mx and "w4a8mx" in sections:  # MXFP4 weights x fp8: the default path vs each path forced
             a, s = aq.quant_fp8(x)
             ref = aq.dequant_8bit(a, s) @ mx[0].dequantize().t()
             r["w4a8_mxfp4_err_vs_dequant"] = rel(gemm_w4a8(a, s, mx[0]), ref)
             r["kestrel_w4a8_mxfp4_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, mx[i]) for i in range(nc)])
+            r["kestrel_w4a8_mxfp4_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, mx[i]) for i in range(nc)])
             saved = g4.FOLD_MIN_M, g4.FOLD_KERNEL
-            try:  # fold: copy + the FP8 TMA kernel; foldk: the Triton W4A8 kernel folding in registers
-                for tag, min_m, kern in (("fold", 1, False), ("foldk", 0, True)):
+            try:  # fold: copy + the FP8 kernel; foldk: the Triton W4A8 kernel folding in registers; rescale: neither
+                for tag, min_m, kern in (("fold", 1, False), ("foldk", 0, True), ("rescale", 0, False)):
                     g4.FOLD_MIN_M, g4.FOLD_KERNEL = min_m, kern
-                    if mx[0].fold_base() is None:
-                        break
-                    r[f"w4a8_mxfp4_{tag}_err_vs_dequant"] = rel(gemm_w4a8(a, s, mx[0]), ref)
-                    r[f"kestrel_w4a8_mxfp4_{tag}_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, mx[i])
+                    if tag != "rescale" and mx[0].fold_base() is None:
+                        continue
+                    r[f"w4a8_mxfp4_{tag}_err_vs_dequant"] = rel(gemm_w4a8(a, s, mx[0], bf16_max_m=0), ref)
+                    r[f"kestrel_w4a8_mxfp4_{tag}_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, mx[i], bf16_max_m=0)
                                                                       for i in range(nc)])
-                    r[f"kestrel_w4a8_mxfp4_{tag}_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, mx[i])
+                    r[f"kestrel_w4a8_mxfp4_{tag}_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, mx[i], bf16_max_m=0)
                                                                      for i in range(nc)])
             finally:
                 g4.FOLD_MIN_M, g4.FOLD_KERNEL = saved
@@ -418,8 +419,13 @@ RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
     ("w4a8 gemm: fused in-register / default (expand + TMA)", "kestrel_w4a8_fused_gemm_us", "kestrel_w4a8_gemm_us"),
     ("w4a8 gemm: pairs packing / halves packing", "kestrel_w4a8_pairs_gemm_us", "kestrel_w4a8_gemm_us"),
     ("w4a8 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a8_e2e_us"),
-    ("w4a8 mxfp4 gemm: default path / scale fold", "kestrel_w4a8_mxfp4_gemm_us", "kestrel_w4a8_mxfp4_fold_gemm_us"),
-    ("w4a8 mxfp4 gemm: default path / in-register fold", "kestrel_w4a8_mxfp4_gemm_us",
+    ("w4a8 mxfp4 e2e (default path) vs Humming W4A8 (its int4 g128)", "humming_w4a8_e2e_us",
+     "kestrel_w4a8_mxfp4_e2e_us"),
+    ("w4a8 mxfp4 e2e: per-group rescale kernels / default path", "kestrel_w4a8_mxfp4_rescale_e2e_us",
+     "kestrel_w4a8_mxfp4_e2e_us"),
+    ("w4a8 mxfp4 gemm: per-group rescale / scale fold", "kestrel_w4a8_mxfp4_rescale_gemm_us",
+     "kestrel_w4a8_mxfp4_fold_gemm_us"),
+    ("w4a8 mxfp4 gemm: per-group rescale / in-register fold", "kestrel_w4a8_mxfp4_rescale_gemm_us",
      "kestrel_w4a8_mxfp4_foldk_gemm_us"),
     ("w4a8 mxfp4 fold e2e vs Humming W4A8 (its int4 g128)", "humming_w4a8_e2e_us", "kestrel_w4a8_mxfp4_fold_e2e_us"),
     ("w4a8 mxfp4 fold e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a8_mxfp4_fold_e2e_us"),

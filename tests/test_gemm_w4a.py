@@ -83,8 +83,28 @@ def test_w4a8_small_m_runs_on_wna16(group, layout):
     assert y.dtype == torch.bfloat16 and _rel(y, ref) < 8e-3
     assert _rel(gemm_w4a8(a, s, qw, torch.float32), ref) < 8e-3
     assert not g4.use_wna16(M, quantize_weight_w4(w, "int4", 32))
-    assert not g4.use_wna16(M, quantize_weight_w4(w, "mxfp4"))
+    assert not g4.use_wna16(M, quantize_weight_w4(w, "nvfp4"))
     assert not g4.use_wna16(g4.BF16_MAX_M + 1, qw)
+
+
+def test_w4a8_mxfp4_small_m_runs_on_wna16():
+    """MXFP4 at M <= BF16_MAX_M: the WNA16 twin holds the same e2m1 codes and e8m0 scales (dequantizes to exactly
+    W4Weight.dequantize()), and w4a8_linear / gemm_w4a8 give the W4A8 product (fp8-grid activations)."""
+    from kestrel.kernels import gemm_w4a8 as g4
+    from kestrel.quant import dequantize
+    M, N, K = 5, 48, 384
+    x, w = _data(M, N, K, 11)
+    qw = quantize_weight_w4(w, "mxfp4")
+    tw = qw.wna16()
+    assert tw is qw.wna16() and tw.spec.weight_dtype == "fp4_e2m1" and tw.spec.scale_dtype == "e8m0"
+    assert torch.equal(dequantize(tw).float(), qw.dequantize())
+    xb = x.to(torch.bfloat16)
+    a, s = aq.ref_quant_fp8(xb)
+    ref = aq.dequant_8bit(a, s) @ qw.dequantize().t()
+    assert g4.use_wna16(M, qw)
+    assert _rel(w4a8_linear(xb, qw), ref) < 8e-3
+    assert _rel(gemm_w4a8(a, s, qw, torch.float32), ref) < 8e-3
+    assert not g4.use_wna16(M, quantize_weight_w4(w[:, :320], "mxfp4"))  # K not a multiple of 128
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -127,6 +147,7 @@ def test_mxfp4_fold_is_exact_and_the_w4a8_fold_path(monkeypatch):
     a_q, a_s = aq.ref_quant_fp8(x)
     ref = aq.dequant_8bit(a_q, a_s) @ w.dequantize().t()
     monkeypatch.setattr(g4, "FOLD_MIN_M", 16)
+    monkeypatch.setattr(g4, "BF16_MAX_M", 0)  # (else M = 40 takes the WNA16 kernels)
     calls = []
     monkeypatch.setattr(lt, "mxfp4_fold_to_fp8", lambda *a: calls.append(1) or fold(*a))
     y = gemm_w4a8(a_q, a_s, w, torch.float32)

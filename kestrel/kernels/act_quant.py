@@ -142,7 +142,9 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = Fal
     return q, s
 
 
-BLOCK_MAX = int(os.environ.get("KESTREL_QUANT_BLOCK_MAX", "32768"))  # widest trip (bench/act_quant_sweep.py)
+# widest trip. H100 2026-12-07 (bench/act_quant_sweep.py, bench/results/gemm_w8a8_h100_s19.md): 16384 vs 32768 us at
+# K = 28672: M = 16 4.52 / 5.87, 64 5.65 / 7.31, 256 10.97 / 11.66, 1024 53.4 / 50.2; at K = 14336 level (+-3 %)
+BLOCK_MAX = int(os.environ.get("KESTREL_QUANT_BLOCK_MAX", "16384"))
 CHUNK_PROGRAMS = 264  # _chunk_block: split groups into column chunks while the grid has fewer programs than this
 MIN_CHUNK = 1024
 

@@ -12,13 +12,13 @@ config TMA=1 and int4, expand to fp8 once per call, then the TMA fp8 kernel (low
 W4Weight.kernel_layout() ("halves": each byte holds k and k + 64 of a 128-wide K block) decode with no nibble
 interleave — two dots of K/2 per tile instead of a join/reshape shuffle.
 
-Small M (<= BF16_MAX_M tokens, int4): the product is bound by the weight stream and the decode, not by MMA
+Small M (<= BF16_MAX_M tokens, int4 or MXFP4): the product is bound by the weight stream and the decode, not by MMA
 throughput, so fp8 MMA buys nothing there; the activations are put on their per-token e4m3 grid (as bf16,
 act_quant.fake_quant_fp8: one launch, the cost of the fp8 quant) and the tuned WNA16 kernels (decode / swap-AB
-wgmma paths) run on the same int4 weight in the planar layout (W4Weight.wna16, made once and cached on the weight:
+wgmma paths) run on the same 4-bit weight in the planar layout (W4Weight.wna16, made once and cached on the weight:
 while both paths run the 4-bit weight is held twice). Numerics: the W4A8 product up to one bf16 rounding of each
-activation code * scale and of each group scale (bf16 in the WNA16 format). Tuning: `kestrel tune --lowbit w4a8-*`
-times the fp8 kernels (the path above BF16_MAX_M); below it the WNA16 int4 tune entries apply.
+activation code * scale and, int4, of each group scale (bf16 in the WNA16 format; MXFP4's e8m0 are exact). Tuning: `kestrel tune --lowbit w4a8-*`
+times the fp8 kernels (the path above BF16_MAX_M); below it the WNA16 int4 / mxfp4 tune entries apply.
 Large M (>= TCG_MIN_M tokens, int4, Hopper): the Gluon kernel on the same planar twin (gemm_w4a8_tcg.py).
 """
 import os
@@ -43,13 +43,18 @@ BF16_MAX_M = int(os.environ.get("KESTREL_W4A8_BF16_MAX_M", "256"))
 # H100 s16 (bench/results/gemm_w8a8_h100_s16.md), e2e Gluon / Triton: M = 4096 1.00 / 0.96 / 0.89 of the time
 # (4096x14336, 8192x28672, 28672x4096), M = 1024 1.02 / 0.97 / 1.02, M = 256 1.48 / 0.96 / 1.03
 TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_TCG_MIN_M", "2048"))
-# from this M on, MXFP4 weights: the group scales folded into an fp8 copy of the weight made per call (exact:
-# lowbit_tma.mxfp4_fold_to_fp8), then the FP8 W8A8 kernels with per-channel scales, whose wgmma chain no K-varying
-# scale breaks; 0 = never (the default until a GPU measurement: the copy costs 1.5 bytes per weight per call)
-FOLD_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_MIN_M", "0"))
-# below FOLD_MIN_M (or with it 0), MXFP4 weights: 1 = the Triton W4A8 kernels fold the group scales in registers
+# from this M on, MXFP4 weights: the group scales folded into an fp8 copy of the weight made per call (the values
+# exact: lowbit_tma.mxfp4_fold_to_fp8), then the FP8 W8A8 kernels with per-channel scales, whose wgmma chain no
+# K-varying scale breaks; 0 = never. H100 2026-12-07 (bench/results/gemm_w8a8_h100_s19.md): default path / fold =
+# 1.84 / 2.01 / 4.37 / 5.76x the time at M = 64 / 256 / 1024 / 4096 (4096x14336), 1.14 / 1.72 / 4.38 / 6.01x
+# (8192x28672), the 1.5-byte copy per weight included. Rel. error vs the dequantized product 2.3e-3 / 3.1e-3
+# (K = 14336 / 28672) against 1.7e-3: one long fp8 wgmma accumulation chain (as in FP8 W8A8: 3.3e-3 / 4.7e-3)
+# instead of a rescale every 32. (At M <= BF16_MAX_M the WNA16 MXFP4 kernels run first.)
+FOLD_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_MIN_M", "1"))
+# with FOLD_MIN_M 0 (or below it), MXFP4 weights: 1 = the Triton W4A8 kernels fold the group scales in registers
 # (lowbit_gemm.S_FOLD: exact e4m3 weights, one accumulator chain, K tiles of 128 instead of the group's 32); 0 (the
-# default until a GPU measurement) = today's per-group rescaled partial products
+# default) = per-group rescaled partial products. H100 2026-12-07: the in-register fold took 1.14-1.75x the default's
+# time at every measured point (M 64..4096, same file)
 FOLD_KERNEL = os.environ.get("KESTREL_W4A8_FOLD_KERNEL", "0") == "1"
 
 
@@ -93,18 +98,30 @@ class W4Weight:
         return W4Weight(self.fmt, to_halves(self.packed), self.scale, self.group, self.global_scale, "halves")
 
     def wna16_ok(self) -> bool:
-        return self.packed.dim() == 2 and self.halves_ok()  # (the same int4 / K / group conditions)
+        """int4 (K and group multiples of 128) or MXFP4 (K a multiple of 128), 2-D."""
+        if self.packed.dim() != 2:
+            return False
+        if self.fmt == "mxfp4":
+            return self.layout == "pairs" and self.shape[1] % HALF_BLOCK == 0
+        return self.halves_ok()
 
     def wna16(self):
-        """The same int4 weight as a WNA16 QuantizedWeight (planar codes c = q + 8, bf16 group scales [G, N]); made
-        on first use and cached (the small-M path of gemm_w4a8 / w4a8_linear)."""
+        """The same weight as a WNA16 QuantizedWeight, made on first use and cached (the small-M path of gemm_w4a8 /
+        w4a8_linear). int4: planar codes c = q + 8, bf16 group scales [G, N] (rounded from fp32); MXFP4: the e2m1
+        codes and e8m0 scale codes as they are (exact)."""
         if self._wna16 is None:
             if not self.wna16_ok():
                 raise ValueError(f"no WNA16 form for a {self.fmt} weight of shape {tuple(self.packed.shape)}, group "
-                                 f"{self.group} (int4, 2-D, K and group multiples of {HALF_BLOCK})")
+                                 f"{self.group} (int4 or mxfp4, 2-D, K and group multiples of {HALF_BLOCK})")
             from kestrel.quant import QuantSpec, QuantizedWeight
             from kestrel.quant.packing import pack_codes
             N, K = self.shape
+            if self.fmt == "mxfp4":
+                spec = QuantSpec("fp4_e2m1", "bf16", 32, False, "e8m0")
+                codes = unpack_nibbles(self.packed).to(torch.int32)
+                scales = self.scale.reshape(N, -1).view(torch.uint8).t().contiguous()
+                self._wna16 = QuantizedWeight(spec, (N, K), pack_codes(codes, 4), scales)
+                return self._wna16
             per_channel = self.group in (-1, K)
             spec = QuantSpec("int4", "bf16", -1 if per_channel else self.group, False, "bf16")
             codes = unpack_nibbles(self.pairs_packed()).to(torch.int32) ^ 8  # two's complement q -> q + 8
@@ -209,7 +226,7 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
         from kestrel.kernels.gemm_wna16 import gemm_wna16
         x = act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, 1)).to(torch.bfloat16)
         return gemm_wna16(x, w.wna16()).to(out_dtype)
-    if config is None and (0 < TCG_MIN_M <= M if tcg is None else tcg) and w.wna16_ok():
+    if config is None and (0 < TCG_MIN_M <= M if tcg is None else tcg) and w.fmt == "int4" and w.wna16_ok():
         from kestrel.kernels import gemm_w4a8_tcg
         if gemm_w4a8_tcg.supported(a_q, N, K):
             return gemm_w4a8_tcg.gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype)
