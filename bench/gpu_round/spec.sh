@@ -19,7 +19,10 @@ fi
 # The clock ends training (train-draft without --steps, since session 17): session 16's head stopped at the then
 # default of 500 steps after 12 s of its 50 (session 7's ran 3,295), accepting 2.15 tokens per verify, s7's 2.52
 GEN_S=${SPEC_GEN_S:-28} TRAIN_S=${SPEC_TRAIN_S:-50}
-stage train $(( GEN_S + TRAIN_S + 60 )) python3 -m kestrel.cli train-draft $G --device cuda --dtype bfloat16 --out /tmp/head.safetensors --k 6 \
+# +120: session 19's stage (GEN_S 35, TRAIN_S 90, +60) was cut at 185 s with training 80 s in (the last checkpoint,
+# 4126 steps, was used): the generation's setup (target load, 11k prompts written in 19.5 s, compile) came to ~58 s
+# beyond its 35-s time box
+stage train $(( GEN_S + TRAIN_S + 120 )) python3 -m kestrel.cli train-draft $G --device cuda --dtype bfloat16 --out /tmp/head.safetensors --k 6 \
   --prompts chat+varied+self --seed 7 --num-prompts ${SPEC_PROMPTS:-16384} --gen-tokens 128 --greedy-fraction 1.0 --gen-batch 1024 \
   --heldout 0.04 --gen-seconds $GEN_S --max-seconds $TRAIN_S --batch-positions 1024 --lr 2e-3 --weight-decay 0.01 --ignore-eos \
   --save-every 12 --save-dtype bfloat16 --no-progress
@@ -31,3 +34,13 @@ for pg in ${SPEC_PG:-0 1}; do  # SPEC_PG=1: the prefill-graph run only (its no-s
     --concurrency 1 64 --dtype bfloat16 --repeats ${SPEC_REPEATS:-3} --drafter hybrid-fused --head /tmp/head.safetensors \
     --tree ${SPEC_TREES:-4-1-1-1-1-1+6} --modes nospec tree tree-conf --out $OUT/spec/c1_pg$pg.md
 done
+# SPEC_NOSPEC_AB=1: C=64 no-spec with the session-16 buckets (1 64) beside this round's (1 16 64). Session 19's C=64
+# no-spec ran 29.8k tok/s aggregate (1.9 ms per 64-row step, TTFT 33 ms) where session 16's, buckets 1 64, ran 46.7k
+# (TTFT 16.5 ms); spec tree-conf was level with session 16 (43.9k vs ~44.8k). Is the no-spec drop the buckets?
+if [ "${SPEC_NOSPEC_AB:-0}" = 1 ]; then
+  for bk in "1 64" "1 16 64"; do
+    stage nospec_b${bk// /_} 45 python3 bench/spec_decode.py --model $G --tokenizer bench_out/tok --device cuda --max-tokens 128 \
+      --token-budget 16 --c1-prompts 8 --workloads chat --kmax 6 --buckets $bk --concurrency 64 --dtype bfloat16 \
+      --repeats 3 --modes nospec --out $OUT/spec/nospec_b${bk// /_}.md
+  done
+fi
