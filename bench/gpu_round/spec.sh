@@ -18,7 +18,12 @@ fi
 # 28 s of generation + 50 s of training; SPEC_GEN_S / SPEC_TRAIN_S lengthen both). The head comes back in $OUT/spec.
 # The clock ends training (train-draft without --steps, since session 17): session 16's head stopped at the then
 # default of 500 steps after 12 s of its 50 (session 7's ran 3,295), accepting 2.15 tokens per verify, s7's 2.52
+# SPEC_HEAD=FILE (a carried head, e.g. session 19's bench_out/head_s19/head.safetensors, 7.3 MB): no training stage;
+# the bench runs on that head (saves the ~200 s of generation + training)
 GEN_S=${SPEC_GEN_S:-28} TRAIN_S=${SPEC_TRAIN_S:-50}
+if [ -n "${SPEC_HEAD:-}" ]; then
+  [ "$DRY" != 1 ] && { cp "$SPEC_HEAD" /tmp/head.safetensors || echo "--- spec: SPEC_HEAD $SPEC_HEAD missing"; }
+else
 # +120: session 19's stage (GEN_S 35, TRAIN_S 90, +60) was cut at 185 s with training 80 s in (the last checkpoint,
 # 4126 steps, was used): the generation's setup (target load, 11k prompts written in 19.5 s, compile) came to ~58 s
 # beyond its 35-s time box
@@ -27,6 +32,7 @@ stage train $(( GEN_S + TRAIN_S + 120 )) python3 -m kestrel.cli train-draft $G -
   --heldout 0.04 --gen-seconds $GEN_S --max-seconds $TRAIN_S --batch-positions 1024 --lr 2e-3 --weight-decay 0.01 --ignore-eos \
   --save-every 12 --save-dtype bfloat16 --no-progress
 [ "$DRY" != 1 ] && cp /tmp/head.safetensors $OUT/spec/ 2>/dev/null
+fi
 [ "${SPEC_TTFT:-1}" = 1 ] && stage ttft 40 python3 bench/prefill_ttft.py --model $G --tokenizer bench_out/tok --device cuda --dtype bfloat16 --prefill-graphs
 for pg in ${SPEC_PG:-0 1}; do  # SPEC_PG=1: the prefill-graph run only (its no-spec baseline has them too)
   stage c1_pg$pg ${SPEC_BENCH_S:-90} env KESTREL_PREFILL_GRAPHS=$pg python3 bench/spec_decode.py --model $G --tokenizer bench_out/tok \
