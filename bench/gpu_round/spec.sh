@@ -27,9 +27,13 @@ else
 # +120: session 19's stage (GEN_S 35, TRAIN_S 90, +60) was cut at 185 s with training 80 s in (the last checkpoint,
 # 4126 steps, was used): the generation's setup (target load, 11k prompts written in 19.5 s, compile) came to ~58 s
 # beyond its 35-s time box
+# SPEC_INIT=FILE: continue training that head (train-draft --init) on newly generated text (with SPEC_SEED=8: other self-written
+# prompts and samples than the head saw); s19's head was still improving when its clock ran out (loss 4.52 -> 4.38
+# over its last 1,000 steps)
+INIT=${SPEC_INIT:+--init $SPEC_INIT}
 stage train $(( GEN_S + TRAIN_S + 120 )) python3 -m kestrel.cli train-draft $G --device cuda --dtype bfloat16 --out /tmp/head.safetensors --k 6 \
-  --prompts chat+varied+self --seed 7 --num-prompts ${SPEC_PROMPTS:-16384} --gen-tokens 128 --greedy-fraction 1.0 --gen-batch 1024 \
-  --heldout 0.04 --gen-seconds $GEN_S --max-seconds $TRAIN_S --batch-positions 1024 --lr 2e-3 --weight-decay 0.01 --ignore-eos \
+  --prompts chat+varied+self --seed ${SPEC_SEED:-7} $INIT --num-prompts ${SPEC_PROMPTS:-16384} --gen-tokens 128 --greedy-fraction 1.0 --gen-batch 1024 \
+  --heldout 0.04 --gen-seconds $GEN_S --max-seconds $TRAIN_S --batch-positions 1024 --lr ${SPEC_LR:-2e-3} --weight-decay 0.01 --ignore-eos \
   --save-every 12 --save-dtype bfloat16 --no-progress
 [ "$DRY" != 1 ] && cp /tmp/head.safetensors $OUT/spec/ 2>/dev/null
 fi
