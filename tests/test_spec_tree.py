@@ -90,7 +90,11 @@ def test_tree_accept_matches_brute_force(shape):
     parent, depth, _, anc = t.tensors("cpu")
     tokens = torch.randint(0, 3, (B, S), generator=gen)  # tiny vocab: many matches, duplicate siblings too
     top = torch.randint(0, 3, (B, S), generator=gen)
-    a, path, emitted, leaf = tree_accept(tokens, top, t, parent, depth, anc)
+    a, path, emitted, leaf, chain = tree_accept(tokens, top, t, parent, depth, anc,
+                                                first_path=torch.tensor(t.first_path))
+    # the first-choice path: child 0 of child 0 ... (the head's greedy chain), one node per head level
+    assert [t.parent[x] for x in t.first_path] == [0] + t.first_path[:-1]
+    assert [t.depth[x] for x in t.first_path] == list(range(1, len(t.widths) + 1))
     deep = 0
     for b in range(B):
         best = (0, 0)  # (depth, -row) of the deepest valid node, lowest row first
@@ -108,7 +112,13 @@ def test_tree_accept_matches_brute_force(shape):
         assert emitted[b, :best[0] + 1].tolist() == [int(top[b, p[d]]) for d in range(best[0] + 1)]
         assert all(int(tokens[b, p[d]]) == int(emitted[b, d - 1]) for d in range(1, best[0] + 1))
         deep += best[0] >= 2
+        c = 0  # what a chain step with the first-choice drafts accepts: its leading matches
+        while c < len(t.first_path) and int(tokens[b, t.first_path[c]]) == int(top[b, t.parent[t.first_path[c]]]):
+            c += 1
+        assert int(chain[b]) == c
     assert deep > 10
+    assert 0 < int((chain < a).sum()) < B  # the tree's other branches beat the chain in some rows, not all
+    assert torch.equal(tree_accept(tokens, top, t, parent, depth, anc)[0], a)  # without first_path: the 4 outputs
 
 
 def test_kv_compact_moves_the_path_in_every_cache():

@@ -36,7 +36,9 @@ Tree verification (tree=TreeShape, drafter=head; kestrel/spec/tree.py): one more
 keyed K = the tree's node count. The head drafts a greedy tree (top widths[i] tokens under each branch), one verify
 pass scores all its nodes under a tree attention mask, the deepest node whose whole path the target agrees with is
 accepted and its path's K/V are moved to their sequence positions. Its expected tokens per row is a running mean
-of its own steps (not the chains' s_i); the cost model weighs it like a chain, so at large batches, where its wide
+of its own steps; the chains' s_i learn from tree steps too (the tree's first-choice path is the chain's draft, and
+tree_accept reports how far it matched), so no chain needs probing while the tree is the choice. The cost model
+weighs the tree like a chain, so at large batches, where its wide
 verify costs real time, the loop falls back to chains or K = 0. A tree with an n-gram branch (tree=4-1-1-1-1-1+6)
 also verifies the n-gram lookup's draft as one more chain off the root (the hybrid chain's copy, without choosing).
 
@@ -120,6 +122,7 @@ class SpecLoop:
             if self.kt in self.ks:
                 raise ValueError(f"a tree of {tree.n} nodes collides with the chain K={tree.n}")
             self.t_parent, self.t_depth, self.t_bits, self.t_anc = tree.tensors(dev)
+            self.t_first = torch.tensor(tree.first_path, device=dev)
             self.t_readout = drafter.head.subset_readout(drafter.embed, drafter.lm_head)
             # the tree's levels in 3 Triton launches each (head_tree_fused.py) where the chain drafts fused (CUDA,
             # head_fused on): session 9 R2's PyTorch levels cost 0.29 ms per step at batch 1, the fused chain k=6
@@ -145,12 +148,13 @@ class SpecLoop:
         self.hidden = torch.zeros(B, emb.shape[1], dtype=emb.dtype, device=dev)
         self.block_tables = torch.zeros(B, self.W, dtype=torch.int32, device=dev)
         self.active = torch.zeros(B, dtype=torch.bool, device=dev)
-        self.out = torch.zeros(B, Kmax + 4, dtype=torch.long, device=dev)  # n, accepted, drafted, tokens[K+1]
+        # per row: n, accepted, drafted, chain (drafts the chain would have had accepted), tokens[K+1]
+        self.out = torch.zeros(B, Kmax + 5, dtype=torch.long, device=dev)
         self.cu_q = {K: (torch.arange(B + 1, dtype=torch.int32) * (K + 1)).to(dev) for K in self.cands}
         if self.kt:  # the tree's mask words for every row of the largest batch
             self.t_mask = self.t_bits.repeat(B)
         pin = dev.type == "cuda"
-        self.host = [torch.zeros(B, Kmax + 4, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.host = [torch.zeros(B, Kmax + 5, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         # running estimates for the K choice
@@ -212,7 +216,8 @@ class SpecLoop:
         o[:, 0] = n
         o[:, 1] = a
         o[:, 2] = has.long()
-        o[:, 3:3 + S] = top
+        o[:, 3] = a
+        o[:, 4:4 + S] = top
 
     def _cache_slots(self, bs: int, p: torch.Tensor) -> torch.Tensor:
         """paged-cache slot of sequence position p [bs, m] of the first bs rows."""
@@ -258,7 +263,8 @@ class SpecLoop:
         ids = torch.cat([last, nodes], 1)
         pos = ctx[:, None] + self.t_depth[None, :]  # RoPE by depth
         h, top = self._verify(bs, t.n, ids, pos, ctx, act, tree_mask=self.t_mask[:bs * S])
-        a, path, emitted, leaf = tree_accept(ids, top, t, self.t_parent, self.t_depth, self.t_anc)
+        a, path, emitted, leaf, chain = tree_accept(ids, top, t, self.t_parent, self.t_depth, self.t_anc,
+                                                    first_path=self.t_first)
         n = torch.where(act, a + 1, 0)
         j = torch.arange(D + 1, device=self.dev)[None, :]
         wpos = (L[:, None] + j).clamp(max=self.Lm - 1)
@@ -276,7 +282,8 @@ class SpecLoop:
         o[:, 0] = n
         o[:, 1] = a
         o[:, 2] = 1
-        o[:, 3:4 + D] = emitted
+        o[:, 3] = chain
+        o[:, 4:5 + D] = emitted
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -361,8 +368,11 @@ class SpecLoop:
             return self.kt
         # probe the largest K now and then to keep s_i current (and the tree, every other probe); 4x as often while
         # speculation is off, since an off step observes nothing (R2: survival that fell on a prompt's first tokens
-        # came back too slowly)
-        if self.num_steps % (self.probe_every // 4 if self.last_k == 0 else self.probe_every) == 0:
+        # came back too slowly). While the tree is the choice nothing needs a probe: a tree step observes the chain
+        # too (its first-choice path, _commit), so the chain probes that cost session 19's tree-conf ~2-4 % at C=1
+        # (K=4 / 6 in 79 of 448 steps, 1.73 tokens each against the tree's 2.51) are gone there
+        probing = self.num_steps % (self.probe_every // 4 if self.last_k == 0 else self.probe_every) == 0
+        if probing and not (self.kt and self.last_k == self.kt):
             self._probe ^= 1
             return self.kt if self.kt and self._probe else self.kchain
         host = self.host_ms
@@ -469,15 +479,16 @@ class SpecLoop:
         now = time.monotonic()
         bm, K = engine.block_manager, fl.K
         outputs, spec, acc = [], [], []
-        reach = np.zeros(K + 1)
+        Kc = min(len(self.tree.widths), self.kchain) if K and K == self.kt else K  # chain depth observed
+        reach = np.zeros(Kc + 1)
         live = 0
         for r, s in enumerate(fl.rows):
             if s.is_finished:  # finished at an earlier commit (or aborted): this step's tokens are discarded
                 continue
-            n, a, has = res[r][:3]
-            outputs.append(engine._append_tokens(s, res[r][3:3 + n], now))
+            n, a, has, c = res[r][:4]
+            outputs.append(engine._append_tokens(s, res[r][4:4 + n], now))
             live += 1
-            reach[:a + 1] += 1
+            reach[:min(c, Kc) + 1] += 1
             if K and has:
                 spec.append(s)
                 acc.append(a)
@@ -491,10 +502,10 @@ class SpecLoop:
             decoder.num_verifies += len(spec)
             decoder.num_draft_tokens += K * len(spec)
             decoder.num_accepted_tokens += sum(acc)
-        if K and live and K == self.kt:  # the tree's own running tokens per row
+        if K and live and K == self.kt:  # the tree's own running tokens per row, and its first-choice path's
             self.observe_tree(float(sum(acc)), live)
-        elif K and live:
-            self.observe(reach, live, K)
+        if K and live and Kc:  # survival: what a chain of the head accepted (a tree step: along that path)
+            self.observe(reach, live, Kc)
         return outputs
 
     def observe_tree(self, accepted: float, live: int) -> None:

@@ -35,7 +35,9 @@ class TreeShape:
             raise ValueError(f"tree widths must be positive, at most two n-gram branches, got {widths}, {ngram}")
         parent, depth = [-1], [0]  # row 0: the root
         prev = [0]
+        self.first_path = []  # the first-choice node of every head level: the chain's own drafts (child 0 = argmax)
         for i, w in enumerate(self.widths):
+            self.first_path.append(len(parent))
             level = []
             for c in range(len(prev) * w):
                 level.append(len(parent))
@@ -81,10 +83,12 @@ class TreeShape:
 
 
 def tree_accept(tokens: torch.Tensor, top: torch.Tensor, shape: TreeShape, parent: torch.Tensor,
-                depth: torch.Tensor, anc_at: torch.Tensor):
+                depth: torch.Tensor, anc_at: torch.Tensor, first_path: torch.Tensor | None = None):
     """tokens [B, n+1] (column 0 the root), top [B, n+1] the target's argmax at every row. Returns (a [B] drafts
     accepted, path [B, D+1] rows of the accepted path by depth (past a: the leaf), emitted [B, D+1] = top along
-    the path, valid for the first a + 1). No host syncs (capturable)."""
+    the path, valid for the first a + 1, leaf [B]) and, given first_path (TreeShape.first_path's rows), chain [B]:
+    the drafts the first-choice path alone would have had accepted, i.e. what a chain step of the same head accepts
+    (the loop's cost model learns the chains' survival from tree steps with it). No host syncs (capturable)."""
     B, S = tokens.shape
     rows = torch.arange(S, device=tokens.device)
     # node agrees with its parent's argmax (the root always "agrees"); valid = all of its path agrees: one gather
@@ -95,7 +99,9 @@ def tree_accept(tokens: torch.Tensor, top: torch.Tensor, shape: TreeShape, paren
     leaf = score.argmax(1)
     a = depth[leaf]
     path = anc_at[leaf]
-    return a, path, top.gather(1, path), leaf
+    if first_path is None:
+        return a, path, top.gather(1, path), leaf
+    return a, path, top.gather(1, path), leaf, valid[:, first_path].sum(1)  # valid is hereditary: the prefix depth
 
 
 @triton.jit
