@@ -38,8 +38,8 @@ pass scores all its nodes under a tree attention mask, the deepest node whose wh
 accepted and its path's K/V are moved to their sequence positions. Its expected tokens per row is a running mean
 of its own steps; the chains' s_i learn from tree steps too (the tree's first-choice path is the chain's draft, and
 tree_accept reports how far it matched), so no chain needs probing while the tree is the choice. The cost model
-weighs the tree like a chain, so at large batches, where its wide
-verify costs real time, the loop falls back to chains or K = 0. A tree with an n-gram branch (tree=4-1-1-1-1-1+6)
+weighs the tree like a chain, so at large batches, where its wide verify costs real time, the loop falls back to
+chains or K = 0. A tree with an n-gram branch (tree=4-1-1-1-1-1+6)
 also verifies the n-gram lookup's draft as one more chain off the root (the hybrid chain's copy, without choosing).
 
 The loop runs while the batch is all-greedy decode without logprobs or penalties and nothing waits to be admitted;
@@ -148,7 +148,7 @@ class SpecLoop:
         self.hidden = torch.zeros(B, emb.shape[1], dtype=emb.dtype, device=dev)
         self.block_tables = torch.zeros(B, self.W, dtype=torch.int32, device=dev)
         self.active = torch.zeros(B, dtype=torch.bool, device=dev)
-        # per row: n, accepted, drafted, chain (drafts the chain would have had accepted), tokens[K+1]
+        # per row: n, accepted, drafted, chain (tree steps: drafts the chain would have had accepted), tokens[K+1]
         self.out = torch.zeros(B, Kmax + 5, dtype=torch.long, device=dev)
         self.cu_q = {K: (torch.arange(B + 1, dtype=torch.int32) * (K + 1)).to(dev) for K in self.cands}
         if self.kt:  # the tree's mask words for every row of the largest batch
@@ -216,8 +216,7 @@ class SpecLoop:
         o[:, 0] = n
         o[:, 1] = a
         o[:, 2] = has.long()
-        o[:, 3] = a
-        o[:, 4:4 + S] = top
+        o[:, 4:4 + S] = top  # column 3 (chain) is the tree step's: a chain's own is `a` (_commit)
 
     def _cache_slots(self, bs: int, p: torch.Tensor) -> torch.Tensor:
         """paged-cache slot of sequence position p [bs, m] of the first bs rows."""
@@ -479,13 +478,15 @@ class SpecLoop:
         now = time.monotonic()
         bm, K = engine.block_manager, fl.K
         outputs, spec, acc = [], [], []
-        Kc = min(len(self.tree.widths), self.kchain) if K and K == self.kt else K  # chain depth observed
+        tree = K == self.kt
+        Kc = min(len(self.tree.widths), self.kchain) if tree else K  # chain depth observed
         reach = np.zeros(Kc + 1)
         live = 0
         for r, s in enumerate(fl.rows):
             if s.is_finished:  # finished at an earlier commit (or aborted): this step's tokens are discarded
                 continue
-            n, a, has, c = res[r][:4]
+            n, a, has = res[r][:3]
+            c = res[r][3] if tree else a  # drafts the chain accepted
             outputs.append(engine._append_tokens(s, res[r][4:4 + n], now))
             live += 1
             reach[:min(c, Kc) + 1] += 1
@@ -502,9 +503,9 @@ class SpecLoop:
             decoder.num_verifies += len(spec)
             decoder.num_draft_tokens += K * len(spec)
             decoder.num_accepted_tokens += sum(acc)
-        if K and live and K == self.kt:  # the tree's own running tokens per row, and its first-choice path's
+        if live and tree:  # the tree's own running tokens per row
             self.observe_tree(float(sum(acc)), live)
-        if K and live and Kc:  # survival: what a chain of the head accepted (a tree step: along that path)
+        if live and Kc:  # survival: what a chain of the head accepted (a tree step: along that path)
             self.observe(reach, live, Kc)
         return outputs
 
