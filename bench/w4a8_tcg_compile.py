@@ -3,7 +3,8 @@ front-end / layout / ptxas errors, registers, spills, shared memory, the K loop'
 ptxas' wgmma serialisation warnings per tile. Not a correctness check (tests/test_gemm_w4a8_tcg.py on a GPU is).
 
   PYTHONPATH=/tmp/t36:$PWD python bench/w4a8_tcg_compile.py             # the GPU's Triton 3.6 (pip --target)
-  PYTHONPATH=/tmp/t36:$PWD python bench/w4a8_tcg_compile.py 128:128:4:4  # BM:BN:WARPS:STAGES[:atomic]
+  PYTHONPATH=/tmp/t36:$PWD python bench/w4a8_tcg_compile.py 128:128:4:4  # BM:BN:WARPS:STAGES[:atomic][:mhH]
+  (mh128 with BM 256: two 128-token halves per decode)
   (WARPS 4: the warp-specialised launch)
 """
 from __future__ import annotations
@@ -19,25 +20,27 @@ import wna16_tcg_compile as wc  # noqa: E402  (its Triton 3.6 shims apply here t
 from kestrel.kernels import gemm_w4a8_tcg as w4  # noqa: E402
 from wna16_tc_sass import sass_loop  # noqa: E402
 
-def compile_w4a8_tcg(bm: int, bn: int, warps: int, stages: int, atomic: bool = False, regs=None):
+def compile_w4a8_tcg(bm: int, bn: int, warps: int, stages: int, atomic: bool = False, regs=None, mh: int = 0):
     regs = regs or w4.WS_REGS
     x_desc, q_desc = wc.descriptors(bm, bn // 2, torch.float8_e4m3fn)
     sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "s_ptr": "*bf16", "as_ptr": "*fp32",
            "y_ptr": "*fp32" if atomic else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "split_k": "i32", "gsteps": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, STAGES=stages, CONSUMER_REGS=regs[0],
-                  LOADER_REGS=regs[1], num_warps=warps)
+                  LOADER_REGS=regs[1], num_warps=warps, MH=mh)
     return wc.gluon_compile(w4._w4a8_tcg_kernel, sig, consts, warps)
 
 
 def main():
-    cfgs = sys.argv[1:] or ["128:128:4:4", "128:128:4:4:atomic", "64:128:4:4", "128:128:4:6", "256:128:4:3"]
+    cfgs = sys.argv[1:] or ["128:128:4:4", "128:128:4:4:atomic", "64:128:4:4", "128:128:4:6", "256:128:4:3", "256:128:4:4:mh128", "256:128:4:5:mh128"]
     ok = True
     for c in cfgs:
         parts = c.split(":")
         bm, bn, warps, stages = map(int, parts[:4])
+        flags = parts[4:]
+        mh = next((int(f[2:]) for f in flags if f.startswith("mh")), 0)
         try:
-            k = compile_w4a8_tcg(bm, bn, warps, stages, atomic=len(parts) > 4)
+            k = compile_w4a8_tcg(bm, bn, warps, stages, atomic="atomic" in flags, mh=mh)
             loop, regs, stack = sass_loop(k)
             waits = [t for t in loop if "WARPGROUP.DEPBAR" in t]
             ser = wc.wgmma_serialised(k)

@@ -16,9 +16,13 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("M,group,block_m,split", [(300, 128, 128, 1), (64, 128, 64, 1), (200, -1, 128, 1),
-                                                   (130, 256, 128, 3), (1, 128, 64, 2)])
-def test_w4a8_tcg_vs_dequant(M, group, block_m, split):
+@pytest.mark.parametrize("M,group,block_m,split,mh", [(300, 128, 128, 1, 0), (64, 128, 64, 1, 0), (200, -1, 128, 1, 0),
+                                                      (130, 256, 128, 3, 0), (1, 128, 64, 2, 0),
+                                                      # 256-token tiles in two halves: a masked second half (300),
+                                                      # an all-masked one (130), split K, per channel
+                                                      (300, 128, 256, 1, 128), (130, 128, 256, 2, 128),
+                                                      (600, -1, 256, 3, 128)])
+def test_w4a8_tcg_vs_dequant(M, group, block_m, split, mh):
     from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
     g = torch.Generator().manual_seed(M + group)
     N, K = 384, 1536
@@ -27,7 +31,7 @@ def test_w4a8_tcg_vs_dequant(M, group, block_m, split):
     a, s = aq.quant_fp8(x)
     tw = w.wna16()
     ref = aq.dequant_8bit(a, s) @ dequantize(tw).float().t()  # the twin's bf16 scales: what the kernel multiplies
-    y = gemm_w4a8_tcg(a, s, tw, torch.float32, block_m=block_m, split_k=split)
+    y = gemm_w4a8_tcg(a, s, tw, torch.float32, block_m=block_m, split_k=split, mh=mh)
     assert _rel(y, ref) < 2e-3  # fp8 wgmma accumulation (no promotion within a K step)
     yb = gemm_w4a8(a, s, w, tcg=True, bf16_max_m=0)
     assert yb.dtype == torch.bfloat16 and _rel(yb, ref) < 5e-3

@@ -58,13 +58,17 @@ def _keep_alive(a):
 @gluon.jit
 def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
                   gsteps, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
-                  ATOMIC: gl.constexpr):
+                  ATOMIC: gl.constexpr, MH: gl.constexpr):
     """One of the two consumer warpgroups (its own partition): weight rows off_n + H * HN .. + HN of the tile from
     its half of each K step's words; per step decode, wgmma (unscaled, fresh), wait, acc += product * group scale,
-    release the slot (one of the two arrivals its empty barrier counts); then the per-token scales and y."""
+    release the slot (one of the two arrivals its empty barrier counts); then the per-token scales and y.
+    MH = BLOCK_M // 2 (token halves): one decode feeds two wgmma, tokens [0, MH) and [MH, BLOCK_M) of the x tile,
+    each into the same fresh product p and added to its own accumulator; the decode (half of a step's
+    instructions at 128 tokens) is paid once per 256 tokens, and p + two accumulators fit where two full-width
+    ones (256-token acc + p) would not."""
     gl.assume(cnt > 0)  # the kernel's assumption does not reach into the partition
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_M, 32])
+                                                         instr_shape=[16, MH, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
     L3: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, BK]))
     srow: gl.constexpr = gl.SliceLayout(1, mma_layout)
@@ -74,8 +78,10 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
     sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
     shape: gl.constexpr = [HN, 8, R]
     s_offs = n0 + gl.arange(0, HN, layout=srow)
-    acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-    p = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    HALVES: gl.constexpr = BLOCK_M // MH
+    acc = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)
+    acc2 = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)  # tokens [MH, 2 MH) (unused when HALVES 1)
+    p = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)
     for i in range(cnt):
         slot = i % STAGES
         sc = gl.load(s_ptr + ((s0 + i) // gsteps) * N + s_offs).to(gl.float32)
@@ -85,33 +91,46 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
                                       [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape)],
                                       dtype=gl.float8e4nv, is_pure=True, pack=4)
         a = gl.convert_layout(gl.reshape(a, (HN, 8 * R)), a_layout)  # a register renaming (same linear layout)
-        p = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), p, use_acc=False, is_async=True)
+        xs = x_smem.index(slot)
+        if HALVES == 2:
+            p = warpgroup_mma(a, xs.slice(0, MH).permute((1, 0)), p, use_acc=False, is_async=True)
+            p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
+            acc += p * gl.expand_dims(sc, 1)
+            xs = xs.slice(MH, MH)
+        p = warpgroup_mma(a, xs.permute((1, 0)), p, use_acc=False, is_async=True)
         p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
         _keep_alive(a)
         fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
         mbarrier.arrive(empty.index(slot))
-        acc += p * gl.expand_dims(sc, 1)  # while the other warpgroup's wgmma runs
-    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
-    acc = acc * gl.expand_dims(gl.load(as_ptr + rm, mask=rm < M, other=0.0), 0)  # per-token activation scales
-    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, n0, BLOCK_M, HN, ATOMIC, False, 4)
+        if HALVES == 2:
+            acc2 += p * gl.expand_dims(sc, 1)
+        else:
+            acc += p * gl.expand_dims(sc, 1)  # while the other warpgroup's wgmma runs
+    for h in gl.static_range(HALVES):
+        rm = off_m + h * MH + gl.arange(0, MH, layout=gl.SliceLayout(0, mma_layout))
+        out = acc2 if h == 1 else acc
+        out = out * gl.expand_dims(gl.load(as_ptr + rm, mask=rm < M, other=0.0), 0)  # per-token activation scales
+        _swap_store(out, y_ptr, M, N, stride_ym, off_m + h * MH, n0, MH, HN, ATOMIC, False, 4)
 
 
 @gluon.jit
 def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, split_k, gsteps,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+                     MH: gl.constexpr = 0):
     """y[M, N] (+= with ATOMIC, split_k > 1) = a_scale[m] * sum_k x[m, k] (c[k, n] - 8) s[k // group, n];
     gsteps = group // 128 (K // 128 per channel). Launched with num_warps = 4: two consumer warpgroups in two
     partitions plus a loader warp (gemm_wna16_tcg._swap_load_halves: x tile + both halves of the words)."""
     pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
+    TOK: gl.constexpr = MH if MH > 0 else BLOCK_M
     x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
     gl.warp_specialize([
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                         gsteps, 0, BLOCK_M, HN, STAGES, ATOMIC)),
+                         gsteps, 0, BLOCK_M, HN, STAGES, ATOMIC, TOK)),
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                         gsteps, 1, BLOCK_M, HN, STAGES, ATOMIC)),
+                         gsteps, 1, BLOCK_M, HN, STAGES, ATOMIC, TOK)),
         (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -127,12 +146,32 @@ def supported(a_q: torch.Tensor, N: int, K: int, block_n: int = 128) -> bool:
             and a_q.data_ptr() % 16 == 0 and N % block_n == 0 and K % 128 == 0)
 
 
-def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.bfloat16, block_m: int = 128,
-                  block_n: int = 128, stages: int = 4, split_k: int = 1) -> torch.Tensor:
+def pick_tile(M: int, N: int, K: int, sms: int, block_n: int = 128) -> tuple[int, int, int]:
+    """(block_m, mh, split_k) by heuristic: 256-token tiles in two halves (one decode per 256 tokens) once M fills
+    them, split over K while the grid is under one wave (nonempty_split keeps every split's K steps)."""
+    block_m, mh = (256, 128) if M > 128 else (128, 0)
+    tiles = -(-M // block_m) * (N // block_n)
+    split = 1
+    while tiles * split * 2 <= sms and split < 4:
+        split *= 2
+    return block_m, mh, nonempty_split(split, K // BK.value)
+
+
+def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.bfloat16, block_m: int | None = None,
+                  block_n: int = 128, stages: int = 4, split_k: int | None = None, mh: int | None = None
+                  ) -> torch.Tensor:
     """a_q fp8 [M, K] (per-token a_scale [M]) x the planar int4 QuantizedWeight qw [N, K] (symmetric, bf16 scales,
-    group a multiple of 128 or per channel) -> [M, N]."""
+    group a multiple of 128 or per channel) -> [M, N]. block_m / split_k / mh left None: pick_tile's choice
+    (mh = block_m // 2: two token halves per decode, 0: one)."""
     M, K = a_q.shape
     N = qw.shape[0]
+    if block_m is None or split_k is None or mh is None:
+        bm, h, sp = pick_tile(M, N, K, torch.cuda.get_device_properties(a_q.device).multi_processor_count, block_n)
+        block_m = bm if block_m is None else block_m
+        mh = (h if block_m == bm else 0) if mh is None else mh
+        split_k = sp if split_k is None else split_k
+    if mh and block_m != 2 * mh:
+        raise ValueError(f"mh {mh}: the token halves split block_m {block_m} in two")
     lay = gl.NVMMASharedLayout.get_default_for
     x_desc = TensorDescriptor.from_tensor(a_q, [block_m, BK.value], lay([block_m, BK.value], gl.float8e4nv))
     hn = block_n // 2
@@ -144,5 +183,5 @@ def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.
     grid = (-(-M // block_m) * (N // block_n), split_k)
     _w4a8_tcg_kernel[grid](x_desc, q_desc, qw.scales, a_scale.float().reshape(M).contiguous(), y, M, N, K,
                            y.stride(0), split_k, gsteps, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=split_k > 1,
-                           STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4)
+                           STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, MH=mh)
     return y.to(out_dtype) if split_k > 1 else y
