@@ -347,6 +347,8 @@ def run_w4(N, K, ms, rows, budget, sections):
             saved = g4.FOLD_MIN_M, g4.FOLD_KERNEL
             try:  # fold: copy + the FP8 kernel; foldk: the Triton W4A8 kernel folding in registers; rescale: neither
                 for tag, min_m, kern in (("fold", 1, False), ("foldk", 0, True), ("rescale", 0, False)):
+                    if LEAN[0] and tag != "fold":  # (measured slower at every point in sessions 19 / 20)
+                        continue
                     g4.FOLD_MIN_M, g4.FOLD_KERNEL = min_m, kern
                     if tag != "rescale" and mx[0].fold_base() is None:
                         continue
@@ -357,6 +359,17 @@ def run_w4(N, K, ms, rows, budget, sections):
                                                                      for i in range(nc)])
             finally:
                 g4.FOLD_MIN_M, g4.FOLD_KERNEL = saved
+            if mx[0].fold_mult() is not None and M > 16:  # the Gluon fold kernel (gemm_w4a8_tcg.py) forced
+                from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg
+                tw = [w.wna16() for w in mx]
+                fm = [w.fold_mult() for w in mx]
+                for bm in (128, 256):
+                    tag = f"kestrel_w4a8_mxfp4_tcg_bm{bm}"
+                    r[f"{tag}_err"] = rel(gemm_w4a8_fold_tcg(a, s, tw[0], *fm[0], block_m=bm), ref)
+                    r[f"{tag}_gemm_us"] = safe_us([lambda i=i, bm=bm: gemm_w4a8_fold_tcg(a, s, tw[i], *fm[i], block_m=bm)
+                                                   for i in range(nc)])
+                    r[f"{tag}_e2e_us"] = safe_us([lambda i=i, bm=bm: gemm_w4a8_fold_tcg(
+                        *aq.quant_fp8(x), tw[i], *fm[i], block_m=bm) for i in range(nc)])
         if mx and "w4a4" in sections:
             ya = w4a4_linear(x, mx[0])
             qa, sa = aq.quant_mxfp4(x)
@@ -439,6 +452,10 @@ RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
     ("w4a8 mxfp4 gemm: per-group rescale / in-register fold", "kestrel_w4a8_mxfp4_rescale_gemm_us",
      "kestrel_w4a8_mxfp4_foldk_gemm_us"),
     ("w4a8 mxfp4 fold e2e vs Humming W4A8 (its int4 g128)", "humming_w4a8_e2e_us", "kestrel_w4a8_mxfp4_fold_e2e_us"),
+    ("w4a8 mxfp4 Gluon fold 256 e2e vs Humming W4A8 (its int4 g128)", "humming_w4a8_e2e_us",
+     "kestrel_w4a8_mxfp4_tcg_bm256_e2e_us"),
+    ("w4a8 mxfp4 Gluon fold 128 e2e vs Humming W4A8 (its int4 g128)", "humming_w4a8_e2e_us",
+     "kestrel_w4a8_mxfp4_tcg_bm128_e2e_us"),
     ("w4a8 mxfp4 fold e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a8_mxfp4_fold_e2e_us"),
     ("w4a4 mxfp4 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a4_mxfp4_e2e_us"),
 ]

@@ -297,10 +297,16 @@ def test_w4a8_asm_decode_matches_reference():
 
 
 def _run_w4a8_ptx(asm: str, word: int) -> tuple[int, int]:
-    """Tiny emulator of the PTX in lowbit_gemm._int4x4_asm, following the PTX ISA: lop3 by its truth table, f16x2
-    math rounded once (exact here), cvt .f16x2 -> e4m3x2 puts the upper half's byte in the upper byte, prmt picks
-    byte sel_k of {b, a} (a = bytes 0..3), mov {lo, hi} packs lo in the low half."""
-    regs = {"$2": word}
+    regs = run_ptx(asm, {"$2": word})
+    return regs["$0"], regs["$1"]
+
+
+def run_ptx(asm: str, regs: dict) -> dict:
+    """Tiny emulator of the decode PTX (lowbit_gemm._int4x4_asm, gemm_w4a8_tcg's e4m3 decodes), following the PTX
+    ISA: lop3 by its truth table, f16x2 math rounded once (exact here), cvt .f16x2 -> e4m3x2 puts the upper half's
+    byte in the upper byte, prmt picks byte sel_k of {b, a} (a = bytes 0..3), mov {lo, hi} packs lo in the low
+    half. regs: the operands ($1 ...); returns every register."""
+    regs = dict(regs)
 
     def val(t):
         return regs[t] if t in regs else int(t, 0)
@@ -326,8 +332,16 @@ def _run_w4a8_ptx(asm: str, word: int) -> tuple[int, int]:
         v = [val(t) for t in src]
         if op == "mov.b32":
             r = v[0]
-        elif op == "shr.b32":
+        elif op in ("shr.b32", "shr.u32"):
             r = v[0] >> v[1]
+        elif op == "shl.b32":
+            r = v[0] << v[1]
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "mul.rn.f16x2":
+            r = pack16(f16(v[0]) * f16(v[1]))
+        elif op in ("sub.rn.f16x2",):
+            r = pack16(f16(v[0]) - f16(v[1]))
         elif op == "lop3.b32":
             r = sum((((v[3] >> (((v[0] >> i) & 1) << 2 | ((v[1] >> i) & 1) << 1 | ((v[2] >> i) & 1))) & 1) << i)
                     for i in range(32))
@@ -344,7 +358,7 @@ def _run_w4a8_ptx(asm: str, word: int) -> tuple[int, int]:
         else:
             raise AssertionError(f"emulator lacks {op}")
         regs[d] = r & 0xFFFFFFFF
-    return regs["$0"], regs["$1"]
+    return regs
 
 
 def test_w4a8_asm_decode_ptx_semantics():

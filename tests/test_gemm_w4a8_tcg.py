@@ -37,3 +37,19 @@ def test_w4a8_tcg_vs_dequant(M, group, block_m, split, mh):
     assert yb.dtype == torch.bfloat16 and _rel(yb, ref) < 5e-3
     if M > 16:  # (up to FUSED_MAX_M tokens w4a8_linear takes the fused per-group-quant kernel instead)
         assert _rel(w4a8_linear(x, w, tcg=True, bf16_max_m=0), ref) < 5e-3
+
+
+@pytest.mark.parametrize("M,block_m,split", [(300, 256, 1), (130, 256, 2), (64, 128, 1), (520, 128, 3)])
+def test_w4a8_fold_tcg_vs_dequant(M, block_m, split):
+    """MXFP4 x fp8 with the group scales folded into the decoded e4m3 weights (exact) vs dequantize-then-matmul."""
+    from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg
+    g = torch.Generator().manual_seed(M)
+    N, K = 384, 1536
+    x = torch.randn(M, K, generator=g).cuda().to(torch.bfloat16)
+    w = quantize_weight_w4(torch.randn(N, K, generator=g) * 0.05, "mxfp4").to("cuda")
+    assert w.fold_base() is not None
+    a, s = aq.quant_fp8(x)
+    ref = aq.dequant_8bit(a, s) @ w.dequantize().cuda().float().t()
+    mult, chan = w.fold_mult()
+    y = gemm_w4a8_fold_tcg(a, s, w.wna16(), mult, chan, torch.float32, block_m=block_m, split_k=split)
+    assert _rel(y, ref) < 3e-3  # the fp8 wgmma's accumulation within a K step (values exact)

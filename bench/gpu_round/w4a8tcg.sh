@@ -2,8 +2,8 @@
 # tokens) against the 128-token tile, split 1 / 2 / 4, beside Humming W4A8 and the default path. Sourced by run.sh.
 P="python3 -m pytest -q -p no:cacheprovider"
 [ "${TCG_TESTS:-1}" = 1 ] && stage tests 90 $P tests/test_gemm_w4a8_tcg.py
-LS=${TCG_LEAN_S:-300}
-stage lean $LS python3 bench/gemm_w8a8.py --lean --sections w4a8 --shapes ${TCG_SHAPES:-8192x28672,4096x14336} \
+LS=${TCG_LEAN_S:-330}
+stage lean $LS python3 bench/gemm_w8a8.py --lean --sections ${TCG_SECTIONS:-w4a8,w4a8mx} --shapes ${TCG_SHAPES:-8192x28672,4096x14336} \
   --ms ${TCG_MS:-256,1024,4096,64} --deadline-s $(( LS - 20 )) --out $OUT/w4a8tcg/lean
 # FP8 W8A8 at M = 64 (the one point short of Humming W8A8): the in-kernel split-K TMA tiles (session 17, opt-in)
 [ "${TCG_FP8:-1}" = 1 ] && stage fp8m64 ${TCG_FP8_S:-130} python3 bench/gemm_w8a8.py --lean --sections fp8 \

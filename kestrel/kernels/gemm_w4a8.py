@@ -85,6 +85,7 @@ class W4Weight:
         self.layout = layout
         self._wna16 = None  # wna16(): the planar twin, made on first use
         self._fold = None  # fold_base(): the MXFP4 scale fold's (down exponents, channel scales), made on first use
+        self._fold_mult = None  # fold_mult(): the Gluon fold kernel's multipliers, made on first use
 
     def halves_ok(self) -> bool:
         K = self.shape[1]
@@ -138,6 +139,15 @@ class W4Weight:
             ok = self.fmt == "mxfp4" and self.packed.dim() == 2 and self.layout == "pairs"
             self._fold = (mxfp4_fold_base(self.scale) if ok else None) or False
         return self._fold or None
+
+    def fold_mult(self):
+        """MXFP4 where fold_base() allows: (f16 multiplier bits [K // 32, N] of gemm_w4a8_tcg.fold_multipliers,
+        channel scales [N]) for the Gluon fold kernel, cached; None otherwise."""
+        if self._fold_mult is None and self.fold_base() is not None:
+            from kestrel.kernels.gemm_w4a8_tcg import fold_multipliers
+            down, chan = self.fold_base()
+            self._fold_mult = (fold_multipliers(down), chan)
+        return self._fold_mult
 
     def pairs_packed(self) -> torch.Tensor:
         return from_halves(self.packed) if self.layout == "halves" else self.packed

@@ -135,6 +135,81 @@ def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, s
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+# MXFP4: 4 elements (word rows r .. r + 3 of one field) -> 4 e4m3 of code x 2^-down in one register: the e2m1
+# nibble's sign to bit 15 and (e1 e0 m) to bits 11..9 of an f16 (= value x 2^-14, an e2m1 subnormal on an f16
+# subnormal), times $13 / $14 = f16x2 2^(14 - down) (exact, down <= FOLD_SPAN), cvt (exact: lowbit_tma.mxfp4_fold_to_fp8's
+# argument); $5 / $9 as in _ASM_E4M3
+_ASM_FP4_E4M3 = gl.constexpr(
+    "{ .reg .b32 a, b, c; .reg .b16 lo, hi; "
+    "prmt.b32 a, $1, $2, $5; shr.u32 a, a, $9; shl.b32 b, a, 9; and.b32 b, b, 0x0E000E00; shl.b32 c, a, 12; "
+    "lop3.b32 b, b, c, 0x80008000, 0xF8; mul.rn.f16x2 b, b, $13; cvt.rn.satfinite.e4m3x2.f16x2 lo, b; "
+    "prmt.b32 a, $3, $4, $5; shr.u32 a, a, $9; shl.b32 b, a, 9; and.b32 b, b, 0x0E000E00; shl.b32 c, a, 12; "
+    "lop3.b32 b, b, c, 0x80008000, 0xF8; mul.rn.f16x2 b, b, $14; cvt.rn.satfinite.e4m3x2.f16x2 hi, b; "
+    "mov.b32 $0, {lo, hi}; }")
+
+
+@gluon.jit
+def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0,
+                  cnt, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
+                  ATOMIC: gl.constexpr):
+    """_w4a8_consume for MXFP4 with the group scales folded into the decoded e4m3 weights (m_ptr: f16 bits of
+    2^(14 - down), [K // 32, N]): no per-group rescale, so each K step's wgmma adds into one accumulator chain of
+    the whole BLOCK_M-token width (one decode per BLOCK_M tokens); the channel scales cs_ptr (2^base) and per-token
+    scales go on in the epilogue."""
+    gl.assume(cnt > 0)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 32])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
+    L3: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, BK]))
+    n0 = off_n + H * HN
+    f = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)
+    sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
+    shape: gl.constexpr = [HN, 8, R]
+    # the K step's 4 groups of 32: group 4 s + field // 2, one multiplier per (column, field)
+    m_offs = (gl.expand_dims(gl.expand_dims(n0 + gl.arange(0, HN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
+              + gl.expand_dims(gl.expand_dims(f // 2, 0), 2) * N)
+    acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(cnt):
+        slot = i % STAGES
+        mult = gl.load(m_ptr + (s0 + i) * 4 * N + m_offs).to(gl.float16, bitcast=True)  # [HN, 8, 1]
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
+        a = gl.inline_asm_elementwise(_ASM_FP4_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                      [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape),
+                                       mult.broadcast_to(shape)], dtype=gl.float8e4nv, is_pure=True, pack=4)
+        a = gl.convert_layout(gl.reshape(a, (HN, 8 * R)), a_layout)  # a register renaming (same linear layout)
+        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _keep_alive(a)
+        fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
+        mbarrier.arrive(empty.index(slot))
+    srow: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    acc = (acc * gl.expand_dims(gl.load(cs_ptr + n0 + gl.arange(0, HN, layout=srow)), 1)
+           * gl.expand_dims(gl.load(as_ptr + rm, mask=rm < M, other=0.0), 0))
+    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, n0, BLOCK_M, HN, ATOMIC, False, 4)
+
+
+@gluon.jit
+def _w4a8_fold_kernel(x_desc, q_desc, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, K, stride_ym, split_k,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """y[M, N] (+= with ATOMIC) = a_scale[m] * cs[n] * sum_k x[m, k] e2m1(c[k, n]) 2^-down[k // 32, n]: the
+    MXFP4 twin's codes with mxfp4_fold_base's exponents; the warp-specialised layout of _w4a8_tcg_kernel."""
+    pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
+    gl.assume(cnt > 0)
+    HN: gl.constexpr = BLOCK_N // 2
+    x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
+    gl.warp_specialize([
+        (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n,
+                         s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC)),
+        (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n,
+                         s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC)),
+        (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
 # (consumer, loader) register budgets (setmaxnreg): the loader at 120 left a 16-byte stack on 128x128 (offline
 # sm_90a compile, bench/w4a8_tcg_compile.py), at 40 none
 WS_REGS = (232, 40)
@@ -184,4 +259,37 @@ def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.
     _w4a8_tcg_kernel[grid](x_desc, q_desc, qw.scales, a_scale.float().reshape(M).contiguous(), y, M, N, K,
                            y.stride(0), split_k, gsteps, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=split_k > 1,
                            STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, MH=mh)
+    return y.to(out_dtype) if split_k > 1 else y
+
+
+def fold_multipliers(down: torch.Tensor) -> torch.Tensor:
+    """mxfp4_fold_base's down exponents [N, K // 32] (0 .. FOLD_SPAN) -> the f16 bits of 2^(14 - down) [K // 32, N]
+    int16 (_ASM_FP4_E4M3's multiplier: exponent field 14 - down + 15)."""
+    return ((29 - down.to(torch.int32)) << 10).to(torch.int16).t().contiguous()
+
+
+def gemm_w4a8_fold_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, mult: torch.Tensor, chan: torch.Tensor,
+                       out_dtype=torch.bfloat16, block_m: int = 256, block_n: int = 128, stages: int = 4,
+                       split_k: int | None = None) -> torch.Tensor:
+    """a_q fp8 [M, K] (per-token a_scale [M]) x the MXFP4 planar twin qw [N, K] with its group scales folded
+    (mult = fold_multipliers(down), chan [N] fp32 channel scales: W4Weight.fold_base) -> [M, N]. split_k None:
+    doubled while the grid is under one wave."""
+    M, K = a_q.shape
+    N = qw.shape[0]
+    if split_k is None:
+        tiles, split_k = -(-M // block_m) * (N // block_n), 1
+        sms = torch.cuda.get_device_properties(a_q.device).multi_processor_count
+        while tiles * split_k * 2 <= sms and split_k < 4:
+            split_k *= 2
+    lay = gl.NVMMASharedLayout.get_default_for
+    x_desc = TensorDescriptor.from_tensor(a_q, [block_m, BK.value], lay([block_m, BK.value], gl.float8e4nv))
+    hn = block_n // 2
+    q_desc = TensorDescriptor.from_tensor(qw.qweight, [R.value, hn], lay([R.value, hn], gl.int32))
+    split_k = nonempty_split(split_k, K // BK.value)
+    y = (torch.zeros if split_k > 1 else torch.empty)((M, N), device=a_q.device,
+                                                         dtype=torch.float32 if split_k > 1 else out_dtype)
+    grid = (-(-M // block_m) * (N // block_n), split_k)
+    _w4a8_fold_kernel[grid](x_desc, q_desc, mult, chan, a_scale.float().reshape(M).contiguous(), y, M, N, K,
+                            y.stride(0), split_k, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=split_k > 1,
+                            STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4)
     return y.to(out_dtype) if split_k > 1 else y
