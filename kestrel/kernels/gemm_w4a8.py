@@ -51,6 +51,9 @@ TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_TCG_MIN_M", "2048"))
 # (K = 14336 / 28672) against 1.7e-3: one long fp8 wgmma accumulation chain (as in FP8 W8A8: 3.3e-3 / 4.7e-3)
 # instead of a rescale every 32. (At M <= BF16_MAX_M the WNA16 MXFP4 kernels run first.)
 FOLD_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_MIN_M", "1"))
+# from this M on, MXFP4 weights (where fold_base allows) on a Hopper GPU: the Gluon fold kernel (gemm_w4a8_tcg:
+# e2m1 codes decoded straight to e4m3 x 2^-down in registers, one wgmma chain, no fp8 copy of the weight); 0 = never
+FOLD_TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MIN_M", "0"))
 # with FOLD_MIN_M 0 (or below it), MXFP4 weights: 1 = the Triton W4A8 kernels fold the group scales in registers
 # (lowbit_gemm.S_FOLD: exact e4m3 weights, one accumulator chain, K tiles of 128 instead of the group's 32); 0 (the
 # default) = per-group rescaled partial products. H100 2026-12-07: the in-register fold took 1.14-1.75x the default's
@@ -232,14 +235,18 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
     M = a_q.shape[0]
     if not act_quant.use_triton(a_q):
         return (act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, -1)) @ w.dequantize().t()).to(out_dtype)
+    # the Gluon kernels (gemm_w4a8_tcg.py) from their M on, ahead of the small-M WNA16 path
+    min_m = TCG_MIN_M if w.fmt == "int4" else FOLD_TCG_MIN_M
+    if config is None and (0 < min_m <= M if tcg is None else tcg) and w.wna16_ok():
+        from kestrel.kernels import gemm_w4a8_tcg
+        if w.fmt == "int4" and gemm_w4a8_tcg.supported(a_q, N, K):
+            return gemm_w4a8_tcg.gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype)
+        if w.fmt == "mxfp4" and w.fold_mult() is not None and gemm_w4a8_tcg.supported(a_q, N, K):
+            return gemm_w4a8_tcg.gemm_w4a8_fold_tcg(a_q.contiguous(), a_scale, w.wna16(), *w.fold_mult(), out_dtype)
     if config is None and use_wna16(M, w, bf16_max_m):  # small M: the WNA16 kernels on the fp8 values (module doc)
         from kestrel.kernels.gemm_wna16 import gemm_wna16
         x = act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, 1)).to(torch.bfloat16)
         return gemm_wna16(x, w.wna16()).to(out_dtype)
-    if config is None and (0 < TCG_MIN_M <= M if tcg is None else tcg) and w.fmt == "int4" and w.wna16_ok():
-        from kestrel.kernels import gemm_w4a8_tcg
-        if gemm_w4a8_tcg.supported(a_q, N, K):
-            return gemm_w4a8_tcg.gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype)
     a_op = Operand(A_FP8, a_q.contiguous(), a_scale.float().reshape(M, 1).contiguous())
     if config is None and 0 < FOLD_MIN_M <= M and w.fold_base() is not None:
         from kestrel.kernels.gemm_w8a8 import tuned_config
