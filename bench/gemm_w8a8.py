@@ -60,7 +60,8 @@ class LogRow(dict):
 
 # the Gluon W4A8 kernel's (block_m, mh, split_k) tiles timed beside its pick (gemm_w4a8_tcg.pick_tile): the old
 # 128-token tile, and 256-token tiles in two halves (one decode per 256 tokens) unsplit / split 2 / 4
-TCG_TILES = [(128, 0, 1), (128, 0, 2), (256, 128, 1), (256, 128, 2), (256, 128, 4)]
+TCG_TILES = [(128, 0, 1, 4), (256, 128, 1, 4), (256, 128, 2, 4), (256, 128, 4, 4), (256, 128, 1, 3),
+             (256, 128, 2, 3)]  # (block_m, mh, split_k, stages)
 LEAN = [False]  # --lean: the headline columns only (no tile variants, no plain-pair / fast-accum / a16 extras)
 WARM_ONLY = [False]  # --warm-only: run every call once (fills the Triton / Humming JIT caches), time nothing
 W8A8_CFGS: list = []  # --fp8-cfgs: FP8 TMA configs (incl. in-kernel split-K) timed beside the default
@@ -313,12 +314,12 @@ def run_w4(N, K, ms, rows, budget, sections):
                                                         for i in range(nc)])
                 from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
                 tw = [w.wna16() for w in w4]
-                for bm, mh, sp in TCG_TILES:  # the Gluon kernel's tiles forced (GEMM alone; tw built above)
-                    tag = f"kestrel_w4a8_tcg_bm{bm}{'h' if mh else ''}s{sp}"
-                    r[f"{tag}_err"] = rel(gemm_w4a8_tcg(a, s, tw[0], block_m=bm, mh=mh, split_k=sp),
+                for bm, mh, sp, st in TCG_TILES:  # the Gluon kernel's tiles forced (GEMM alone; tw built above)
+                    tag = f"kestrel_w4a8_tcg_bm{bm}{'h' if mh else ''}s{sp}st{st}"
+                    r[f"{tag}_err"] = rel(gemm_w4a8_tcg(a, s, tw[0], block_m=bm, mh=mh, split_k=sp, stages=st),
                                           aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
-                    r[f"{tag}_gemm_us"] = safe_us([lambda i=i, bm=bm, mh=mh, sp=sp: gemm_w4a8_tcg(
-                        a, s, tw[i], block_m=bm, mh=mh, split_k=sp) for i in range(nc)])
+                    r[f"{tag}_gemm_us"] = safe_us([lambda i=i, bm=bm, mh=mh, sp=sp, st=st: gemm_w4a8_tcg(
+                        a, s, tw[i], block_m=bm, mh=mh, split_k=sp, stages=st) for i in range(nc)])
             if M > 256 and not LEAN[0]:  # the expand-to-fp8 + TMA path's alternative: the fused in-register (swapped) kernel
                 fused = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
                 r["kestrel_w4a8_fused_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i], config=fused)

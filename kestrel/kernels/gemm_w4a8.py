@@ -39,10 +39,11 @@ HALF_BLOCK = 128  # K block of the "halves" packing (= the kernels' K tile when 
 # 18-46 / 22-64 us where the fp8 W4A8 e2e took 22-69 / 44-148; at M = 1024 the two were level (198 vs 208 us)
 BF16_MAX_M = int(os.environ.get("KESTREL_W4A8_BF16_MAX_M", "256"))
 # from this M on, int4 on a Hopper GPU: the Gluon kernel on the same planar twin (gemm_w4a8_tcg.py: two consumer
-# warpgroups, each decode / wgmma / scaled add, interleaved on the SM) instead of the Triton fp8 kernels; 0 = never.
-# H100 s16 (bench/results/gemm_w8a8_h100_s16.md), e2e Gluon / Triton: M = 4096 1.00 / 0.96 / 0.89 of the time
-# (4096x14336, 8192x28672, 28672x4096), M = 1024 1.02 / 0.97 / 1.02, M = 256 1.48 / 0.96 / 1.03
-TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_TCG_MIN_M", "2048"))
+# warpgroups, each decode / wgmma / scaled add, interleaved on the SM; 256-token tiles decoded once for two
+# 128-token wgmma) instead of the WNA16 / Triton fp8 kernels; 0 = never. H100 session 21
+# (bench/results/gemm_w8a8_h100_s21.md), e2e µs default path -> Gluon pick: 8192x28672 M = 256 201 -> 164, 1024
+# 751 -> 574; 4096x14336 M = 256 64.3 -> 59.0, 1024 198 -> 151; at M = 64 the WNA16 path stays ahead (77 vs 110)
+TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_TCG_MIN_M", "256"))
 # from this M on, MXFP4 weights: the group scales folded into an fp8 copy of the weight made per call (the values
 # exact: lowbit_tma.mxfp4_fold_to_fp8), then the FP8 W8A8 kernels with per-channel scales, whose wgmma chain no
 # K-varying scale breaks; 0 = never. H100 2026-12-07 (bench/results/gemm_w8a8_h100_s19.md): default path / fold =
@@ -51,9 +52,13 @@ TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_TCG_MIN_M", "2048"))
 # (K = 14336 / 28672) against 1.7e-3: one long fp8 wgmma accumulation chain (as in FP8 W8A8: 3.3e-3 / 4.7e-3)
 # instead of a rescale every 32. (At M <= BF16_MAX_M the WNA16 MXFP4 kernels run first.)
 FOLD_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_MIN_M", "1"))
-# from this M on, MXFP4 weights (where fold_base allows) on a Hopper GPU: the Gluon fold kernel (gemm_w4a8_tcg:
-# e2m1 codes decoded straight to e4m3 x 2^-down in registers, one wgmma chain, no fp8 copy of the weight); 0 = never
-FOLD_TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MIN_M", "0"))
+# MXFP4 weights (where fold_base allows) on a Hopper GPU with FOLD_TCG_MIN_M <= M < FOLD_TCG_MAX_M: the Gluon fold
+# kernel (gemm_w4a8_tcg: e2m1 codes decoded straight to e4m3 x 2^-down in registers, one wgmma chain over 256
+# tokens, no fp8 copy of the weight); 0 = never. H100 session 21, e2e µs default -> Gluon 256: 8192x28672 M = 256
+# 239 -> 165, 1024 606 -> 567, 4096 1825 -> 2332 (the copy + dense FP8 kernel wins there); 4096x14336 M = 256
+# 67.9 -> 63.9, 1024 165 -> 160, 4096 480 -> 622
+FOLD_TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MIN_M", "256"))
+FOLD_TCG_MAX_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MAX_M", "2048"))
 # with FOLD_MIN_M 0 (or below it), MXFP4 weights: 1 = the Triton W4A8 kernels fold the group scales in registers
 # (lowbit_gemm.S_FOLD: exact e4m3 weights, one accumulator chain, K tiles of 128 instead of the group's 32); 0 (the
 # default) = per-group rescaled partial products. H100 2026-12-07: the in-register fold took 1.14-1.75x the default's
@@ -236,8 +241,8 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
     if not act_quant.use_triton(a_q):
         return (act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, -1)) @ w.dequantize().t()).to(out_dtype)
     # the Gluon kernels (gemm_w4a8_tcg.py) from their M on, ahead of the small-M WNA16 path
-    min_m = TCG_MIN_M if w.fmt == "int4" else FOLD_TCG_MIN_M
-    if config is None and (0 < min_m <= M if tcg is None else tcg) and w.wna16_ok():
+    on = 0 < TCG_MIN_M <= M if w.fmt == "int4" else 0 < FOLD_TCG_MIN_M <= M < FOLD_TCG_MAX_M
+    if config is None and (on if tcg is None else tcg) and w.wna16_ok():
         from kestrel.kernels import gemm_w4a8_tcg
         if w.fmt == "int4" and gemm_w4a8_tcg.supported(a_q, N, K):
             return gemm_w4a8_tcg.gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype)

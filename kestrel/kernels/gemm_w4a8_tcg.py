@@ -82,9 +82,12 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
     acc = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)
     acc2 = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)  # tokens [MH, 2 MH) (unused when HALVES 1)
     p = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)
+    sc_next = gl.load(s_ptr + (s0 // gsteps) * N + s_offs)
     for i in range(cnt):
         slot = i % STAGES
-        sc = gl.load(s_ptr + ((s0 + i) // gsteps) * N + s_offs).to(gl.float32)
+        # the group scales one step ahead: their load's latency stays off the step that uses them
+        sc = sc_next.to(gl.float32)
+        sc_next = gl.load(s_ptr + ((s0 + gl.minimum(i + 1, cnt - 1)) // gsteps) * N + s_offs)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
         a = gl.inline_asm_elementwise(_ASM_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
@@ -170,9 +173,12 @@ def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M,
     m_offs = (gl.expand_dims(gl.expand_dims(n0 + gl.arange(0, HN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
               + gl.expand_dims(gl.expand_dims(f // 2, 0), 2) * N)
     acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    mult_next = gl.load(m_ptr + s0 * 4 * N + m_offs)
     for i in range(cnt):
         slot = i % STAGES
-        mult = gl.load(m_ptr + (s0 + i) * 4 * N + m_offs).to(gl.float16, bitcast=True)  # [HN, 8, 1]
+        # the multipliers one step ahead: the decode needs them, their load's latency would stall every step
+        mult = mult_next.to(gl.float16, bitcast=True)  # [HN, 8, 1]
+        mult_next = gl.load(m_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * 4 * N + m_offs)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
         a = gl.inline_asm_elementwise(_ASM_FP4_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
