@@ -9,3 +9,15 @@ stage lean $LS python3 bench/gemm_w8a8.py --lean --sections ${TCG_SECTIONS:-w4a8
 [ "${TCG_FP8:-1}" = 1 ] && stage fp8m64 ${TCG_FP8_S:-130} python3 bench/gemm_w8a8.py --lean --sections fp8 \
   --shapes 4096x14336,8192x28672 --ms 64,16 --fp8-cfgs 64:64:2:4:6,64:64:4:4:6,64:32:1:4:6,64:32:2:4:6 \
   --deadline-s $(( ${TCG_FP8_S:-130} - 15 )) --out $OUT/w4a8tcg/fp8m64
+# a profile of the Gluon kernels (ncu if the image has it and may read the counters)
+if [ "${TCG_PROF:-1}" = 1 ]; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  echo "ncu: ${NCU:-none}"
+  if [ -n "$NCU" ]; then
+    TAIL=200 stage prof ${TCG_PROF_S:-120} $NCU --kernel-name regex:_w4a8 --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+      --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      python3 bench/w4a8_tcg_profile.py --m 4096 --iters 1
+  else
+    stage prof 60 python3 bench/w4a8_tcg_profile.py --m 4096
+  fi
+fi
