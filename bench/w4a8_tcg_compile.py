@@ -20,24 +20,25 @@ import wna16_tcg_compile as wc  # noqa: E402  (its Triton 3.6 shims apply here t
 from kestrel.kernels import gemm_w4a8_tcg as w4  # noqa: E402
 from wna16_tc_sass import sass_loop  # noqa: E402
 
-def compile_w4a8_tcg(bm: int, bn: int, warps: int, stages: int, atomic: bool = False, regs=None, mh: int = 0):
+def compile_w4a8_tcg(bm: int, bn: int, warps: int, stages: int, atomic: bool = False, regs=None, mh: int = 0,
+                     kh: bool = False):
     regs = regs or w4.WS_REGS
     x_desc, q_desc = wc.descriptors(bm, bn // 2, torch.float8_e4m3fn)
     sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "s_ptr": "*bf16", "as_ptr": "*fp32",
            "y_ptr": "*fp32" if atomic else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
            "split_k": "i32", "gsteps": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, STAGES=stages, CONSUMER_REGS=regs[0],
-                  LOADER_REGS=regs[1], num_warps=warps, MH=mh)
+                  LOADER_REGS=regs[1], num_warps=warps, MH=mh, KH=kh)
     return wc.gluon_compile(w4._w4a8_tcg_kernel, sig, consts, warps)
 
 
-def compile_fold(bm: int, bn: int, stages: int, atomic: bool = False):
+def compile_fold(bm: int, bn: int, stages: int, atomic: bool = False, kh: bool = False):
     x_desc, q_desc = wc.descriptors(bm, bn // 2, torch.float8_e4m3fn)
     sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "m_ptr": "*i16", "cs_ptr": "*fp32",
            "as_ptr": "*fp32", "y_ptr": "*fp32" if atomic else "*bf16", "M": "i32", "N": "i32", "K": "i32",
            "stride_ym": "i32", "split_k": "i32"}
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, STAGES=stages, CONSUMER_REGS=w4.WS_REGS[0],
-                  LOADER_REGS=w4.WS_REGS[1], num_warps=4)
+                  LOADER_REGS=w4.WS_REGS[1], num_warps=4, KH=kh)
     return wc.gluon_compile(w4._w4a8_fold_kernel, sig, consts, 4)
 
 
@@ -50,8 +51,8 @@ def main():
         flags = parts[4:]
         mh = next((int(f[2:]) for f in flags if f.startswith("mh")), 0)
         try:
-            k = (compile_fold(bm, bn, stages, atomic="atomic" in flags) if "fold" in flags else
-                 compile_w4a8_tcg(bm, bn, warps, stages, atomic="atomic" in flags, mh=mh))
+            k = (compile_fold(bm, bn, stages, atomic="atomic" in flags, kh="kh" in flags) if "fold" in flags else
+                 compile_w4a8_tcg(bm, bn, warps, stages, atomic="atomic" in flags, mh=mh, kh="kh" in flags))
             loop, regs, stack = sass_loop(k)
             waits = [t for t in loop if "WARPGROUP.DEPBAR" in t]
             ser = wc.wgmma_serialised(k)

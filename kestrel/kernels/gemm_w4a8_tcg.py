@@ -56,16 +56,32 @@ def _keep_alive(a):
 
 
 @gluon.jit
+def _int4_half(q, h: gl.constexpr, L3h: gl.constexpr, a_layout: gl.constexpr, HN: gl.constexpr):
+    """Fields 4 h .. 4 h + 3 (k 64 h .. 64 h + 63) of a K step's words q [HN, 1, 16] as the e4m3 wgmma A operand
+    [HN, 64] (codes c - 8)."""
+    f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3h))) + 4 * h
+    sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)
+    sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
+    shape: gl.constexpr = [HN, 4, R]
+    a = gl.inline_asm_elementwise(_ASM_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                  [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape)],
+                                  dtype=gl.float8e4nv, is_pure=True, pack=4)
+    return gl.convert_layout(gl.reshape(a, (HN, 4 * R)), a_layout)
+
+
+@gluon.jit
 def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
                   gsteps, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
-                  ATOMIC: gl.constexpr, MH: gl.constexpr):
+                  ATOMIC: gl.constexpr, MH: gl.constexpr, KH: gl.constexpr = False):
     """One of the two consumer warpgroups (its own partition): weight rows off_n + H * HN .. + HN of the tile from
     its half of each K step's words; per step decode, wgmma (unscaled, fresh), wait, acc += product * group scale,
     release the slot (one of the two arrivals its empty barrier counts); then the per-token scales and y.
     MH = BLOCK_M // 2 (token halves): one decode feeds two wgmma, tokens [0, MH) and [MH, BLOCK_M) of the x tile,
     each into the same fresh product p and added to its own accumulator; the decode (half of a step's
     instructions at 128 tokens) is paid once per 256 tokens, and p + two accumulators fit where two full-width
-    ones (256-token acc + p) would not."""
+    ones (256-token acc + p) would not.
+    KH (with token halves): the step's A as two K halves in their own registers, the second half decoded while the
+    first half's wgmma runs (_fold_consume_kh's scheme)."""
     gl.assume(cnt > 0)  # the kernel's assumption does not reach into the partition
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, MH, 32])
@@ -89,26 +105,49 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
         sc = sc_next.to(gl.float32)
         sc_next = gl.load(s_ptr + ((s0 + gl.minimum(i + 1, cnt - 1)) // gsteps) * N + s_offs)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
-        a = gl.inline_asm_elementwise(_ASM_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
-                                      [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape)],
-                                      dtype=gl.float8e4nv, is_pure=True, pack=4)
-        a = gl.convert_layout(gl.reshape(a, (HN, 8 * R)), a_layout)  # a register renaming (same linear layout)
-        xs = x_smem.index(slot)
-        if HALVES == 2:
-            p = warpgroup_mma(a, xs.slice(0, MH).permute((1, 0)), p, use_acc=False, is_async=True)
+        if KH:
+            gl.static_assert(HALVES == 2)
+            L3h: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, BK // 2]))
+            qh = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3h)), 1)
+            xs = x_smem.index(slot)
+            a0 = _int4_half(qh, 0, L3h, a_layout, HN)
+            p = warpgroup_mma(a0, xs.slice(0, MH).slice(0, BK // 2, dim=1).permute((1, 0)), p, use_acc=False,
+                              is_async=True)
+            a1 = _int4_half(qh, 1, L3h, a_layout, HN)  # while the first half's wgmma runs
+            p = warpgroup_mma(a1, xs.slice(0, MH).slice(BK // 2, BK // 2, dim=1).permute((1, 0)), p, is_async=True)
             p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
             acc += p * gl.expand_dims(sc, 1)
-            xs = xs.slice(MH, MH)
-        p = warpgroup_mma(a, xs.permute((1, 0)), p, use_acc=False, is_async=True)
-        p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
-        _keep_alive(a)
-        fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
-        mbarrier.arrive(empty.index(slot))
-        if HALVES == 2:
+            p = warpgroup_mma(a0, xs.slice(MH, MH).slice(0, BK // 2, dim=1).permute((1, 0)), p, use_acc=False,
+                              is_async=True)
+            p = warpgroup_mma(a1, xs.slice(MH, MH).slice(BK // 2, BK // 2, dim=1).permute((1, 0)), p,
+                              is_async=True)
+            p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
+            _keep_alive(a0)
+            _keep_alive(a1)
+            fence_async_shared()
+            mbarrier.arrive(empty.index(slot))
             acc2 += p * gl.expand_dims(sc, 1)
         else:
-            acc += p * gl.expand_dims(sc, 1)  # while the other warpgroup's wgmma runs
+            q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
+            a = gl.inline_asm_elementwise(_ASM_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                          [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape)],
+                                          dtype=gl.float8e4nv, is_pure=True, pack=4)
+            a = gl.convert_layout(gl.reshape(a, (HN, 8 * R)), a_layout)  # a register renaming (same linear layout)
+            xs = x_smem.index(slot)
+            if HALVES == 2:
+                p = warpgroup_mma(a, xs.slice(0, MH).permute((1, 0)), p, use_acc=False, is_async=True)
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
+                acc += p * gl.expand_dims(sc, 1)
+                xs = xs.slice(MH, MH)
+            p = warpgroup_mma(a, xs.permute((1, 0)), p, use_acc=False, is_async=True)
+            p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
+            _keep_alive(a)
+            fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
+            mbarrier.arrive(empty.index(slot))
+            if HALVES == 2:
+                acc2 += p * gl.expand_dims(sc, 1)
+            else:
+                acc += p * gl.expand_dims(sc, 1)  # while the other warpgroup's wgmma runs
     for h in gl.static_range(HALVES):
         rm = off_m + h * MH + gl.arange(0, MH, layout=gl.SliceLayout(0, mma_layout))
         out = acc2 if h == 1 else acc
@@ -120,7 +159,7 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
 def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, split_k, gsteps,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                     MH: gl.constexpr = 0):
+                     MH: gl.constexpr = 0, KH: gl.constexpr = False):
     """y[M, N] (+= with ATOMIC, split_k > 1) = a_scale[m] * sum_k x[m, k] (c[k, n] - 8) s[k // group, n];
     gsteps = group // 128 (K // 128 per channel). Launched with num_warps = 4: two consumer warpgroups in two
     partitions plus a loader warp (gemm_wna16_tcg._swap_load_halves: x tile + both halves of the words)."""
@@ -131,9 +170,9 @@ def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, s
     x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
     gl.warp_specialize([
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                         gsteps, 0, BLOCK_M, HN, STAGES, ATOMIC, TOK)),
+                         gsteps, 0, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH)),
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                         gsteps, 1, BLOCK_M, HN, STAGES, ATOMIC, TOK)),
+                         gsteps, 1, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH)),
         (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -198,22 +237,86 @@ def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M,
 
 
 @gluon.jit
+def _fold_half(q, mult_ptr, N, n0, h: gl.constexpr, L3h: gl.constexpr, a_layout: gl.constexpr, HN: gl.constexpr,
+               m_base):
+    """Fields 4 h .. 4 h + 3 (k 64 h .. 64 h + 63) of a K step's words q [HN, 1, 16] decoded with their folded
+    group exponents (the multipliers of groups 2 h, 2 h + 1 at m_base + group * N) as the wgmma A operand
+    [HN, 64]."""
+    f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3h))) + 4 * h
+    sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)
+    sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
+    m_offs = (gl.expand_dims(gl.expand_dims(n0 + gl.arange(0, HN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3h))),
+                                            1), 2) + gl.expand_dims(gl.expand_dims(f // 2, 0), 2) * N)
+    mult = gl.load(mult_ptr + m_base + m_offs).to(gl.float16, bitcast=True)
+    shape: gl.constexpr = [HN, 4, R]
+    a = gl.inline_asm_elementwise(_ASM_FP4_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                  [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape),
+                                   mult.broadcast_to(shape)], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    return gl.convert_layout(gl.reshape(a, (HN, 4 * R)), a_layout)
+
+
+@gluon.jit
+def _fold_consume_kh(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0,
+                     cnt, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
+                     ATOMIC: gl.constexpr):
+    """_fold_consume with each K step as two wgmma on its K halves, each half's A in its own registers: the second
+    half's decode runs while the first half's wgmma does, then both retire (wait(0): no A register set is carried
+    over the loop's back edge, which made ptxas serialise every wgmma, C7512, in a wait(1) form)."""
+    gl.assume(cnt > 0)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 32])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
+    L3h: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, BK // 2]))
+    n0 = off_n + H * HN
+    acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    for i in range(cnt):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3h)), 1)
+        xs = x_smem.index(slot)
+        a0 = _fold_half(q, m_ptr, N, n0, 0, L3h, a_layout, HN, (s0 + i) * 4 * N)
+        acc = warpgroup_mma(a0, xs.slice(0, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
+        a1 = _fold_half(q, m_ptr, N, n0, 1, L3h, a_layout, HN, (s0 + i) * 4 * N)  # while the first half's runs
+        acc = warpgroup_mma(a1, xs.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _keep_alive(a0)
+        _keep_alive(a1)
+        fence_async_shared()
+        mbarrier.arrive(empty.index(slot))
+    srow: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    acc = (acc * gl.expand_dims(gl.load(cs_ptr + n0 + gl.arange(0, HN, layout=srow)), 1)
+           * gl.expand_dims(gl.load(as_ptr + rm, mask=rm < M, other=0.0), 0))
+    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, n0, BLOCK_M, HN, ATOMIC, False, 4)
+
+
+@gluon.jit
 def _w4a8_fold_kernel(x_desc, q_desc, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, K, stride_ym, split_k,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """y[M, N] (+= with ATOMIC) = a_scale[m] * cs[n] * sum_k x[m, k] e2m1(c[k, n]) 2^-down[k // 32, n]: the
+                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+                      KH: gl.constexpr = False):
+    """KH: the K-halves consumer (_fold_consume_kh). y[M, N] (+= with ATOMIC) = a_scale[m] * cs[n] * sum_k x[m, k] e2m1(c[k, n]) 2^-down[k // 32, n]: the
     MXFP4 twin's codes with mxfp4_fold_base's exponents; the warp-specialised layout of _w4a8_tcg_kernel."""
     pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
     x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
-    gl.warp_specialize([
-        (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n,
-                         s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC)),
-        (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n,
-                         s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC)),
-        (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    if KH:
+        gl.warp_specialize([
+            (_fold_consume_kh, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m,
+                                off_n, s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC)),
+            (_fold_consume_kh, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m,
+                                off_n, s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC)),
+            (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m,
+                             off_n, s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC)),
+            (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m,
+                             off_n, s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC)),
+            (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # (consumer, loader) register budgets (setmaxnreg): the loader at 120 left a 16-byte stack on 128x128 (offline
@@ -239,11 +342,11 @@ def pick_tile(M: int, N: int, K: int, sms: int, block_n: int = 128) -> tuple[int
 
 
 def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.bfloat16, block_m: int | None = None,
-                  block_n: int = 128, stages: int = 4, split_k: int | None = None, mh: int | None = None
-                  ) -> torch.Tensor:
+                  block_n: int = 128, stages: int = 4, split_k: int | None = None, mh: int | None = None,
+                  kh: bool = False) -> torch.Tensor:
     """a_q fp8 [M, K] (per-token a_scale [M]) x the planar int4 QuantizedWeight qw [N, K] (symmetric, bf16 scales,
     group a multiple of 128 or per channel) -> [M, N]. block_m / split_k / mh left None: pick_tile's choice
-    (mh = block_m // 2: two token halves per decode, 0: one)."""
+    (mh = block_m // 2: two token halves per decode, 0: one); kh (with token halves): the K-halves consumer."""
     M, K = a_q.shape
     N = qw.shape[0]
     if block_m is None or split_k is None or mh is None:
@@ -264,7 +367,8 @@ def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.
     grid = (-(-M // block_m) * (N // block_n), split_k)
     _w4a8_tcg_kernel[grid](x_desc, q_desc, qw.scales, a_scale.float().reshape(M).contiguous(), y, M, N, K,
                            y.stride(0), split_k, gsteps, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=split_k > 1,
-                           STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, MH=mh)
+                           STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, MH=mh,
+                           KH=bool(kh and mh))
     return y.to(out_dtype) if split_k > 1 else y
 
 
@@ -276,8 +380,8 @@ def fold_multipliers(down: torch.Tensor) -> torch.Tensor:
 
 def gemm_w4a8_fold_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, mult: torch.Tensor, chan: torch.Tensor,
                        out_dtype=torch.bfloat16, block_m: int = 256, block_n: int = 128, stages: int = 4,
-                       split_k: int | None = None) -> torch.Tensor:
-    """a_q fp8 [M, K] (per-token a_scale [M]) x the MXFP4 planar twin qw [N, K] with its group scales folded
+                       split_k: int | None = None, kh: bool = False) -> torch.Tensor:
+    """kh: the K-halves consumer. a_q fp8 [M, K] (per-token a_scale [M]) x the MXFP4 planar twin qw [N, K] with its group scales folded
     (mult = fold_multipliers(down), chan [N] fp32 channel scales: W4Weight.fold_base) -> [M, N]. split_k None:
     doubled while the grid is under one wave."""
     M, K = a_q.shape
@@ -297,5 +401,5 @@ def gemm_w4a8_fold_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, mult: torch
     grid = (-(-M // block_m) * (N // block_n), split_k)
     _w4a8_fold_kernel[grid](x_desc, q_desc, mult, chan, a_scale.float().reshape(M).contiguous(), y, M, N, K,
                             y.stride(0), split_k, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=split_k > 1,
-                            STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4)
+                            STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, KH=kh)
     return y.to(out_dtype) if split_k > 1 else y
