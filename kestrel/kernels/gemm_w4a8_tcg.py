@@ -81,7 +81,7 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
     instructions at 128 tokens) is paid once per 256 tokens, and p + two accumulators fit where two full-width
     ones (256-token acc + p) would not.
     KH (with token halves): the step's A as two K halves in their own registers, the second half decoded while the
-    first half's wgmma runs (_fold_consume_kh's scheme)."""
+    first half's wgmma runs (_fold_consume's KH scheme)."""
     gl.assume(cnt > 0)  # the kernel's assumption does not reach into the partition
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, MH, 32])
@@ -191,97 +191,75 @@ _ASM_FP4_E4M3 = gl.constexpr(
 
 
 @gluon.jit
-def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0,
-                  cnt, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
-                  ATOMIC: gl.constexpr):
-    """_w4a8_consume for MXFP4 with the group scales folded into the decoded e4m3 weights (m_ptr: f16 bits of
-    2^(14 - down), [K // 32, N]): no per-group rescale, so each K step's wgmma adds into one accumulator chain of
-    the whole BLOCK_M-token width (one decode per BLOCK_M tokens); the channel scales cs_ptr (2^base) and per-token
-    scales go on in the epilogue."""
-    gl.assume(cnt > 0)
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_M, 32])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
-    L3: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, BK]))
-    n0 = off_n + H * HN
-    f = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+def _fold_fields(L3: gl.constexpr, N, n0, HN: gl.constexpr, NF: gl.constexpr, F0: gl.constexpr):
+    """Loop constants of the decode of fields F0 .. F0 + NF - 1: the prmt selector of byte field // 2 and the
+    nibble shift ([1, NF, 1]), and the offsets of their groups' multipliers (group 4 s + field // 2, [HN, NF, 1])."""
+    f = gl.arange(0, NF, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) + F0
     sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)
     sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
-    shape: gl.constexpr = [HN, 8, R]
-    # the K step's 4 groups of 32: group 4 s + field // 2, one multiplier per (column, field)
-    m_offs = (gl.expand_dims(gl.expand_dims(n0 + gl.arange(0, HN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
-              + gl.expand_dims(gl.expand_dims(f // 2, 0), 2) * N)
-    acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
-    mult_next = gl.load(m_ptr + s0 * 4 * N + m_offs)
-    for i in range(cnt):
-        slot = i % STAGES
-        # the multipliers one step ahead: the decode needs them, their load's latency would stall every step
-        mult = mult_next.to(gl.float16, bitcast=True)  # [HN, 8, 1]
-        mult_next = gl.load(m_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * 4 * N + m_offs)
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
-        a = gl.inline_asm_elementwise(_ASM_FP4_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-                                      [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape),
-                                       mult.broadcast_to(shape)], dtype=gl.float8e4nv, is_pure=True, pack=4)
-        a = gl.convert_layout(gl.reshape(a, (HN, 8 * R)), a_layout)  # a register renaming (same linear layout)
-        acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        _keep_alive(a)
-        fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
-        mbarrier.arrive(empty.index(slot))
-    srow: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
-    acc = (acc * gl.expand_dims(gl.load(cs_ptr + n0 + gl.arange(0, HN, layout=srow)), 1)
-           * gl.expand_dims(gl.load(as_ptr + rm, mask=rm < M, other=0.0), 0))
-    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, n0, BLOCK_M, HN, ATOMIC, False, 4)
+    m_offs = (gl.expand_dims(gl.expand_dims(n0 + gl.arange(0, HN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))),
+                                            1), 2) + gl.expand_dims(gl.expand_dims(f // 2, 0), 2) * N)
+    return sel, sh, m_offs
 
 
 @gluon.jit
-def _fold_half(q, mult_ptr, N, n0, h: gl.constexpr, L3h: gl.constexpr, a_layout: gl.constexpr, HN: gl.constexpr,
-               m_base):
-    """Fields 4 h .. 4 h + 3 (k 64 h .. 64 h + 63) of a K step's words q [HN, 1, 16] decoded with their folded
-    group exponents (the multipliers of groups 2 h, 2 h + 1 at m_base + group * N) as the wgmma A operand
-    [HN, 64]."""
-    f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3h))) + 4 * h
-    sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)
-    sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
-    m_offs = (gl.expand_dims(gl.expand_dims(n0 + gl.arange(0, HN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3h))),
-                                            1), 2) + gl.expand_dims(gl.expand_dims(f // 2, 0), 2) * N)
-    mult = gl.load(mult_ptr + m_base + m_offs).to(gl.float16, bitcast=True)
-    shape: gl.constexpr = [HN, 4, R]
+def _fold_decode(q, sel, sh, mult, a_layout: gl.constexpr, HN: gl.constexpr, NF: gl.constexpr):
+    """NF fields of a K step's words q [HN, 1, 16] with their multipliers (int16 f16 bits) -> e4m3 A [HN, 16 NF]."""
+    shape: gl.constexpr = [HN, NF, R]
     a = gl.inline_asm_elementwise(_ASM_FP4_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
                                   [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape),
-                                   mult.broadcast_to(shape)], dtype=gl.float8e4nv, is_pure=True, pack=4)
-    return gl.convert_layout(gl.reshape(a, (HN, 4 * R)), a_layout)
+                                   mult.to(gl.float16, bitcast=True).broadcast_to(shape)], dtype=gl.float8e4nv,
+                                  is_pure=True, pack=4)
+    return gl.convert_layout(gl.reshape(a, (HN, NF * R)), a_layout)  # a register renaming (same linear layout)
 
 
 @gluon.jit
-def _fold_consume_kh(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0,
-                     cnt, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
-                     ATOMIC: gl.constexpr):
-    """_fold_consume with each K step as two wgmma on its K halves, each half's A in its own registers: the second
-    half's decode runs while the first half's wgmma does, then both retire (wait(0): no A register set is carried
-    over the loop's back edge, which made ptxas serialise every wgmma, C7512, in a wait(1) form)."""
+def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0,
+                  cnt, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
+                  ATOMIC: gl.constexpr, KH: gl.constexpr):
+    """_w4a8_consume for MXFP4 with the group scales folded into the decoded e4m3 weights (m_ptr: f16 bits of
+    2^(14 - down), [K // 32, N], loaded a step ahead: the decode needs them): no per-group rescale, so each K
+    step's wgmma adds into one accumulator chain of the whole BLOCK_M-token width (one decode per BLOCK_M tokens);
+    the channel scales cs_ptr (2^base) and per-token scales go on in the epilogue.
+    KH: each K step as two wgmma on its K halves, each half's A in its own registers, the second half decoded while
+    the first half's wgmma runs, both retired per step (a wait(1) form carrying an A set over the loop's back edge
+    made ptxas serialise every wgmma, C7512)."""
     gl.assume(cnt > 0)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
-    L3h: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, BK // 2]))
+    NF: gl.constexpr = 4 if KH else 8  # fields per decode
+    L3: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, NF * R]))
     n0 = off_n + H * HN
+    sel0, sh0, m_offs0 = _fold_fields(L3, N, n0, HN, NF, 0)
+    sel1, sh1, m_offs1 = _fold_fields(L3, N, n0, HN, NF, 4)  # (KH: the second half)
     acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
+    m_next0 = gl.load(m_ptr + s0 * 4 * N + m_offs0)
+    m_next1 = gl.load(m_ptr + s0 * 4 * N + m_offs1) if KH else m_next0
     for i in range(cnt):
         slot = i % STAGES
+        mult0 = m_next0
+        mult1 = m_next1
+        m_row = m_ptr + (s0 + gl.minimum(i + 1, cnt - 1)) * 4 * N
+        m_next0 = gl.load(m_row + m_offs0)
+        if KH:
+            m_next1 = gl.load(m_row + m_offs1)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3h)), 1)
+        q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
         xs = x_smem.index(slot)
-        a0 = _fold_half(q, m_ptr, N, n0, 0, L3h, a_layout, HN, (s0 + i) * 4 * N)
-        acc = warpgroup_mma(a0, xs.slice(0, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
-        a1 = _fold_half(q, m_ptr, N, n0, 1, L3h, a_layout, HN, (s0 + i) * 4 * N)  # while the first half's runs
-        acc = warpgroup_mma(a1, xs.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        _keep_alive(a0)
-        _keep_alive(a1)
-        fence_async_shared()
+        if KH:
+            a = _fold_decode(q, sel0, sh0, mult0, a_layout, HN, NF)
+            acc = warpgroup_mma(a, xs.slice(0, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
+            a1 = _fold_decode(q, sel1, sh1, mult1, a_layout, HN, NF)  # while the first half's wgmma runs
+            acc = warpgroup_mma(a1, xs.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _keep_alive(a1)
+        else:
+            a = _fold_decode(q, sel0, sh0, mult0, a_layout, HN, NF)
+            acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _keep_alive(a)
+        fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
         mbarrier.arrive(empty.index(slot))
     srow: gl.constexpr = gl.SliceLayout(1, mma_layout)
     rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
@@ -295,28 +273,20 @@ def _w4a8_fold_kernel(x_desc, q_desc, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, K, str
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
                       KH: gl.constexpr = False):
-    """KH: the K-halves consumer (_fold_consume_kh). y[M, N] (+= with ATOMIC) = a_scale[m] * cs[n] * sum_k x[m, k] e2m1(c[k, n]) 2^-down[k // 32, n]: the
-    MXFP4 twin's codes with mxfp4_fold_base's exponents; the warp-specialised layout of _w4a8_tcg_kernel."""
+    """y[M, N] (+= with ATOMIC) = a_scale[m] * cs[n] * sum_k x[m, k] e2m1(c[k, n]) 2^-down[k // 32, n]: the MXFP4
+    twin's codes with mxfp4_fold_base's exponents; the warp-specialised layout of _w4a8_tcg_kernel (KH: the
+    consumers' K-halves loop, _fold_consume)."""
     pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
     x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
-    if KH:
-        gl.warp_specialize([
-            (_fold_consume_kh, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m,
-                                off_n, s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC)),
-            (_fold_consume_kh, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m,
-                                off_n, s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC)),
-            (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m,
-                             off_n, s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC)),
-            (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m,
-                             off_n, s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC)),
-            (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    gl.warp_specialize([
+        (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n,
+                         s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC, KH)),
+        (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n,
+                         s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC, KH)),
+        (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # (consumer, loader) register budgets (setmaxnreg): the loader at 120 left a 16-byte stack on 128x128 (offline
