@@ -19,6 +19,8 @@ def cache(tmp_path, monkeypatch):
 
 def test_candidates_start_with_the_heuristic_and_fit_k():
     for kernel in LOWBIT_KERNELS:
+        if kernel.startswith("w4a8tcg"):
+            continue  # test_gluon_w4a8_candidates
         c = candidates(kernel, 16, 4096, 4096)
         assert c[0] == heuristic_config(16, 4096, 4096, LOWBIT_KERNELS[kernel][0], W_CODE[LOWBIT_KERNELS[kernel][1]])
         assert len(set(c)) == len(c) and all(4096 % (x.BK * x.SPLIT_K) == 0 for x in c)
@@ -60,3 +62,16 @@ def test_unknown_kernel():
     from kestrel.kernels.lowbit_tuning import make_case
     with pytest.raises(ValueError):
         make_case("w2a2", 1, 32, 128, "cpu")
+
+
+@pytest.mark.parametrize("M", [64, 256, 4096])
+def test_gluon_w4a8_candidates(M):
+    """the Gluon W4A8 kernels' search space: pick_tile's launch first, distinct, token tiles 128 / 256, every
+    split leaves each part a K step (nonempty_split)."""
+    from kestrel.kernels.gemm_w4a8_tcg import pick_tile
+    for kernel in ("w4a8tcg-int4", "w4a8tcg-mxfp4"):
+        c = candidates(kernel, M, 8192, 1024)
+        bm, _, sp = pick_tile(M, 8192, 1024, 132)
+        assert (c[0].BM, c[0].SPLIT_K, c[0].num_stages) == (bm, sp, 4)
+        assert len(set(c)) == len(c) and {x.BM for x in c} == {128, 256}
+        assert all(x.SPLIT_K >= 1 and (x.SPLIT_K - 1) * -(-8 // x.SPLIT_K) < 8 for x in c)

@@ -311,19 +311,45 @@ def pick_tile(M: int, N: int, K: int, sms: int, block_n: int = 128) -> tuple[int
     return block_m, mh, nonempty_split(split, K // BK.value)
 
 
+def _sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if torch.cuda.is_available() else 132
+
+
+def tile_candidates(M: int, N: int, K: int, sms: int = 132, fold: bool = False) -> list:
+    """`kestrel tune --lowbit w4a8tcg-*`'s search space as GemmConfigs (BM = token tile, 256 in two halves for
+    int4; SPLIT_K; num_stages): pick_tile's choice first (the launch's untuned default)."""
+    from kestrel.kernels.lowbit_gemm import GemmConfig
+    bm, _, sp = pick_tile(M, N, K, sms)
+    first = GemmConfig(BM=bm, BN=128, BK=128, SPLIT_K=sp, num_warps=4, num_stages=4)
+    rest = [GemmConfig(BM=b, BN=128, BK=128, SPLIT_K=nonempty_split(k, K // BK.value), num_warps=4, num_stages=st)
+            for b in (128, 256) for k in (1, 2, 4) for st in (3, 4)]
+    return list(dict.fromkeys([first] + rest))
+
+
+def _tuned(kind: str, M: int, N: int, K: int):
+    from kestrel.kernels.lowbit_tune import lookup
+    return lookup(kind, M, N, K)
+
+
 def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.bfloat16, block_m: int | None = None,
-                  block_n: int = 128, stages: int = 4, split_k: int | None = None, mh: int | None = None,
+                  block_n: int = 128, stages: int | None = None, split_k: int | None = None, mh: int | None = None,
                   kh: bool = False) -> torch.Tensor:
     """a_q fp8 [M, K] (per-token a_scale [M]) x the planar int4 QuantizedWeight qw [N, K] (symmetric, bf16 scales,
-    group a multiple of 128 or per channel) -> [M, N]. block_m / split_k / mh left None: pick_tile's choice
-    (mh = block_m // 2: two token halves per decode, 0: one); kh (with token halves): the K-halves consumer."""
+    group a multiple of 128 or per channel) -> [M, N]. block_m / split_k / stages all None: the tune cache's
+    "w4a8tcg-int4" winner, else pick_tile's choice; mh None: two token halves (block_m // 2) for 256-token tiles,
+    0 = one; kh (with token halves): the K-halves consumer."""
     M, K = a_q.shape
     N = qw.shape[0]
+    if block_m is None and split_k is None and stages is None:  # the tune cache's winner, if any
+        cfg = _tuned("w4a8tcg-int4", M, N, K)
+        if cfg is not None:
+            block_m, split_k, stages = cfg.BM, cfg.SPLIT_K, cfg.num_stages
     if block_m is None or split_k is None or mh is None:
-        bm, h, sp = pick_tile(M, N, K, torch.cuda.get_device_properties(a_q.device).multi_processor_count, block_n)
+        bm, h, sp = pick_tile(M, N, K, _sms(a_q.device), block_n)
         block_m = bm if block_m is None else block_m
-        mh = (h if block_m == bm else 0) if mh is None else mh
+        mh = (block_m // 2 if block_m == 256 else 0) if mh is None else mh
         split_k = sp if split_k is None else split_k
+    stages = 4 if stages is None else stages
     if mh and block_m != 2 * mh:
         raise ValueError(f"mh {mh}: the token halves split block_m {block_m} in two")
     lay = gl.NVMMASharedLayout.get_default_for
@@ -349,17 +375,22 @@ def fold_multipliers(down: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_w4a8_fold_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, mult: torch.Tensor, chan: torch.Tensor,
-                       out_dtype=torch.bfloat16, block_m: int = 256, block_n: int = 128, stages: int = 4,
-                       split_k: int | None = None, kh: bool = False) -> torch.Tensor:
+                       out_dtype=torch.bfloat16, block_m: int | None = None, block_n: int = 128,
+                       stages: int | None = None, split_k: int | None = None, kh: bool = False) -> torch.Tensor:
     """kh: the K-halves consumer. a_q fp8 [M, K] (per-token a_scale [M]) x the MXFP4 planar twin qw [N, K] with its group scales folded
-    (mult = fold_multipliers(down), chan [N] fp32 channel scales: W4Weight.fold_base) -> [M, N]. split_k None:
+    (mult = fold_multipliers(down), chan [N] fp32 channel scales: W4Weight.fold_base) -> [M, N]. block_m /
+    split_k / stages all None: the tune cache's "w4a8tcg-mxfp4" winner, else 256 tokens, 4 stages and split_k
     doubled while the grid is under one wave."""
     M, K = a_q.shape
     N = qw.shape[0]
+    if block_m is None and split_k is None and stages is None:  # the tune cache's winner, if any
+        cfg = _tuned("w4a8tcg-mxfp4", M, N, K)
+        if cfg is not None:
+            block_m, split_k, stages = cfg.BM, cfg.SPLIT_K, cfg.num_stages
+    block_m, stages = block_m or 256, stages or 4
     if split_k is None:
         tiles, split_k = -(-M // block_m) * (N // block_n), 1
-        sms = torch.cuda.get_device_properties(a_q.device).multi_processor_count
-        while tiles * split_k * 2 <= sms and split_k < 4:
+        while tiles * split_k * 2 <= _sms(a_q.device) and split_k < 4:
             split_k *= 2
     lay = gl.NVMMASharedLayout.get_default_for
     x_desc = TensorDescriptor.from_tensor(a_q, [block_m, BK.value], lay([block_m, BK.value], gl.float8e4nv))

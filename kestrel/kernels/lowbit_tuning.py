@@ -20,6 +20,9 @@ LOWBIT_KERNELS = {
     "w4a8-mxfp4": (A_FP8, "mxfp4"),
     "w4a4-mxfp4": (A_MXFP4, "mxfp4"),
     "w4a4-nvfp4": (A_NVFP4, "nvfp4"),
+    # the Gluon W4A8 kernels (gemm_w4a8_tcg.py, Hopper): token tile / split / stages, read by their launchers
+    "w4a8tcg-int4": (A_FP8, "int4"),
+    "w4a8tcg-mxfp4": (A_FP8, "mxfp4"),
 }
 
 
@@ -38,6 +41,16 @@ def make_case(kernel: str, M: int, N: int, K: int, device="cuda"):
         a, s = aq.quant_int8(x) if w_fmt == "int8" else aq.quant_fp8(x)
         return lambda cfg: gemm_w8a8(a, s, wq, ws, config=cfg)
     qw = quantize_weight_w4(w, w_fmt, 128).kernel_layout()  # tune what runs: the kernel packing
+    if kernel.startswith("w4a8tcg"):
+        from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg, gemm_w4a8_tcg
+        a, s = aq.quant_fp8(x)
+        tw = qw.wna16()
+        if w_fmt == "mxfp4":
+            if qw.fold_mult() is None:
+                raise ValueError("w4a8tcg-mxfp4: these random group scales span more than the fold allows")
+            return lambda cfg: gemm_w4a8_fold_tcg(a, s, tw, *qw.fold_mult(), block_m=cfg.BM, split_k=cfg.SPLIT_K,
+                                                  stages=cfg.num_stages)
+        return lambda cfg: gemm_w4a8_tcg(a, s, tw, block_m=cfg.BM, split_k=cfg.SPLIT_K, stages=cfg.num_stages)
     if kernel.startswith("w4a8"):
         a, s = aq.quant_fp8(x)
         return lambda cfg: gemm_w4a8(a, s, qw, config=cfg)
@@ -54,6 +67,10 @@ W_CODE = {"fp8": W_FP8, "int8": W_INT8, "int4": W_INT4, "mxfp4": W_FP4, "nvfp4":
 
 def candidates(kernel: str, M: int, N: int, K: int, max_candidates: int | None = None) -> list[GemmConfig]:
     """the kernel's own heuristic first (the one it launches untuned), then the search space."""
+    if kernel.startswith("w4a8tcg"):
+        from kestrel.kernels.gemm_w4a8_tcg import tile_candidates
+        out = tile_candidates(M, N, K)
+        return out[:max_candidates] if max_candidates else out
     a_fmt, w = LOWBIT_KERNELS[kernel]
     w_fmt = W_CODE[w]
     h = heuristic_config(M, N, K, a_fmt, w_fmt)
