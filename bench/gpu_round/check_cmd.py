@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # where each `kestrel SUBCOMMAND` defines its flags
-SUBCOMMANDS = {"train-draft": "kestrel/spec/train_cli.py", "tune": "kestrel/cli.py", "generate": "kestrel/cli.py",
+SUBCOMMANDS = {"train-draft": "kestrel/spec/train_cli.py", "tune": "kestrel/kernels/tune_cli.py", "generate": "kestrel/cli.py",
                "serve": "kestrel/cli.py", "chat": "kestrel/cli.py"}
 ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 

@@ -21,3 +21,6 @@ if [ "${TCG_PROF:-1}" = 1 ]; then
     stage prof 60 python3 bench/w4a8_tcg_profile.py --m 4096
   fi
 fi
+# the Gluon W4A8 tiles tuned (off by default: TCG_TUNE=1), winners written under $OUT for bench/merge_tune_cache.py
+[ "${TCG_TUNE:-0}" = 1 ] && KESTREL_LOWBIT_TUNE_CACHE=$OUT/w4a8tcg/lowbit_tune.json stage tune ${TCG_TUNE_S:-200} \
+  python3 -m kestrel.cli tune --lowbit w4a8tcg-int4 --lowbit w4a8tcg-mxfp4 --model llama3-70b --m 256,1024,4096
