@@ -19,7 +19,11 @@ wgmma paths) run on the same 4-bit weight in the planar layout (W4Weight.wna16, 
 while both paths run the 4-bit weight is held twice). Numerics: the W4A8 product up to one bf16 rounding of each
 activation code * scale and, int4, of each group scale (bf16 in the WNA16 format; MXFP4's e8m0 are exact). Tuning: `kestrel tune --lowbit w4a8-*`
 times the fp8 kernels (the path above BF16_MAX_M); below it the WNA16 int4 / mxfp4 tune entries apply.
-Large M (>= TCG_MIN_M tokens, int4, Hopper): the Gluon kernel on the same planar twin (gemm_w4a8_tcg.py).
+Hopper, from TCG_MIN_M tokens (int4) / in [FOLD_TCG_MIN_M, FOLD_TCG_MAX_M) (MXFP4 whose group exponents fold
+exactly): the Gluon kernels on the same planar twin (gemm_w4a8_tcg.py: two consumer warpgroups, 256-token tiles
+decoded once; MXFP4 with its group exponents folded into the decoded e4m3 weights), ahead of the small-M path;
+their tiles tuned by `kestrel tune --lowbit w4a8tcg-*`. MXFP4 from FOLD_MIN_M otherwise: an fp8 copy of the folded
+weight per call + the FP8 kernels.
 """
 import os
 
