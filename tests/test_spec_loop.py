@@ -351,8 +351,11 @@ def test_loop_fused_tree_identical_to_plain(tmp_path, plain, monkeypatch):
         return out
     monkeypatch.setattr(spec_loop, "tree_accept", spy)
     e = _engine(f"drafter=head,head={f},k=3,schedule=fixed,loop=on,tree=4-2-1+3+2", num_kv_blocks=400)
-    streamed, final, _ = _run(e, PROMPTS, GREEDY)
-    assert {r: o.output_token_ids for r, o in final.items()} == plain and streamed == plain
+    # three of the prompts (two repetitive, for the n-gram branches): the interpreted fused kernels are CI's
+    # slowest test (151 s with all five)
+    streamed, final, _ = _run(e, PROMPTS[:3], GREEDY)
+    want = {r: plain[r] for r in ("r0", "r1", "r2")}
+    assert {r: o.output_token_ids for r, o in final.items()} == want and streamed == want
     s = e.stats()
     assert s["spec_loop_steps"].get(25, 0) > 5 and len(calls) >= s["spec_loop_steps"][25]
     assert sum(ngram_leaves) > 0
