@@ -56,17 +56,24 @@ def _keep_alive(a):
 
 
 @gluon.jit
-def _int4_half(q, h: gl.constexpr, L3h: gl.constexpr, a_layout: gl.constexpr, HN: gl.constexpr):
-    """Fields 4 h .. 4 h + 3 (k 64 h .. 64 h + 63) of a K step's words q [HN, 1, 16] as the e4m3 wgmma A operand
-    [HN, 64] (codes c - 8)."""
-    f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3h))) + 4 * h
+def _field_consts(L3: gl.constexpr, NF: gl.constexpr, F0: gl.constexpr):
+    """The decode constants of fields F0 .. F0 + NF - 1 of a K step's words ([1, NF, 1]): the prmt selector of
+    byte field // 2 of both words and the nibble shift; and the fields themselves."""
+    f = gl.arange(0, NF, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) + F0
     sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)
     sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
-    shape: gl.constexpr = [HN, 4, R]
+    return sel, sh, f
+
+
+@gluon.jit
+def _int4_decode(q, sel, sh, a_layout: gl.constexpr, HN: gl.constexpr, NF: gl.constexpr):
+    """NF fields (_field_consts) of a K step's words q [HN, 1, 16] -> the e4m3 wgmma A operand [HN, 16 NF]
+    (codes c - 8)."""
+    shape: gl.constexpr = [HN, NF, R]
     a = gl.inline_asm_elementwise(_ASM_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
                                   [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape)],
                                   dtype=gl.float8e4nv, is_pure=True, pack=4)
-    return gl.convert_layout(gl.reshape(a, (HN, 4 * R)), a_layout)
+    return gl.convert_layout(gl.reshape(a, (HN, NF * R)), a_layout)  # a register renaming (same linear layout)
 
 
 @gluon.jit
@@ -86,13 +93,12 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, MH, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
-    L3: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, BK]))
+    NF: gl.constexpr = 4 if KH else 8  # fields per decode
+    L3: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, NF * R]))
     srow: gl.constexpr = gl.SliceLayout(1, mma_layout)
     n0 = off_n + H * HN
-    f = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)  # byte f // 2 of both words
-    sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
-    shape: gl.constexpr = [HN, 8, R]
+    sel, sh, _ = _field_consts(L3, NF, 0)
+    sel1, sh1, _ = _field_consts(L3, NF, 4)  # (KH: the second half)
     s_offs = n0 + gl.arange(0, HN, layout=srow)
     HALVES: gl.constexpr = BLOCK_M // MH
     acc = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)
@@ -105,35 +111,24 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
         sc = sc_next.to(gl.float32)
         sc_next = gl.load(s_ptr + ((s0 + gl.minimum(i + 1, cnt - 1)) // gsteps) * N + s_offs)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
+        xs = x_smem.index(slot)
+        a = _int4_decode(q, sel, sh, a_layout, HN, NF)
         if KH:
             gl.static_assert(HALVES == 2)
-            L3h: gl.constexpr = _decode_layout8(gl.to_linear_layout(a_layout, [HN, BK // 2]))
-            qh = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3h)), 1)
-            xs = x_smem.index(slot)
-            a0 = _int4_half(qh, 0, L3h, a_layout, HN)
-            p = warpgroup_mma(a0, xs.slice(0, MH).slice(0, BK // 2, dim=1).permute((1, 0)), p, use_acc=False,
+            p = warpgroup_mma(a, xs.slice(0, MH).slice(0, BK // 2, dim=1).permute((1, 0)), p, use_acc=False,
                               is_async=True)
-            a1 = _int4_half(qh, 1, L3h, a_layout, HN)  # while the first half's wgmma runs
+            a1 = _int4_decode(q, sel1, sh1, a_layout, HN, NF)  # while the first half's wgmma runs
             p = warpgroup_mma(a1, xs.slice(0, MH).slice(BK // 2, BK // 2, dim=1).permute((1, 0)), p, is_async=True)
             p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
             acc += p * gl.expand_dims(sc, 1)
-            p = warpgroup_mma(a0, xs.slice(MH, MH).slice(0, BK // 2, dim=1).permute((1, 0)), p, use_acc=False,
+            p = warpgroup_mma(a, xs.slice(MH, MH).slice(0, BK // 2, dim=1).permute((1, 0)), p, use_acc=False,
                               is_async=True)
             p = warpgroup_mma(a1, xs.slice(MH, MH).slice(BK // 2, BK // 2, dim=1).permute((1, 0)), p,
                               is_async=True)
             p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
-            _keep_alive(a0)
             _keep_alive(a1)
-            fence_async_shared()
-            mbarrier.arrive(empty.index(slot))
-            acc2 += p * gl.expand_dims(sc, 1)
         else:
-            q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
-            a = gl.inline_asm_elementwise(_ASM_E4M3, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
-                                          [q.broadcast_to(shape), sel.broadcast_to(shape), sh.broadcast_to(shape)],
-                                          dtype=gl.float8e4nv, is_pure=True, pack=4)
-            a = gl.convert_layout(gl.reshape(a, (HN, 8 * R)), a_layout)  # a register renaming (same linear layout)
-            xs = x_smem.index(slot)
             if HALVES == 2:
                 p = warpgroup_mma(a, xs.slice(0, MH).permute((1, 0)), p, use_acc=False, is_async=True)
                 p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
@@ -141,13 +136,13 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
                 xs = xs.slice(MH, MH)
             p = warpgroup_mma(a, xs.permute((1, 0)), p, use_acc=False, is_async=True)
             p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
-            _keep_alive(a)
-            fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
-            mbarrier.arrive(empty.index(slot))
-            if HALVES == 2:
-                acc2 += p * gl.expand_dims(sc, 1)
-            else:
-                acc += p * gl.expand_dims(sc, 1)  # while the other warpgroup's wgmma runs
+        _keep_alive(a)
+        fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
+        mbarrier.arrive(empty.index(slot))
+        if HALVES == 2:
+            acc2 += p * gl.expand_dims(sc, 1)
+        else:
+            acc += p * gl.expand_dims(sc, 1)  # while the other warpgroup's wgmma runs
     for h in gl.static_range(HALVES):
         rm = off_m + h * MH + gl.arange(0, MH, layout=gl.SliceLayout(0, mma_layout))
         out = acc2 if h == 1 else acc
@@ -192,11 +187,9 @@ _ASM_FP4_E4M3 = gl.constexpr(
 
 @gluon.jit
 def _fold_fields(L3: gl.constexpr, N, n0, HN: gl.constexpr, NF: gl.constexpr, F0: gl.constexpr):
-    """Loop constants of the decode of fields F0 .. F0 + NF - 1: the prmt selector of byte field // 2 and the
-    nibble shift ([1, NF, 1]), and the offsets of their groups' multipliers (group 4 s + field // 2, [HN, NF, 1])."""
-    f = gl.arange(0, NF, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))) + F0
-    sel = gl.expand_dims(gl.expand_dims((f // 2) | ((f // 2 + 4) << 8), 0), 2)
-    sh = gl.expand_dims(gl.expand_dims((f % 2) * 4, 0), 2)
+    """_field_consts of fields F0 .. F0 + NF - 1 and the offsets of their groups' multipliers (group 4 s +
+    field // 2, [HN, NF, 1])."""
+    sel, sh, f = _field_consts(L3, NF, F0)
     m_offs = (gl.expand_dims(gl.expand_dims(n0 + gl.arange(0, HN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))),
                                             1), 2) + gl.expand_dims(gl.expand_dims(f // 2, 0), 2) * N)
     return sel, sh, m_offs
@@ -247,15 +240,14 @@ def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M,
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
         xs = x_smem.index(slot)
+        a = _fold_decode(q, sel0, sh0, mult0, a_layout, HN, NF)
         if KH:
-            a = _fold_decode(q, sel0, sh0, mult0, a_layout, HN, NF)
             acc = warpgroup_mma(a, xs.slice(0, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
             a1 = _fold_decode(q, sel1, sh1, mult1, a_layout, HN, NF)  # while the first half's wgmma runs
             acc = warpgroup_mma(a1, xs.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             _keep_alive(a1)
         else:
-            a = _fold_decode(q, sel0, sh0, mult0, a_layout, HN, NF)
             acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _keep_alive(a)
