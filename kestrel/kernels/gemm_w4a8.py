@@ -248,10 +248,12 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
     on = 0 < TCG_MIN_M <= M if w.fmt == "int4" else 0 < FOLD_TCG_MIN_M <= M < FOLD_TCG_MAX_M
     if config is None and (on if tcg is None else tcg) and w.wna16_ok():
         from kestrel.kernels import gemm_w4a8_tcg
-        if w.fmt == "int4" and gemm_w4a8_tcg.supported(a_q, N, K):
-            return gemm_w4a8_tcg.gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype)
-        if w.fmt == "mxfp4" and w.fold_mult() is not None and gemm_w4a8_tcg.supported(a_q, N, K):
-            return gemm_w4a8_tcg.gemm_w4a8_fold_tcg(a_q.contiguous(), a_scale, w.wna16(), *w.fold_mult(), out_dtype)
+        if gemm_w4a8_tcg.supported(a_q, N, K):
+            if w.fmt == "int4":
+                return gemm_w4a8_tcg.gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype)
+            if w.fold_mult() is not None:  # (MXFP4: wna16_ok admits int4 and MXFP4 only)
+                return gemm_w4a8_tcg.gemm_w4a8_fold_tcg(a_q.contiguous(), a_scale, w.wna16(), *w.fold_mult(),
+                                                        out_dtype)
     if config is None and use_wna16(M, w, bf16_max_m):  # small M: the WNA16 kernels on the fp8 values (module doc)
         from kestrel.kernels.gemm_wna16 import gemm_wna16
         x = act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, 1)).to(torch.bfloat16)

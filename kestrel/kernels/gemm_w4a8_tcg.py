@@ -292,22 +292,26 @@ def supported(a_q: torch.Tensor, N: int, K: int, block_n: int = 128) -> bool:
             and a_q.data_ptr() % 16 == 0 and N % block_n == 0 and K % 128 == 0)
 
 
+def _wave_split(tiles: int, sms: int) -> int:
+    """K splits (1 / 2 / 4) doubled while a grid of `tiles` CTAs stays under one wave."""
+    split = 1
+    while tiles * split * 2 <= sms and split < 4:
+        split *= 2
+    return split
+
+
 def pick_tile(M: int, N: int, K: int, sms: int, block_n: int = 128) -> tuple[int, int, int]:
     """(block_m, mh, split_k) by heuristic: 256-token tiles in two halves (one decode per 256 tokens) once M fills
     them, split over K while the grid is under one wave (nonempty_split keeps every split's K steps)."""
     block_m, mh = (256, 128) if M > 128 else (128, 0)
-    tiles = -(-M // block_m) * (N // block_n)
-    split = 1
-    while tiles * split * 2 <= sms and split < 4:
-        split *= 2
-    return block_m, mh, nonempty_split(split, K // BK.value)
+    return block_m, mh, nonempty_split(_wave_split(-(-M // block_m) * (N // block_n), sms), K // BK.value)
 
 
 def _sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if torch.cuda.is_available() else 132
 
 
-def tile_candidates(M: int, N: int, K: int, sms: int = 132, fold: bool = False) -> list:
+def tile_candidates(M: int, N: int, K: int, sms: int = 132) -> list:
     """`kestrel tune --lowbit w4a8tcg-*`'s search space as GemmConfigs (BM = token tile, 256 in two halves for
     int4; SPLIT_K; num_stages): pick_tile's choice first (the launch's untuned default)."""
     from kestrel.kernels.lowbit_gemm import GemmConfig
@@ -318,9 +322,36 @@ def tile_candidates(M: int, N: int, K: int, sms: int = 132, fold: bool = False) 
     return list(dict.fromkeys([first] + rest))
 
 
-def _tuned(kind: str, M: int, N: int, K: int):
-    from kestrel.kernels.lowbit_tune import lookup
-    return lookup(kind, M, N, K)
+def _tuned(kind: str, M: int, N: int, K: int, block_m, split_k, stages):
+    """(block_m, split_k, stages): the tune cache's `kind` winner where none of the three was given, else as given
+    (None where the caller's heuristic decides)."""
+    if block_m is None and split_k is None and stages is None:
+        from kestrel.kernels.lowbit_tune import lookup
+        cfg = lookup(kind, M, N, K)
+        if cfg is not None:
+            return cfg.BM, cfg.SPLIT_K, cfg.num_stages
+    return block_m, split_k, stages
+
+
+def _launch(kernel, a_q, a_scale, qw, lead: tuple, tail: tuple, block_m: int, block_n: int, split_k: int,
+            stages: int, out_dtype, **consts) -> torch.Tensor:
+    """Both Gluon kernels' launch: the x / word TMA descriptors, K split to non-empty parts (fp32 atomics into a
+    zeroed y, then a cast, when split), the (tile, split) grid. lead / tail: the kernel's own arguments before
+    a_scale and after split_k."""
+    M, K = a_q.shape
+    N = qw.shape[0]
+    lay = gl.NVMMASharedLayout.get_default_for
+    x_desc = TensorDescriptor.from_tensor(a_q, [block_m, BK.value], lay([block_m, BK.value], gl.float8e4nv))
+    hn = block_n // 2
+    q_desc = TensorDescriptor.from_tensor(qw.qweight, [R.value, hn], lay([R.value, hn], gl.int32))
+    split_k = nonempty_split(split_k, K // BK.value)
+    y = (torch.zeros if split_k > 1 else torch.empty)((M, N), device=a_q.device,
+                                                         dtype=torch.float32 if split_k > 1 else out_dtype)
+    grid = (-(-M // block_m) * (N // block_n), split_k)
+    kernel[grid](x_desc, q_desc, *lead, a_scale.float().reshape(M).contiguous(), y, M, N, K, y.stride(0), split_k,
+                 *tail, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=split_k > 1, STAGES=stages,
+                 CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, **consts)
+    return y.to(out_dtype) if split_k > 1 else y
 
 
 def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.bfloat16, block_m: int | None = None,
@@ -332,32 +363,16 @@ def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.
     0 = one; kh (with token halves): the K-halves consumer."""
     M, K = a_q.shape
     N = qw.shape[0]
-    if block_m is None and split_k is None and stages is None:  # the tune cache's winner, if any
-        cfg = _tuned("w4a8tcg-int4", M, N, K)
-        if cfg is not None:
-            block_m, split_k, stages = cfg.BM, cfg.SPLIT_K, cfg.num_stages
-    if block_m is None or split_k is None or mh is None:
-        bm, h, sp = pick_tile(M, N, K, _sms(a_q.device), block_n)
+    block_m, split_k, stages = _tuned("w4a8tcg-int4", M, N, K, block_m, split_k, stages)
+    if block_m is None or split_k is None:
+        bm, _, sp = pick_tile(M, N, K, _sms(a_q.device), block_n)
         block_m = bm if block_m is None else block_m
-        mh = (block_m // 2 if block_m == 256 else 0) if mh is None else mh
         split_k = sp if split_k is None else split_k
-    stages = 4 if stages is None else stages
+    mh = (block_m // 2 if block_m == 256 else 0) if mh is None else mh
     if mh and block_m != 2 * mh:
         raise ValueError(f"mh {mh}: the token halves split block_m {block_m} in two")
-    lay = gl.NVMMASharedLayout.get_default_for
-    x_desc = TensorDescriptor.from_tensor(a_q, [block_m, BK.value], lay([block_m, BK.value], gl.float8e4nv))
-    hn = block_n // 2
-    q_desc = TensorDescriptor.from_tensor(qw.qweight, [R.value, hn], lay([R.value, hn], gl.int32))
-    gsteps = qw.group_size // BK.value
-    split_k = nonempty_split(split_k, K // BK.value)
-    y = (torch.zeros if split_k > 1 else torch.empty)((M, N), device=a_q.device,
-                                                         dtype=torch.float32 if split_k > 1 else out_dtype)
-    grid = (-(-M // block_m) * (N // block_n), split_k)
-    _w4a8_tcg_kernel[grid](x_desc, q_desc, qw.scales, a_scale.float().reshape(M).contiguous(), y, M, N, K,
-                           y.stride(0), split_k, gsteps, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=split_k > 1,
-                           STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, MH=mh,
-                           KH=bool(kh and mh))
-    return y.to(out_dtype) if split_k > 1 else y
+    return _launch(_w4a8_tcg_kernel, a_q, a_scale, qw, (qw.scales, ), (qw.group_size // BK.value, ), block_m,
+                   block_n, split_k, 4 if stages is None else stages, out_dtype, MH=mh, KH=bool(kh and mh))
 
 
 def fold_multipliers(down: torch.Tensor) -> torch.Tensor:
@@ -369,30 +384,15 @@ def fold_multipliers(down: torch.Tensor) -> torch.Tensor:
 def gemm_w4a8_fold_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, mult: torch.Tensor, chan: torch.Tensor,
                        out_dtype=torch.bfloat16, block_m: int | None = None, block_n: int = 128,
                        stages: int | None = None, split_k: int | None = None, kh: bool = False) -> torch.Tensor:
-    """kh: the K-halves consumer. a_q fp8 [M, K] (per-token a_scale [M]) x the MXFP4 planar twin qw [N, K] with its group scales folded
+    """a_q fp8 [M, K] (per-token a_scale [M]) x the MXFP4 planar twin qw [N, K] with its group scales folded
     (mult = fold_multipliers(down), chan [N] fp32 channel scales: W4Weight.fold_base) -> [M, N]. block_m /
     split_k / stages all None: the tune cache's "w4a8tcg-mxfp4" winner, else 256 tokens, 4 stages and split_k
-    doubled while the grid is under one wave."""
+    doubled while the grid is under one wave; kh: the K-halves consumer."""
     M, K = a_q.shape
     N = qw.shape[0]
-    if block_m is None and split_k is None and stages is None:  # the tune cache's winner, if any
-        cfg = _tuned("w4a8tcg-mxfp4", M, N, K)
-        if cfg is not None:
-            block_m, split_k, stages = cfg.BM, cfg.SPLIT_K, cfg.num_stages
-    block_m, stages = block_m or 256, stages or 4
+    block_m, split_k, stages = _tuned("w4a8tcg-mxfp4", M, N, K, block_m, split_k, stages)
+    block_m = 256 if block_m is None else block_m
     if split_k is None:
-        tiles, split_k = -(-M // block_m) * (N // block_n), 1
-        while tiles * split_k * 2 <= _sms(a_q.device) and split_k < 4:
-            split_k *= 2
-    lay = gl.NVMMASharedLayout.get_default_for
-    x_desc = TensorDescriptor.from_tensor(a_q, [block_m, BK.value], lay([block_m, BK.value], gl.float8e4nv))
-    hn = block_n // 2
-    q_desc = TensorDescriptor.from_tensor(qw.qweight, [R.value, hn], lay([R.value, hn], gl.int32))
-    split_k = nonempty_split(split_k, K // BK.value)
-    y = (torch.zeros if split_k > 1 else torch.empty)((M, N), device=a_q.device,
-                                                         dtype=torch.float32 if split_k > 1 else out_dtype)
-    grid = (-(-M // block_m) * (N // block_n), split_k)
-    _w4a8_fold_kernel[grid](x_desc, q_desc, mult, chan, a_scale.float().reshape(M).contiguous(), y, M, N, K,
-                            y.stride(0), split_k, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=split_k > 1,
-                            STAGES=stages, CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, KH=kh)
-    return y.to(out_dtype) if split_k > 1 else y
+        split_k = _wave_split(-(-M // block_m) * (N // block_n), _sms(a_q.device))
+    return _launch(_w4a8_fold_kernel, a_q, a_scale, qw, (mult, chan), (), block_m, block_n, split_k,
+                   4 if stages is None else stages, out_dtype, KH=kh)

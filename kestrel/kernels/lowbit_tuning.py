@@ -46,9 +46,10 @@ def make_case(kernel: str, M: int, N: int, K: int, device="cuda"):
         a, s = aq.quant_fp8(x)
         tw = qw.wna16()
         if w_fmt == "mxfp4":
-            if qw.fold_mult() is None:
+            fm = qw.fold_mult()
+            if fm is None:
                 raise ValueError("w4a8tcg-mxfp4: these random group scales span more than the fold allows")
-            return lambda cfg: gemm_w4a8_fold_tcg(a, s, tw, *qw.fold_mult(), block_m=cfg.BM, split_k=cfg.SPLIT_K,
+            return lambda cfg: gemm_w4a8_fold_tcg(a, s, tw, *fm, block_m=cfg.BM, split_k=cfg.SPLIT_K,
                                                   stages=cfg.num_stages)
         return lambda cfg: gemm_w4a8_tcg(a, s, tw, block_m=cfg.BM, split_k=cfg.SPLIT_K, stages=cfg.num_stages)
     if kernel.startswith("w4a8"):
