@@ -58,8 +58,8 @@ class LogRow(dict):
             log(f"  {self.get('section')} M={self.get('M')} {k} = {v if not isinstance(v, float) else f'{v:.4g}'}")
 
 
-# the Gluon W4A8 kernel's (block_m, mh, split_k) tiles timed beside its pick (gemm_w4a8_tcg.pick_tile): the old
-# 128-token tile, and 256-token tiles in two halves (one decode per 256 tokens) unsplit / split 2 / 4
+# the Gluon W4A8 kernel's tiles timed beside its pick (gemm_w4a8_tcg.pick_tile): 256-token tiles in two halves
+# (one decode per 256 tokens) unsplit / split 2 / 4, 3 stages, and the K-halves consumer (kh)
 TCG_TILES = [(256, 128, 1, 4, 0), (256, 128, 2, 4, 0), (256, 128, 4, 4, 0), (256, 128, 1, 3, 0),
              (256, 128, 1, 4, 1), (256, 128, 2, 4, 1), (256, 128, 4, 4, 1)]  # (block_m, mh, split_k, stages, kh)
 LEAN = [False]  # --lean: the headline columns only (no tile variants, no plain-pair / fast-accum / a16 extras)
