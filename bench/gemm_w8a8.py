@@ -60,8 +60,11 @@ class LogRow(dict):
 
 # the Gluon W4A8 kernel's tiles timed beside its pick (gemm_w4a8_tcg.pick_tile): 256-token tiles in two halves
 # (one decode per 256 tokens) unsplit / split 2 / 4, 3 stages, and the K-halves consumer (kh)
-TCG_TILES = [(256, 128, 1, 4, 0), (256, 128, 2, 4, 0), (256, 128, 4, 4, 0), (256, 128, 1, 3, 0),
-             (256, 128, 1, 4, 1), (256, 128, 2, 4, 1), (256, 128, 4, 4, 1)]  # (block_m, mh, split_k, stages, kh)
+TCG_TILES = [(256, 128, 1, 4, 0, 0), (256, 128, 2, 4, 0, 0), (256, 128, 4, 4, 0, 0), (256, 128, 1, 3, 0, 0),
+             (256, 128, 1, 4, 1, 0), (256, 128, 2, 4, 1, 0),
+             # pp: the consumers' wgmma issues in turn (session 22); the 128-token tile unsplit beside it
+             (256, 128, 1, 4, 0, 1), (256, 128, 2, 4, 0, 1), (256, 128, 1, 4, 1, 1), (128, 0, 1, 4, 0, 1),
+             (128, 0, 1, 4, 0, 0)]  # (block_m, mh, split_k, stages, kh, pp)
 LEAN = [False]  # --lean: the headline columns only (no tile variants, no plain-pair / fast-accum / a16 extras)
 WARM_ONLY = [False]  # --warm-only: run every call once (fills the Triton / Humming JIT caches), time nothing
 W8A8_CFGS: list = []  # --fp8-cfgs: FP8 TMA configs (incl. in-kernel split-K) timed beside the default
@@ -314,12 +317,11 @@ def run_w4(N, K, ms, rows, budget, sections):
                                                         for i in range(nc)])
                 from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
                 tw = [w.wna16() for w in w4]
-                for bm, mh, sp, st, kh in TCG_TILES:  # the Gluon kernel's tiles forced (GEMM alone; tw built above)
-                    tag = f"kestrel_w4a8_tcg_bm{bm}{'h' if mh else ''}s{sp}st{st}{'kh' if kh else ''}"
-                    r[f"{tag}_err"] = rel(gemm_w4a8_tcg(a, s, tw[0], block_m=bm, mh=mh, split_k=sp, stages=st, kh=kh),
-                                          aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
-                    r[f"{tag}_gemm_us"] = safe_us([lambda i=i, bm=bm, mh=mh, sp=sp, st=st, kh=kh: gemm_w4a8_tcg(
-                        a, s, tw[i], block_m=bm, mh=mh, split_k=sp, stages=st, kh=kh) for i in range(nc)])
+                for bm, mh, sp, st, kh, pp in TCG_TILES:  # the Gluon kernel's tiles forced (GEMM alone)
+                    tag = f"kestrel_w4a8_tcg_bm{bm}{'h' if mh else ''}s{sp}st{st}{'kh' if kh else ''}{'pp' if pp else ''}"
+                    kw = dict(block_m=bm, mh=mh, split_k=sp, stages=st, kh=kh, pp=pp)
+                    r[f"{tag}_err"] = rel(gemm_w4a8_tcg(a, s, tw[0], **kw), aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
+                    r[f"{tag}_gemm_us"] = safe_us([lambda i=i, kw=kw: gemm_w4a8_tcg(a, s, tw[i], **kw) for i in range(nc)])
             if M > 256 and not LEAN[0]:  # the expand-to-fp8 + TMA path's alternative: the fused in-register (swapped) kernel
                 fused = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
                 r["kestrel_w4a8_fused_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i], config=fused)
@@ -364,13 +366,14 @@ def run_w4(N, K, ms, rows, budget, sections):
                 from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg
                 tw = [w.wna16() for w in mx]
                 fm = [w.fold_mult() for w in mx]
-                for bm, kh in ((256, False), (256, True)):
-                    tag = f"kestrel_w4a8_mxfp4_tcg_bm{bm}{'kh' if kh else ''}"
-                    r[f"{tag}_err"] = rel(gemm_w4a8_fold_tcg(a, s, tw[0], *fm[0], block_m=bm, kh=kh), ref)
-                    r[f"{tag}_gemm_us"] = safe_us([lambda i=i, bm=bm, kh=kh: gemm_w4a8_fold_tcg(
-                        a, s, tw[i], *fm[i], block_m=bm, kh=kh) for i in range(nc)])
-                    r[f"{tag}_e2e_us"] = safe_us([lambda i=i, bm=bm, kh=kh: gemm_w4a8_fold_tcg(
-                        *aq.quant_fp8(x), tw[i], *fm[i], block_m=bm, kh=kh) for i in range(nc)])
+                for bm, kh, pp in ((256, False, False), (256, True, False), (256, False, True), (256, True, True)):
+                    tag = f"kestrel_w4a8_mxfp4_tcg_bm{bm}{'kh' if kh else ''}{'pp' if pp else ''}"
+                    kw = dict(block_m=bm, kh=kh, pp=pp)
+                    r[f"{tag}_err"] = rel(gemm_w4a8_fold_tcg(a, s, tw[0], *fm[0], **kw), ref)
+                    r[f"{tag}_gemm_us"] = safe_us([lambda i=i, kw=kw: gemm_w4a8_fold_tcg(a, s, tw[i], *fm[i], **kw)
+                                                   for i in range(nc)])
+                    r[f"{tag}_e2e_us"] = safe_us([lambda i=i, kw=kw: gemm_w4a8_fold_tcg(
+                        *aq.quant_fp8(x), tw[i], *fm[i], **kw) for i in range(nc)])
         if mx and "w4a4" in sections:
             ya = w4a4_linear(x, mx[0])
             qa, sa = aq.quant_mxfp4(x)

@@ -23,7 +23,8 @@ def _rel(a, b):
                                                       (300, 128, 256, 1, 128), (130, 128, 256, 2, 128),
                                                       (600, -1, 256, 3, 128)])
 @pytest.mark.parametrize("kh", [False, True])
-def test_w4a8_tcg_vs_dequant(M, group, block_m, split, mh, kh):
+@pytest.mark.parametrize("pp", [False, True])  # the consumers' wgmma issues in turn (named barriers)
+def test_w4a8_tcg_vs_dequant(M, group, block_m, split, mh, kh, pp):
     if kh and not mh:
         pytest.skip("the K-halves consumer runs with token halves")
     from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
@@ -34,7 +35,7 @@ def test_w4a8_tcg_vs_dequant(M, group, block_m, split, mh, kh):
     a, s = aq.quant_fp8(x)
     tw = w.wna16()
     ref = aq.dequant_8bit(a, s) @ dequantize(tw).float().t()  # the twin's bf16 scales: what the kernel multiplies
-    y = gemm_w4a8_tcg(a, s, tw, torch.float32, block_m=block_m, split_k=split, mh=mh, kh=kh)
+    y = gemm_w4a8_tcg(a, s, tw, torch.float32, block_m=block_m, split_k=split, mh=mh, kh=kh, pp=pp)
     assert _rel(y, ref) < 2e-3  # fp8 wgmma accumulation (no promotion within a K step)
     yb = gemm_w4a8(a, s, w, tcg=True, bf16_max_m=0)
     assert yb.dtype == torch.bfloat16 and _rel(yb, ref) < 5e-3
@@ -44,7 +45,8 @@ def test_w4a8_tcg_vs_dequant(M, group, block_m, split, mh, kh):
 
 @pytest.mark.parametrize("M,block_m,split", [(300, 256, 1), (130, 256, 2), (64, 128, 1), (520, 128, 3)])
 @pytest.mark.parametrize("kh", [False, True])
-def test_w4a8_fold_tcg_vs_dequant(M, block_m, split, kh):
+@pytest.mark.parametrize("pp", [False, True])
+def test_w4a8_fold_tcg_vs_dequant(M, block_m, split, kh, pp):
     """MXFP4 x fp8 with the group scales folded into the decoded e4m3 weights (exact) vs dequantize-then-matmul."""
     from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg
     g = torch.Generator().manual_seed(M)
@@ -55,5 +57,6 @@ def test_w4a8_fold_tcg_vs_dequant(M, block_m, split, kh):
     a, s = aq.quant_fp8(x)
     ref = aq.dequant_8bit(a, s) @ w.dequantize().cuda().float().t()
     mult, chan = w.fold_mult()
-    y = gemm_w4a8_fold_tcg(a, s, w.wna16(), mult, chan, torch.float32, block_m=block_m, split_k=split, kh=kh)
+    y = gemm_w4a8_fold_tcg(a, s, w.wna16(), mult, chan, torch.float32, block_m=block_m, split_k=split, kh=kh,
+                           pp=pp)
     assert _rel(y, ref) < 3e-3  # the fp8 wgmma's accumulation within a K step (values exact)

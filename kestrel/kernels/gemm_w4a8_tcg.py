@@ -55,6 +55,53 @@ def _keep_alive(a):
     gl.inline_asm_elementwise("", "=r,r", [a], dtype=gl.float8e4nv, is_pure=False, pack=4)
 
 
+# Ping-pong (PP): named barriers 8 / 9 (Triton's partitions use 0 - 2) order the two consumer warpgroups' wgmma
+# issues strictly in turn, so one warpgroup's decode and scaled adds run under the other's wgmma. Left free, the two
+# run in lockstep (both decode, then both wgmma queue on the one tensor pipe, then both add): a K step then costs
+# about decode + both wgmma + adds, the session 21 timings of the 128- and 256-token tiles (1425 / 2160 clocks a
+# step for 512 / 1024 clocks of MMA).
+@gluon.jit
+def _bar_asm(ASM: gl.constexpr):
+    """One thread-level barrier instruction per thread of the calling 4-warp partition."""
+    tok = gl.full([128], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    gl.inline_asm_elementwise(ASM, "=r,r", [tok], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pp_turn(H: gl.constexpr, PP: gl.constexpr):
+    """Wait for this warpgroup's turn to issue wgmma (the other's last issue arrived on barrier 8 + H)."""
+    if PP:
+        if H == 0:
+            _bar_asm("bar.sync 8, 256; mov.b32 $0, $1;")
+        else:
+            _bar_asm("bar.sync 9, 256; mov.b32 $0, $1;")
+
+
+@gluon.jit
+def _pp_pass(H: gl.constexpr, PP: gl.constexpr):
+    """Hand the turn to the other warpgroup (after this one's wgmma issue)."""
+    if PP:
+        if H == 0:
+            _bar_asm("bar.arrive 9, 256; mov.b32 $0, $1;")
+        else:
+            _bar_asm("bar.arrive 8, 256; mov.b32 $0, $1;")
+
+
+@gluon.jit
+def _pp_start(H: gl.constexpr, PP: gl.constexpr):
+    """Before the K loop: warpgroup 1 gives warpgroup 0 the first turn."""
+    if PP and H == 1:
+        _pp_pass(1, PP)
+
+
+@gluon.jit
+def _pp_end(H: gl.constexpr, PP: gl.constexpr):
+    """After the K loop: warpgroup 0 takes the turn warpgroup 1's last issue passed, so no barrier is left with
+    arrivals pending."""
+    if PP and H == 0:
+        _pp_turn(0, PP)
+
+
 @gluon.jit
 def _field_consts(L3: gl.constexpr, NF: gl.constexpr, F0: gl.constexpr):
     """The decode constants of fields F0 .. F0 + NF - 1 of a K step's words ([1, NF, 1]): the prmt selector of
@@ -79,7 +126,7 @@ def _int4_decode(q, sel, sh, a_layout: gl.constexpr, HN: gl.constexpr, NF: gl.co
 @gluon.jit
 def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
                   gsteps, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
-                  ATOMIC: gl.constexpr, MH: gl.constexpr, KH: gl.constexpr = False):
+                  ATOMIC: gl.constexpr, MH: gl.constexpr, KH: gl.constexpr = False, PP: gl.constexpr = False):
     """One of the two consumer warpgroups (its own partition): weight rows off_n + H * HN .. + HN of the tile from
     its half of each K step's words; per step decode, wgmma (unscaled, fresh), wait, acc += product * group scale,
     release the slot (one of the two arrivals its empty barrier counts); then the per-token scales and y.
@@ -88,7 +135,8 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
     instructions at 128 tokens) is paid once per 256 tokens, and p + two accumulators fit where two full-width
     ones (256-token acc + p) would not.
     KH (with token halves): the step's A as two K halves in their own registers, the second half decoded while the
-    first half's wgmma runs (_fold_consume's KH scheme)."""
+    first half's wgmma runs (_fold_consume's KH scheme).
+    PP: the two warpgroups' wgmma issues in turn (_pp_turn), one turn per wgmma group (token half)."""
     gl.assume(cnt > 0)  # the kernel's assumption does not reach into the partition
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, MH, 32])
@@ -105,6 +153,7 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
     acc2 = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)  # tokens [MH, 2 MH) (unused when HALVES 1)
     p = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)
     sc_next = gl.load(s_ptr + (s0 // gsteps) * N + s_offs)
+    _pp_start(H, PP)
     for i in range(cnt):
         slot = i % STAGES
         # the group scales one step ahead: their load's latency stays off the step that uses them
@@ -116,25 +165,33 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
         a = _int4_decode(q, sel, sh, a_layout, HN, NF)
         if KH:
             gl.static_assert(HALVES == 2)
+            _pp_turn(H, PP)
             p = warpgroup_mma(a, xs.slice(0, MH).slice(0, BK // 2, dim=1).permute((1, 0)), p, use_acc=False,
                               is_async=True)
             a1 = _int4_decode(q, sel1, sh1, a_layout, HN, NF)  # while the first half's wgmma runs
             p = warpgroup_mma(a1, xs.slice(0, MH).slice(BK // 2, BK // 2, dim=1).permute((1, 0)), p, is_async=True)
+            _pp_pass(H, PP)
             p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
             acc += p * gl.expand_dims(sc, 1)
+            _pp_turn(H, PP)
             p = warpgroup_mma(a, xs.slice(MH, MH).slice(0, BK // 2, dim=1).permute((1, 0)), p, use_acc=False,
                               is_async=True)
             p = warpgroup_mma(a1, xs.slice(MH, MH).slice(BK // 2, BK // 2, dim=1).permute((1, 0)), p,
                               is_async=True)
+            _pp_pass(H, PP)
             p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
             _keep_alive(a1)
         else:
             if HALVES == 2:
+                _pp_turn(H, PP)
                 p = warpgroup_mma(a, xs.slice(0, MH).permute((1, 0)), p, use_acc=False, is_async=True)
+                _pp_pass(H, PP)
                 p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
                 acc += p * gl.expand_dims(sc, 1)
                 xs = xs.slice(MH, MH)
+            _pp_turn(H, PP)
             p = warpgroup_mma(a, xs.permute((1, 0)), p, use_acc=False, is_async=True)
+            _pp_pass(H, PP)
             p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
         _keep_alive(a)
         fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
@@ -143,6 +200,7 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
             acc2 += p * gl.expand_dims(sc, 1)
         else:
             acc += p * gl.expand_dims(sc, 1)  # while the other warpgroup's wgmma runs
+    _pp_end(H, PP)
     for h in gl.static_range(HALVES):
         rm = off_m + h * MH + gl.arange(0, MH, layout=gl.SliceLayout(0, mma_layout))
         out = acc2 if h == 1 else acc
@@ -154,7 +212,7 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
 def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, split_k, gsteps,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                     MH: gl.constexpr = 0, KH: gl.constexpr = False):
+                     MH: gl.constexpr = 0, KH: gl.constexpr = False, PP: gl.constexpr = False):
     """y[M, N] (+= with ATOMIC, split_k > 1) = a_scale[m] * sum_k x[m, k] (c[k, n] - 8) s[k // group, n];
     gsteps = group // 128 (K // 128 per channel). Launched with num_warps = 4: two consumer warpgroups in two
     partitions plus a loader warp (gemm_wna16_tcg._swap_load_halves: x tile + both halves of the words)."""
@@ -165,9 +223,9 @@ def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, s
     x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
     gl.warp_specialize([
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                         gsteps, 0, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH)),
+                         gsteps, 0, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH, PP)),
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                         gsteps, 1, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH)),
+                         gsteps, 1, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH, PP)),
         (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -209,7 +267,7 @@ def _fold_decode(q, sel, sh, mult, a_layout: gl.constexpr, HN: gl.constexpr, NF:
 @gluon.jit
 def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0,
                   cnt, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
-                  ATOMIC: gl.constexpr, KH: gl.constexpr):
+                  ATOMIC: gl.constexpr, KH: gl.constexpr, PP: gl.constexpr = False):
     """_w4a8_consume for MXFP4 with the group scales folded into the decoded e4m3 weights (m_ptr: f16 bits of
     2^(14 - down), [K // 32, N], loaded a step ahead: the decode needs them): no per-group rescale, so each K
     step's wgmma adds into one accumulator chain of the whole BLOCK_M-token width (one decode per BLOCK_M tokens);
@@ -229,6 +287,7 @@ def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M,
     acc = gl.zeros((HN, BLOCK_M), dtype=gl.float32, layout=mma_layout)
     m_next0 = gl.load(m_ptr + s0 * 4 * N + m_offs0)
     m_next1 = gl.load(m_ptr + s0 * 4 * N + m_offs1) if KH else m_next0
+    _pp_start(H, PP)
     for i in range(cnt):
         slot = i % STAGES
         mult0 = m_next0
@@ -241,18 +300,22 @@ def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M,
         q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
         xs = x_smem.index(slot)
         a = _fold_decode(q, sel0, sh0, mult0, a_layout, HN, NF)
+        _pp_turn(H, PP)
         if KH:
             acc = warpgroup_mma(a, xs.slice(0, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
             a1 = _fold_decode(q, sel1, sh1, mult1, a_layout, HN, NF)  # while the first half's wgmma runs
             acc = warpgroup_mma(a1, xs.slice(BK // 2, BK // 2, dim=1).permute((1, 0)), acc, is_async=True)
+            _pp_pass(H, PP)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             _keep_alive(a1)
         else:
             acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
+            _pp_pass(H, PP)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _keep_alive(a)
         fence_async_shared()  # the generic-proxy word loads before the loader's TMA (async proxy) refill
         mbarrier.arrive(empty.index(slot))
+    _pp_end(H, PP)
     srow: gl.constexpr = gl.SliceLayout(1, mma_layout)
     rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
     acc = (acc * gl.expand_dims(gl.load(cs_ptr + n0 + gl.arange(0, HN, layout=srow)), 1)
@@ -264,7 +327,7 @@ def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M,
 def _w4a8_fold_kernel(x_desc, q_desc, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, K, stride_ym, split_k,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                      KH: gl.constexpr = False):
+                      KH: gl.constexpr = False, PP: gl.constexpr = False):
     """y[M, N] (+= with ATOMIC) = a_scale[m] * cs[n] * sum_k x[m, k] e2m1(c[k, n]) 2^-down[k // 32, n]: the MXFP4
     twin's codes with mxfp4_fold_base's exponents; the warp-specialised layout of _w4a8_tcg_kernel (KH: the
     consumers' K-halves loop, _fold_consume)."""
@@ -274,9 +337,9 @@ def _w4a8_fold_kernel(x_desc, q_desc, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, K, str
     x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
     gl.warp_specialize([
         (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n,
-                         s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC, KH)),
+                         s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC, KH, PP)),
         (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n,
-                         s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC, KH)),
+                         s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC, KH, PP)),
         (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -356,11 +419,11 @@ def _launch(kernel, a_q, a_scale, qw, lead: tuple, tail: tuple, block_m: int, bl
 
 def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.bfloat16, block_m: int | None = None,
                   block_n: int = 128, stages: int | None = None, split_k: int | None = None, mh: int | None = None,
-                  kh: bool = False) -> torch.Tensor:
+                  kh: bool = False, pp: bool = False) -> torch.Tensor:
     """a_q fp8 [M, K] (per-token a_scale [M]) x the planar int4 QuantizedWeight qw [N, K] (symmetric, bf16 scales,
     group a multiple of 128 or per channel) -> [M, N]. block_m / split_k / stages all None: the tune cache's
     "w4a8tcg-int4" winner, else pick_tile's choice; mh None: two token halves (block_m // 2) for 256-token tiles,
-    0 = one; kh (with token halves): the K-halves consumer."""
+    0 = one; kh (with token halves): the K-halves consumer; pp: the consumers' wgmma issues in turn (_pp_turn)."""
     M, K = a_q.shape
     N = qw.shape[0]
     block_m, split_k, stages = _tuned("w4a8tcg-int4", M, N, K, block_m, split_k, stages)
@@ -372,7 +435,7 @@ def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.
     if mh and block_m != 2 * mh:
         raise ValueError(f"mh {mh}: the token halves split block_m {block_m} in two")
     return _launch(_w4a8_tcg_kernel, a_q, a_scale, qw, (qw.scales, ), (qw.group_size // BK.value, ), block_m,
-                   block_n, split_k, 4 if stages is None else stages, out_dtype, MH=mh, KH=bool(kh and mh))
+                   block_n, split_k, 4 if stages is None else stages, out_dtype, MH=mh, KH=bool(kh and mh), PP=pp)
 
 
 def fold_multipliers(down: torch.Tensor) -> torch.Tensor:
@@ -383,11 +446,12 @@ def fold_multipliers(down: torch.Tensor) -> torch.Tensor:
 
 def gemm_w4a8_fold_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, mult: torch.Tensor, chan: torch.Tensor,
                        out_dtype=torch.bfloat16, block_m: int | None = None, block_n: int = 128,
-                       stages: int | None = None, split_k: int | None = None, kh: bool = False) -> torch.Tensor:
+                       stages: int | None = None, split_k: int | None = None, kh: bool = False,
+                       pp: bool = False) -> torch.Tensor:
     """a_q fp8 [M, K] (per-token a_scale [M]) x the MXFP4 planar twin qw [N, K] with its group scales folded
     (mult = fold_multipliers(down), chan [N] fp32 channel scales: W4Weight.fold_base) -> [M, N]. block_m /
     split_k / stages all None: the tune cache's "w4a8tcg-mxfp4" winner, else 256 tokens, 4 stages and split_k
-    doubled while the grid is under one wave; kh: the K-halves consumer."""
+    doubled while the grid is under one wave; kh: the K-halves consumer; pp: wgmma issues in turn."""
     M, K = a_q.shape
     N = qw.shape[0]
     block_m, split_k, stages = _tuned("w4a8tcg-mxfp4", M, N, K, block_m, split_k, stages)
@@ -395,4 +459,4 @@ def gemm_w4a8_fold_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, mult: torch
     if split_k is None:
         split_k = _wave_split(-(-M // block_m) * (N // block_n), _sms(a_q.device))
     return _launch(_w4a8_fold_kernel, a_q, a_scale, qw, (mult, chan), (), block_m, block_n, split_k,
-                   4 if stages is None else stages, out_dtype, KH=kh)
+                   4 if stages is None else stages, out_dtype, KH=kh, PP=pp)
