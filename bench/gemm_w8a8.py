@@ -60,11 +60,12 @@ class LogRow(dict):
 
 # the Gluon W4A8 kernel's tiles timed beside its pick (gemm_w4a8_tcg.pick_tile): 256-token tiles in two halves
 # (one decode per 256 tokens) unsplit / split 2 / 4, 3 stages, and the K-halves consumer (kh)
-TCG_TILES = [(256, 128, 1, 4, 0, 0), (256, 128, 2, 4, 0, 0), (256, 128, 4, 4, 0, 0), (256, 128, 1, 3, 0, 0),
-             (256, 128, 1, 4, 1, 0), (256, 128, 2, 4, 1, 0),
-             # pp: the consumers' wgmma issues in turn (session 22); the 128-token tile unsplit beside it
-             (256, 128, 1, 4, 0, 1), (256, 128, 2, 4, 0, 1), (256, 128, 1, 4, 1, 1), (128, 0, 1, 4, 0, 1),
-             (128, 0, 1, 4, 0, 0)]  # (block_m, mh, split_k, stages, kh, pp)
+# (block_m, mh, split_k, stages, kh, pp, pk): kh the K-halves consumer, pp the consumers' wgmma issues in turn, pk the
+# permuted-K integer decode (activations from quant_fp8(perm=True)) (pp, pk: session 22)
+TCG_TILES = [(256, 128, 1, 4, 0, 0, 0), (256, 128, 2, 4, 0, 0, 0), (256, 128, 4, 4, 0, 0, 0), (256, 128, 1, 4, 1, 0, 0),
+             (256, 128, 1, 4, 0, 1, 0), (256, 128, 2, 4, 0, 1, 0), (256, 128, 1, 4, 0, 0, 1), (256, 128, 1, 4, 0, 1, 1),
+             (256, 128, 2, 4, 0, 1, 1), (256, 128, 1, 4, 1, 1, 0), (128, 0, 1, 4, 0, 0, 0), (128, 0, 1, 4, 0, 1, 0),
+             (128, 0, 1, 4, 0, 1, 1), (128, 0, 2, 4, 0, 1, 1)]
 LEAN = [False]  # --lean: the headline columns only (no tile variants, no plain-pair / fast-accum / a16 extras)
 WARM_ONLY = [False]  # --warm-only: run every call once (fills the Triton / Humming JIT caches), time nothing
 W8A8_CFGS: list = []  # --fp8-cfgs: FP8 TMA configs (incl. in-kernel split-K) timed beside the default
@@ -317,11 +318,19 @@ def run_w4(N, K, ms, rows, budget, sections):
                                                         for i in range(nc)])
                 from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
                 tw = [w.wna16() for w in w4]
-                for bm, mh, sp, st, kh, pp in TCG_TILES:  # the Gluon kernel's tiles forced (GEMM alone)
-                    tag = f"kestrel_w4a8_tcg_bm{bm}{'h' if mh else ''}s{sp}st{st}{'kh' if kh else ''}{'pp' if pp else ''}"
-                    kw = dict(block_m=bm, mh=mh, split_k=sp, stages=st, kh=kh, pp=pp)
-                    r[f"{tag}_err"] = rel(gemm_w4a8_tcg(a, s, tw[0], **kw), aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
-                    r[f"{tag}_gemm_us"] = safe_us([lambda i=i, kw=kw: gemm_w4a8_tcg(a, s, tw[i], **kw) for i in range(nc)])
+                ap = aq.quant_fp8(x, perm=True)[0]
+                ref = aq.dequant_8bit(a, s) @ w4[0].dequantize().t()
+                for bm, mh, sp, st, kh, pp, pk in TCG_TILES:  # the Gluon kernel's tiles forced (GEMM alone)
+                    tag = (f"kestrel_w4a8_tcg_bm{bm}{'h' if mh else ''}s{sp}st{st}{'kh' if kh else ''}"
+                           f"{'pp' if pp else ''}{'pk' if pk else ''}")
+                    kw = dict(block_m=bm, mh=mh, split_k=sp, stages=st, kh=kh, pp=pp, a_perm=bool(pk))
+                    aa = ap if pk else a
+                    r[f"{tag}_err"] = rel(gemm_w4a8_tcg(aa, s, tw[0], **kw), ref)
+                    r[f"{tag}_gemm_us"] = safe_us([lambda i=i, kw=kw, aa=aa: gemm_w4a8_tcg(aa, s, tw[i], **kw)
+                                                   for i in range(nc)])
+                # the candidate default: pick_tile's tile, pp + pk, the permuted quant included
+                r["kestrel_w4a8_tcg_pppk_e2e_us"] = safe_us([lambda i=i: gemm_w4a8_tcg(
+                    *aq.quant_fp8(x, perm=True), tw[i], pp=True, a_perm=True) for i in range(nc)])
             if M > 256 and not LEAN[0]:  # the expand-to-fp8 + TMA path's alternative: the fused in-register (swapped) kernel
                 fused = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, SWAP_AB=1)
                 r["kestrel_w4a8_fused_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4[i], config=fused)

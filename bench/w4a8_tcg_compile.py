@@ -5,7 +5,7 @@ ptxas' wgmma serialisation warnings per tile. Not a correctness check (tests/tes
   PYTHONPATH=/tmp/t36:$PWD python bench/w4a8_tcg_compile.py             # the GPU's Triton 3.6 (pip --target)
   PYTHONPATH=/tmp/t36:$PWD python bench/w4a8_tcg_compile.py 128:128:4:4  # BM:BN:WARPS:STAGES[:atomic][:mhH]
   (mh128 with BM 256: two 128-token halves per decode; fold: the MXFP4 scale-fold kernel; kh: K halves;
-  pp: the consumers' wgmma issues in turn)
+  pp: the consumers' wgmma issues in turn; pk: the permuted-K integer decode)
   (WARPS 4: the warp-specialised launch)
 """
 from __future__ import annotations
@@ -22,14 +22,14 @@ from kestrel.kernels import gemm_w4a8_tcg as w4  # noqa: E402
 from wna16_tc_sass import sass_loop  # noqa: E402
 
 def compile_w4a8_tcg(bm: int, bn: int, warps: int, stages: int, atomic: bool = False, regs=None, mh: int = 0,
-                     kh: bool = False, pp: bool = False):
+                     kh: bool = False, pp: bool = False, pk: bool = False):
     regs = regs or w4.WS_REGS
     x_desc, q_desc = wc.descriptors(bm, bn // 2, torch.float8_e4m3fn)
     sig = {"x_desc": x_desc.__mangle__(), "q_desc": q_desc.__mangle__(), "s_ptr": "*bf16", "as_ptr": "*fp32",
            "y_ptr": "*fp32" if atomic else "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
-           "split_k": "i32", "gsteps": "i32"}
-    consts = dict(BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, STAGES=stages, CONSUMER_REGS=regs[0],
-                  LOADER_REGS=regs[1], num_warps=warps, MH=mh, KH=kh, PP=pp)
+           "split_k": "i32"}
+    consts = dict(GSTEPS=1, BLOCK_M=bm, BLOCK_N=bn, ATOMIC=atomic, STAGES=stages, CONSUMER_REGS=regs[0],
+                  LOADER_REGS=regs[1], num_warps=warps, MH=mh, KH=kh, PP=pp, PK=pk)
     return wc.gluon_compile(w4._w4a8_tcg_kernel, sig, consts, warps)
 
 
@@ -54,7 +54,8 @@ def main():
         try:
             pp = "pp" in flags
             k = (compile_fold(bm, bn, stages, atomic="atomic" in flags, kh="kh" in flags, pp=pp) if "fold" in flags
-                 else compile_w4a8_tcg(bm, bn, warps, stages, atomic="atomic" in flags, mh=mh, kh="kh" in flags, pp=pp))
+                 else compile_w4a8_tcg(bm, bn, warps, stages, atomic="atomic" in flags, mh=mh, kh="kh" in flags, pp=pp,
+                                       pk="pk" in flags))
             loop, regs, stack = sass_loop(k)
             waits = [t for t in loop if "WARPGROUP.DEPBAR" in t]
             ser = wc.wgmma_serialised(k)

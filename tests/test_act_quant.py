@@ -31,6 +31,22 @@ def test_fp8_matches_reference_bit_exact(group):
     assert (err <= x.float().abs() * 2 ** -4 + s.repeat_interleave(256 // s.shape[1], 1) * 2 ** -9 + 1e-12).all()
 
 
+@pytest.mark.parametrize("m,k,chunked", [(5, 384, False), (1, 4096, True), (3, 20480, False)])
+def test_fp8_perm_is_reference_in_k_perm128_order(m, k, chunked, monkeypatch):
+    """quant_fp8(perm=True) (gemm_w4a8_tcg's PK activations): the reference codes gathered by k_perm128, every
+    store path (one trip, column chunks, two passes); the scales unchanged."""
+    if not chunked:
+        monkeypatch.setattr(aq, "CHUNK_PROGRAMS", 0)
+    monkeypatch.setattr(aq, "BLOCK_MAX", 16384)
+    assert bool(aq._chunk_block(m, k)) == chunked
+    x = _x(max(m, 2), k, 11)[:m]
+    q, s = aq.quant_fp8(x, perm=True)
+    rq, rs = aq.ref_quant_fp8(x)
+    assert torch.equal(q.view(torch.uint8), rq[:, aq.k_perm128(k)].view(torch.uint8)) and torch.equal(s, rs)
+    with pytest.raises(ValueError):
+        aq.quant_fp8(x[:, :200], perm=True)
+
+
 def test_fake_quant_fp8_is_dequantized_fp8():
     """fake_quant_fp8 (one launch) == bf16(dequant(quant_fp8(x))): the W4A8 small-M path's activations."""
     x = _x(7, 384, 5)

@@ -338,6 +338,14 @@ def run_ptx(asm: str, regs: dict) -> dict:
             r = v[0] << v[1]
         elif op == "and.b32":
             r = v[0] & v[1]
+        elif op == "xor.b32":
+            r = v[0] ^ v[1]
+        elif op == "not.b32":
+            r = ~v[0]
+        elif op == "mul.lo.u32":
+            r = v[0] * v[1]
+        elif op == "mad.lo.u32":
+            r = v[0] * v[1] + v[2]
         elif op == "mul.rn.f16x2":
             r = pack16(f16(v[0]) * f16(v[1]))
         elif op in ("sub.rn.f16x2",):

@@ -16,18 +16,21 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("M,group,block_m,split,mh", [(300, 128, 128, 1, 0), (64, 128, 64, 1, 0), (200, -1, 128, 1, 0),
-                                                      (130, 256, 128, 3, 0), (1, 128, 64, 2, 0),
-                                                      # 256-token tiles in two halves: a masked second half (300),
-                                                      # an all-masked one (130), split K, per channel
-                                                      (300, 128, 256, 1, 128), (130, 128, 256, 2, 128),
-                                                      (600, -1, 256, 3, 128)])
-@pytest.mark.parametrize("kh", [False, True])
-@pytest.mark.parametrize("pp", [False, True])  # the consumers' wgmma issues in turn (named barriers)
-def test_w4a8_tcg_vs_dequant(M, group, block_m, split, mh, kh, pp):
-    if kh and not mh:
-        pytest.skip("the K-halves consumer runs with token halves")
+_SHAPES = [(300, 128, 128, 1, 0), (64, 128, 64, 1, 0), (200, -1, 128, 1, 0), (130, 256, 128, 3, 0), (1, 128, 64, 2, 0),
+           # 256-token tiles in two halves: a masked second half (300), an all-masked one (130), split K, per channel
+           (300, 128, 256, 1, 128), (130, 128, 256, 2, 128), (600, -1, 256, 3, 128)]
+# (kh, pp, pk): the K-halves consumer, the consumers' wgmma issues in turn (named barriers), the permuted-K decode
+# (activations from quant_fp8(perm=True)); the combinations on a subset of the shapes
+_VARIANTS = ([(s, False, False, False) for s in _SHAPES] + [(s, True, False, False) for s in _SHAPES if s[4]]
+             + [(s, kh, pp, pk) for s in (_SHAPES[0], _SHAPES[3], _SHAPES[5], _SHAPES[7])
+                for kh, pp, pk in ((False, True, False), (False, False, True), (False, True, True), (True, True, False))
+                if s[4] or not kh])
+
+
+@pytest.mark.parametrize("shape,kh,pp,pk", _VARIANTS)
+def test_w4a8_tcg_vs_dequant(shape, kh, pp, pk):
     from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
+    M, group, block_m, split, mh = shape
     g = torch.Generator().manual_seed(M + group)
     N, K = 384, 1536
     x = torch.randn(M, K, generator=g).cuda().to(torch.bfloat16)
@@ -35,8 +38,11 @@ def test_w4a8_tcg_vs_dequant(M, group, block_m, split, mh, kh, pp):
     a, s = aq.quant_fp8(x)
     tw = w.wna16()
     ref = aq.dequant_8bit(a, s) @ dequantize(tw).float().t()  # the twin's bf16 scales: what the kernel multiplies
-    y = gemm_w4a8_tcg(a, s, tw, torch.float32, block_m=block_m, split_k=split, mh=mh, kh=kh, pp=pp)
+    ap = aq.quant_fp8(x, perm=True)[0] if pk else a
+    y = gemm_w4a8_tcg(ap, s, tw, torch.float32, block_m=block_m, split_k=split, mh=mh, kh=kh, pp=pp, a_perm=pk)
     assert _rel(y, ref) < 2e-3  # fp8 wgmma accumulation (no promotion within a K step)
+    if kh or pp or pk:
+        return
     yb = gemm_w4a8(a, s, w, tcg=True, bf16_max_m=0)
     assert yb.dtype == torch.bfloat16 and _rel(yb, ref) < 5e-3
     if M > 16:  # (up to FUSED_MAX_M tokens w4a8_linear takes the fused per-group-quant kernel instead)

@@ -1,5 +1,5 @@
-"""The Gluon W4A8 kernels' register decodes (gemm_w4a8_tcg._ASM_E4M3: int4 codes, _ASM_FP4_E4M3: e2m1 codes with
-the folded group exponent) run through the PTX emulator of test_gemm_w4a.py against the e4m3 codes torch gives for
+"""The Gluon W4A8 kernels' register decodes (gemm_w4a8_tcg._ASM_E4M3: int4 codes, _ASM_PK: int4 codes of one word
+with the activations' K permuted, _ASM_FP4_E4M3: e2m1 codes with the folded group exponent) run through the PTX emulator of test_gemm_w4a.py against the e4m3 codes torch gives for
 the same values, and fold_multipliers against 2^(14 - down). The kernels themselves need a Hopper GPU
 (tests/test_gemm_w4a8_tcg.py)."""
 import pytest
@@ -39,6 +39,32 @@ def test_int4_e4m3_decode(field):
         out = run_ptx(w4._ASM_E4M3.value, regs)["$0"]
         want = sum(_e4m3(((w >> (4 * field)) & 15) - 8) << (8 * r) for r, w in enumerate(ws))
         assert out == want, (hex(out), hex(want))
+
+
+@pytest.mark.parametrize("h", [0, 1])
+def test_int4_pk_decode(h):
+    """PK: the 4 nibbles of parity h of one word (fields 2 i + h) -> e4m3 of (c - 8) 2^-9, byte i from field 2 i + h;
+    every code 0..15 in every byte position."""
+    g = torch.Generator().manual_seed(h)
+    words = _words(g, 32) + [0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567]
+    for w in words:
+        regs = {f"${i}": w for i in range(1, 5)}
+        regs.update({f"${i}": 4 * h for i in range(5, 9)})
+        out = run_ptx(w4._ASM_PK.value, regs)["$0"]
+        want = sum(_e4m3((((w >> (4 * (2 * i + h))) & 15) - 8) * 2.0 ** -9) << (8 * i) for i in range(4))
+        assert out == want, (hex(w), hex(out), hex(want))
+
+
+def test_k_perm128_matches_pk_registers():
+    """quant_fp8(perm=True)'s column order puts, at wgmma k = 32 c + 16 h + 4 t + i, the activation of weight column
+    16 (2 i + h) + 4 c + t: the field 2 i + h of word row 4 c + t that _ASM_PK decodes into byte i (a bijection)."""
+    from kestrel.kernels.act_quant import k_perm128
+    idx = k_perm128(256)
+    assert sorted(idx.tolist()) == list(range(256))
+    for kw in range(256):
+        c, h, t, i = kw % 128 // 32, kw % 32 // 16, kw % 16 // 4, kw % 4
+        kp = int(idx[kw]) % 128
+        assert (kp // 16, kp % 16) == (2 * i + h, 4 * c + t) and idx[kw] // 128 == kw // 128
 
 
 @pytest.mark.parametrize("field", range(8))

@@ -48,9 +48,35 @@ def _group_amax(x_ptr, row, stride_x, base, G, K, BLOCK: tl.constexpr):
     return tl.max(amax, 0)
 
 
+def k_perm128(K: int, device=None) -> torch.Tensor:
+    """The column order of quant_fp8(perm=True): q_perm = q[:, k_perm128(K)]. Within each 128 columns, position
+    32 c + 16 h + 4 t + i holds column 16 (2 i + h) + 4 c + t, so that 4 consecutive positions come from one word
+    row 4 c + t of the planar int4 weights (gemm_w4a8_tcg PK: one word per fp8 register, no byte gathering)."""
+    if K % 128:
+        raise ValueError(f"k_perm128: K={K} is not a multiple of 128")
+    p = torch.arange(128)
+    c, h, t, i = p // 32, p // 16 % 2, p // 4 % 4, p % 4
+    within = 16 * (2 * i + h) + 4 * c + t
+    return (torch.arange(0, K, 128)[:, None] + within[None, :]).reshape(K).to(device)
+
+
 @triton.jit
-def _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8: tl.constexpr, DEQ: tl.constexpr):
-    """x / scale (times the reciprocal, as the reference) rounded to int8 / e4m3 codes, or with DEQ back to bf16."""
+def _perm128(cols):
+    """The inverse of k_perm128: where column cols goes (column 16 f + r of a 128 to 32 (r // 4) + 16 (f % 2) +
+    4 (r % 4) + f // 2)."""
+    k = cols % 128
+    f = k // 16
+    r = k % 16
+    return cols - k + 32 * (r // 4) + 16 * (f % 2) + 4 * (r % 4) + f // 2
+
+
+@triton.jit
+def _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8: tl.constexpr, DEQ: tl.constexpr,
+                 PERM: tl.constexpr = False):
+    """x / scale (times the reciprocal, as the reference) rounded to int8 / e4m3 codes, or with DEQ back to bf16.
+    PERM: e4m3 codes in k_perm128's column order."""
+    if PERM:
+        cols = _perm128(cols)
     y = tl.minimum(tl.maximum(x * tl.math.div_rn(1.0, scale), -qmax), qmax)
     if IS_INT8:
         tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
@@ -63,7 +89,7 @@ def _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8: tl.cons
 @triton.jit
 def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
                        IS_INT8: tl.constexpr, BLOCK: tl.constexpr, ONE_TRIP: tl.constexpr, PDL: tl.constexpr,
-                       DEQ: tl.constexpr = False, CB: tl.constexpr = 0):
+                       DEQ: tl.constexpr = False, CB: tl.constexpr = 0, PERM: tl.constexpr = False):
     """DEQ (fp8 only): store the rounded value times its scale as bf16 (fake_quant_fp8) instead of the code.
     CB > 0 (few rows, _chunks): program (row, group, c) takes the amax of the whole group (BLOCK-wide trips, from the
     L2 after the first of the group's programs) and quantizes only columns c * CB .. + CB of it."""
@@ -85,14 +111,14 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
         cols = base + off
         m = (off < G) & (cols < K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ)
+        _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ, PERM)
     elif ONE_TRIP:  # the group fits one block: load it once and keep it in registers for both passes
         cols = base + tl.arange(0, BLOCK)
         m = (tl.arange(0, BLOCK) < G) & (cols < K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-10), qmax)
         tl.store(s_ptr + row * n_groups + g, scale)
-        _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ)
+        _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ, PERM)
     else:  # pass 1: amax over the group (re-read in pass 2 hits L2)
         scale = tl.math.div_rn(tl.maximum(_group_amax(x_ptr, row, stride_x, base, G, K, BLOCK), 1e-10), qmax)
         tl.store(s_ptr + row * n_groups + g, scale)
@@ -100,12 +126,13 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
             cols = base + off + tl.arange(0, BLOCK)
             m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
             x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-            _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ)
+            _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ, PERM)
 
 
-def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = False, deq: bool = False):
+def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = False, deq: bool = False,
+                perm: bool = False):
     name = "quant_int8" if is_int8 else "fake_quant_fp8" if deq else "quant_fp8"
-    x = _check_2d(x, 1 if group_size in (-1, None) else group_size, name)
+    x = _check_2d(x, 128 if perm else 1 if group_size in (-1, None) else group_size, name)
     M, K = x.shape
     G = K if group_size in (-1, None) else group_size
     if G <= 0:
@@ -133,10 +160,10 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = Fal
     if cb:
         _quant_8bit_kernel[(M, n_groups, triton.cdiv(G, cb))](
             x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8, BLOCK=BLOCK, ONE_TRIP=False, PDL=pdl,
-            DEQ=deq, CB=cb, num_warps=16 if BLOCK >= 16384 else 8 if BLOCK >= 4096 else 4)
+            DEQ=deq, CB=cb, PERM=perm, num_warps=16 if BLOCK >= 16384 else 8 if BLOCK >= 4096 else 4)
         return q, s
     _quant_8bit_kernel[(M, n_groups)](x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8,
-                                      BLOCK=BLOCK, ONE_TRIP=G <= BLOCK, PDL=pdl, DEQ=deq,
+                                      BLOCK=BLOCK, ONE_TRIP=G <= BLOCK, PDL=pdl, DEQ=deq, PERM=perm,
                                       num_warps=16 if BLOCK >= 16384 else 8 if BLOCK >= 4096 else
                                       4 if BLOCK >= 1024 else 2)
     return q, s
@@ -156,12 +183,16 @@ def _chunk_block(n_rows: int, G: int) -> int:
     return triton.next_power_of_2(triton.cdiv(G, want)) if want >= 2 else 0
 
 
-def quant_fp8(x: torch.Tensor, group_size: int = -1, pdl: bool = False):
+def quant_fp8(x: torch.Tensor, group_size: int = -1, pdl: bool = False, perm: bool = False):
     """x [M, K] -> (q float8_e4m3fn [M, K], scale fp32 [M, K // group]); group_size -1 = one scale per token.
-    pdl: the next kernel is a programmatic dependent launch (gemm_w8a8 pdl=True) that may start right away."""
+    pdl: the next kernel is a programmatic dependent launch (gemm_w8a8 pdl=True) that may start right away.
+    perm (per token, K a multiple of 128): q's columns in k_perm128's order (what gemm_w4a8_tcg a_perm reads)."""
+    if perm and group_size not in (-1, None):
+        raise ValueError("quant_fp8: perm=True takes per-token scales (group_size -1)")
     if not use_triton(x):
-        return ref_quant_fp8(x, group_size)
-    return _quant_8bit(x, group_size, is_int8=False, pdl=pdl)
+        q, s = ref_quant_fp8(x, group_size)
+        return (q[:, k_perm128(q.shape[1], q.device)] if perm else q), s
+    return _quant_8bit(x, group_size, is_int8=False, pdl=pdl, perm=perm)
 
 
 def fake_quant_fp8(x: torch.Tensor) -> torch.Tensor:

@@ -123,10 +123,54 @@ def _int4_decode(q, sel, sh, a_layout: gl.constexpr, HN: gl.constexpr, NF: gl.co
     return gl.convert_layout(gl.reshape(a, (HN, NF * R)), a_layout)  # a register renaming (same linear layout)
 
 
+# PK (permuted K): one register of the fp8 A fragment holds wgmma k = 32 c + 16 h + 4 t + i, i = 0..3, which the
+# activations carry from k = 16 (2 i + h) + 4 c + t of the weight's K step (act_quant.quant_fp8(perm=True) stores
+# them so): word row 4 c + t, nibbles of one parity h: the 4 bytes of one word shifted by 4 h. A nibble c becomes
+# the e4m3 bits of (c - 8) 2^-9 with integer ops only (no f16, no cvt): |c - 8| is an e4m3 subnormal / the first
+# normal (0..8 x 2^-9), so the byte is the sign and |c - 8|; the 2^9 goes onto the group scale. $1 the word, $5 the
+# shift (same in $1..$4, $5..$8): n = 1 where c < 8 (bit 3 clear), low = (c ^ 7 n) & 7, byte = 0x81 n + low
+_ASM_PK = gl.constexpr(
+    "{ .reg .b32 w, n, m, l; shr.u32 w, $1, $5; shr.u32 n, w, 3; not.b32 n, n; and.b32 n, n, 0x01010101; "
+    "mul.lo.u32 m, n, 7; xor.b32 l, w, m; and.b32 l, l, 0x07070707; mad.lo.u32 $0, n, 0x81, l; }")
+
+
+@gluon.constexpr_function
+def _decode_layout5(a_ll):
+    """[HN, C, 2, 4, 4] (n, c, h, t, i) layout whose reshape to [HN, 32 C] is the fp8 A fragment a_ll (k = 32 c +
+    16 h + 4 t + i), registers ordered (i bit 0, i bit 1, ...): one pack-4 asm call gets the 4 bytes i of one
+    register."""
+    conv = lambda b: [b[0], b[1] >> 5, (b[1] >> 4) & 1, (b[1] >> 2) & 3, b[1] & 3]
+    first = [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2]]
+    regs = first + [conv(b) for b in a_ll.reg_bases if conv(b) not in first]
+    return gl.DistributedLinearLayout(regs, [conv(b) for b in a_ll.lane_bases], [conv(b) for b in a_ll.warp_bases],
+                                      [], [a_ll.shape[0], a_ll.shape[1] // 32, 2, 4, 4])
+
+
+@gluon.jit
+def _pk_shift(L5: gl.constexpr):
+    """The nibble shift 4 h of every (n, c, h, t, i): [1, 1, 2, 1, 1]."""
+    h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, L5)))))
+    return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(h * 4, 0), 1), 3), 4)
+
+
+@gluon.jit
+def _pk_decode(q_tile, sh5, L5: gl.constexpr, a_layout: gl.constexpr, HN: gl.constexpr):
+    """A K step's word tile q_tile (smem [16, HN], word row 4 c + t) -> PK's e4m3 A operand [HN, 128]. (No K halves:
+    a slice of the reshaped tile fails Triton 3.6's lowering.)"""
+    C: gl.constexpr = 4
+    words = q_tile.reshape((4, 4, HN)).permute((2, 0, 1))  # [HN, c, t]: row 4 c + t
+    q = gl.expand_dims(gl.expand_dims(words.load(gl.SliceLayout(2, gl.SliceLayout(4, L5))), 2), 4)
+    shape: gl.constexpr = [HN, C, 2, 4, 4]
+    a = gl.inline_asm_elementwise(_ASM_PK, "=r,r,r,r,r,r,r,r,r", [q.broadcast_to(shape), sh5.broadcast_to(shape)],
+                                  dtype=gl.float8e4nv, is_pure=True, pack=4)
+    return gl.convert_layout(gl.reshape(a, (HN, 32 * C)), a_layout)  # a register renaming (same linear layout)
+
+
 @gluon.jit
 def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                  gsteps, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
-                  ATOMIC: gl.constexpr, MH: gl.constexpr, KH: gl.constexpr = False, PP: gl.constexpr = False):
+                  GSTEPS: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
+                  ATOMIC: gl.constexpr, MH: gl.constexpr, KH: gl.constexpr = False, PP: gl.constexpr = False,
+                  PK: gl.constexpr = False):
     """One of the two consumer warpgroups (its own partition): weight rows off_n + H * HN .. + HN of the tile from
     its half of each K step's words; per step decode, wgmma (unscaled, fresh), wait, acc += product * group scale,
     release the slot (one of the two arrivals its empty barrier counts); then the per-token scales and y.
@@ -136,7 +180,8 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
     ones (256-token acc + p) would not.
     KH (with token halves): the step's A as two K halves in their own registers, the second half decoded while the
     first half's wgmma runs (_fold_consume's KH scheme).
-    PP: the two warpgroups' wgmma issues in turn (_pp_turn), one turn per wgmma group (token half)."""
+    PP: the two warpgroups' wgmma issues in turn (_pp_turn), one turn per wgmma group (token half).
+    PK: the activations' K permuted within each 128 (_ASM_PK): the integer-only decode of one word per register."""
     gl.assume(cnt > 0)  # the kernel's assumption does not reach into the partition
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, MH, 32])
@@ -147,22 +192,30 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
     n0 = off_n + H * HN
     sel, sh, _ = _field_consts(L3, NF, 0)
     sel1, sh1, _ = _field_consts(L3, NF, 4)  # (KH: the second half)
+    gl.static_assert(not (PK and KH), "PK decodes whole K steps")
+    L5: gl.constexpr = _decode_layout5(gl.to_linear_layout(a_layout, [HN, BK]))
+    sh5 = _pk_shift(L5)
     s_offs = n0 + gl.arange(0, HN, layout=srow)
     HALVES: gl.constexpr = BLOCK_M // MH
     acc = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)
     acc2 = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)  # tokens [MH, 2 MH) (unused when HALVES 1)
     p = gl.zeros((HN, MH), dtype=gl.float32, layout=mma_layout)
-    sc_next = gl.load(s_ptr + (s0 // gsteps) * N + s_offs)
+    sc_next = gl.load(s_ptr + (s0 // GSTEPS) * N + s_offs)
     _pp_start(H, PP)
     for i in range(cnt):
         slot = i % STAGES
         # the group scales one step ahead: their load's latency stays off the step that uses them
         sc = sc_next.to(gl.float32)
-        sc_next = gl.load(s_ptr + ((s0 + gl.minimum(i + 1, cnt - 1)) // gsteps) * N + s_offs)
+        if PK:
+            sc = sc * 512.0  # PK's e4m3 weights are (c - 8) 2^-9
+        sc_next = gl.load(s_ptr + ((s0 + gl.minimum(i + 1, cnt - 1)) // GSTEPS) * N + s_offs)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
         xs = x_smem.index(slot)
-        a = _int4_decode(q, sel, sh, a_layout, HN, NF)
+        if PK:
+            a = _pk_decode(q_smem.index(2 * slot + H), sh5, L5, a_layout, HN)
+        else:
+            q = gl.expand_dims(q_smem.index(2 * slot + H).permute((1, 0)).load(gl.SliceLayout(1, L3)), 1)  # [HN,1,16]
+            a = _int4_decode(q, sel, sh, a_layout, HN, NF)
         if KH:
             gl.static_assert(HALVES == 2)
             _pp_turn(H, PP)
@@ -209,12 +262,13 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
 
 
 @gluon.jit
-def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, split_k, gsteps,
+def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, split_k, GSTEPS: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                     MH: gl.constexpr = 0, KH: gl.constexpr = False, PP: gl.constexpr = False):
+                     MH: gl.constexpr = 0, KH: gl.constexpr = False, PP: gl.constexpr = False,
+                     PK: gl.constexpr = False):
     """y[M, N] (+= with ATOMIC, split_k > 1) = a_scale[m] * sum_k x[m, k] (c[k, n] - 8) s[k // group, n];
-    gsteps = group // 128 (K // 128 per channel). Launched with num_warps = 4: two consumer warpgroups in two
+    GSTEPS = group // 128 (K // 128 per channel; a constant: no integer division per K step). Launched with num_warps = 4: two consumer warpgroups in two
     partitions plus a loader warp (gemm_wna16_tcg._swap_load_halves: x tile + both halves of the words)."""
     pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     gl.assume(cnt > 0)
@@ -223,9 +277,9 @@ def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, s
     x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
     gl.warp_specialize([
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                         gsteps, 0, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH, PP)),
+                         GSTEPS, 0, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH, PP, PK)),
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                         gsteps, 1, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH, PP)),
+                         GSTEPS, 1, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH, PP, PK)),
         (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -419,11 +473,12 @@ def _launch(kernel, a_q, a_scale, qw, lead: tuple, tail: tuple, block_m: int, bl
 
 def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.bfloat16, block_m: int | None = None,
                   block_n: int = 128, stages: int | None = None, split_k: int | None = None, mh: int | None = None,
-                  kh: bool = False, pp: bool = False) -> torch.Tensor:
+                  kh: bool = False, pp: bool = False, a_perm: bool = False) -> torch.Tensor:
     """a_q fp8 [M, K] (per-token a_scale [M]) x the planar int4 QuantizedWeight qw [N, K] (symmetric, bf16 scales,
     group a multiple of 128 or per channel) -> [M, N]. block_m / split_k / stages all None: the tune cache's
     "w4a8tcg-int4" winner, else pick_tile's choice; mh None: two token halves (block_m // 2) for 256-token tiles,
-    0 = one; kh (with token halves): the K-halves consumer; pp: the consumers' wgmma issues in turn (_pp_turn)."""
+    0 = one; kh (with token halves): the K-halves consumer; pp: the consumers' wgmma issues in turn (_pp_turn);
+    a_perm: a_q from act_quant.quant_fp8(perm=True) (K permuted within each 128: the PK decode)."""
     M, K = a_q.shape
     N = qw.shape[0]
     block_m, split_k, stages = _tuned("w4a8tcg-int4", M, N, K, block_m, split_k, stages)
@@ -434,8 +489,11 @@ def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.
     mh = (block_m // 2 if block_m == 256 else 0) if mh is None else mh
     if mh and block_m != 2 * mh:
         raise ValueError(f"mh {mh}: the token halves split block_m {block_m} in two")
+    if a_perm and kh and mh:
+        raise ValueError("a_perm (the PK decode) takes whole K steps: no kh")
     return _launch(_w4a8_tcg_kernel, a_q, a_scale, qw, (qw.scales, ), (qw.group_size // BK.value, ), block_m,
-                   block_n, split_k, 4 if stages is None else stages, out_dtype, MH=mh, KH=bool(kh and mh), PP=pp)
+                   block_n, split_k, 4 if stages is None else stages, out_dtype, MH=mh, KH=bool(kh and mh), PP=pp,
+                   PK=a_perm)
 
 
 def fold_multipliers(down: torch.Tensor) -> torch.Tensor:
