@@ -66,3 +66,21 @@ def test_w4a8_fold_tcg_vs_dequant(M, block_m, split, kh, pp):
     y = gemm_w4a8_fold_tcg(a, s, w.wna16(), mult, chan, torch.float32, block_m=block_m, split_k=split, kh=kh,
                            pp=pp)
     assert _rel(y, ref) < 3e-3  # the fp8 wgmma's accumulation within a K step (values exact)
+
+
+@pytest.mark.parametrize("pk", [False, True])
+def test_w4a8_linear_gluon_route_options(pk, monkeypatch):
+    """w4a8_linear / gemm_w4a8 with the Gluon int4 route's options (gemm_w4a8.TCG_PP, TCG_PK: the permuted quant)
+    vs dequantize-then-matmul; a 3-D x through the route."""
+    import kestrel.kernels.gemm_w4a8 as g4
+    monkeypatch.setattr(g4, "TCG_PP", True)
+    monkeypatch.setattr(g4, "TCG_PK", pk)
+    g = torch.Generator().manual_seed(7)
+    N, K = 256, 1024
+    x = torch.randn(2, 150, K, generator=g).cuda().to(torch.bfloat16)
+    w = quantize_weight_w4(torch.randn(N, K, generator=g) * 0.05, "int4", 128).kernel_layout().to("cuda")
+    a, s = aq.quant_fp8(x.reshape(-1, K))
+    ref = aq.dequant_8bit(a, s) @ dequantize(w.wna16()).float().t()
+    y = w4a8_linear(x, w, tcg=True, bf16_max_m=0)
+    assert y.shape == (2, 150, N) and _rel(y.reshape(-1, N), ref) < 5e-3
+    assert _rel(gemm_w4a8(a, s, w, tcg=True, bf16_max_m=0), ref) < 5e-3

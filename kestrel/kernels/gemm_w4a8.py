@@ -61,6 +61,10 @@ FOLD_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_MIN_M", "1"))
 # tokens, no fp8 copy of the weight); 0 = never. H100 session 21, e2e µs default -> Gluon 256: 8192x28672 M = 256
 # 239 -> 165, 1024 606 -> 567, 4096 1825 -> 2332 (the copy + dense FP8 kernel wins there); 4096x14336 M = 256
 # 67.9 -> 63.9, 1024 165 -> 160, 4096 480 -> 622
+# the int4 Gluon kernel's consumer options (gemm_w4a8_tcg): TCG_PP the two consumer warpgroups' wgmma issues in turn
+# (named barriers), TCG_PK (w4a8_linear) the activations quantized with K permuted for the integer-only decode
+TCG_PP = os.environ.get("KESTREL_W4A8_TCG_PP", "0") == "1"
+TCG_PK = os.environ.get("KESTREL_W4A8_TCG_PK", "0") == "1"
 FOLD_TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MIN_M", "256"))
 FOLD_TCG_MAX_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MAX_M", "2048"))
 # with FOLD_MIN_M 0 (or below it), MXFP4 weights: 1 = the Triton W4A8 kernels fold the group scales in registers
@@ -245,15 +249,13 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
     if not act_quant.use_triton(a_q):
         return (act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, -1)) @ w.dequantize().t()).to(out_dtype)
     # the Gluon kernels (gemm_w4a8_tcg.py) from their M on, ahead of the small-M WNA16 path
-    on = 0 < TCG_MIN_M <= M if w.fmt == "int4" else 0 < FOLD_TCG_MIN_M <= M < FOLD_TCG_MAX_M
-    if config is None and (on if tcg is None else tcg) and w.wna16_ok():
-        from kestrel.kernels import gemm_w4a8_tcg
-        if gemm_w4a8_tcg.supported(a_q, N, K):
-            if w.fmt == "int4":
-                return gemm_w4a8_tcg.gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype)
-            if w.fold_mult() is not None:  # (MXFP4: wna16_ok admits int4 and MXFP4 only)
-                return gemm_w4a8_tcg.gemm_w4a8_fold_tcg(a_q.contiguous(), a_scale, w.wna16(), *w.fold_mult(),
-                                                        out_dtype)
+    route = None if config is not None else _tcg_route(a_q, w, tcg)
+    if route == "int4":
+        from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
+        return gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype, pp=TCG_PP)
+    if route == "fold":
+        from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg
+        return gemm_w4a8_fold_tcg(a_q.contiguous(), a_scale, w.wna16(), *w.fold_mult(), out_dtype, pp=TCG_PP)
     if config is None and use_wna16(M, w, bf16_max_m):  # small M: the WNA16 kernels on the fp8 values (module doc)
         from kestrel.kernels.gemm_wna16 import gemm_wna16
         x = act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, 1)).to(torch.bfloat16)
@@ -278,6 +280,22 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
     return run_dense(a_op, w_op, M, N, K, out_dtype, cfg)
 
 
+def _tcg_route(a: torch.Tensor, w: W4Weight, tcg: bool | None) -> str | None:
+    """"int4" / "fold" where the Gluon kernels (gemm_w4a8_tcg) take these activations (a: fp8 codes, or the bf16 x
+    they will be quantized from) and w: their M range (tcg overrides it), a Hopper GPU, the planar twin's shapes;
+    else None."""
+    M, (N, K) = a.shape[0], w.shape
+    on = 0 < TCG_MIN_M <= M if w.fmt == "int4" else 0 < FOLD_TCG_MIN_M <= M < FOLD_TCG_MAX_M
+    if not ((on if tcg is None else tcg) and w.wna16_ok()):
+        return None
+    from kestrel.kernels import gemm_w4a8_tcg
+    if not gemm_w4a8_tcg.supported(a, N, K):
+        return None
+    if w.fmt == "int4":
+        return "int4"
+    return "fold" if w.fold_mult() is not None else None  # (MXFP4: wna16_ok admits int4 and MXFP4 only)
+
+
 def use_wna16(M: int, w: W4Weight, max_m: int | None = None) -> bool:
     return M <= (BF16_MAX_M if max_m is None else max_m) and w.wna16_ok()
 
@@ -299,5 +317,10 @@ def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None, bf16_max_m: int | 
     if x2.shape[0] <= FUSED_MAX_M and w.layout == "halves" and w.halves_ok() and act_quant.use_triton(x2):
         from kestrel.kernels.gemm_w8a8_fused import gemm_w4a8_fused
         return gemm_w4a8_fused(x2, w, out_dtype or x.dtype).reshape(*lead, -1)
+    if TCG_PK and act_quant.use_triton(x2) and _tcg_route(x2.contiguous(), w, tcg) == "int4":
+        # the int4 Gluon kernel's integer-only decode: the activations quantized with K permuted (k_perm128)
+        from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
+        a_q, a_s = act_quant.quant_fp8(x2, perm=True)
+        return gemm_w4a8_tcg(a_q, a_s, w.wna16(), out_dtype or x.dtype, pp=TCG_PP, a_perm=True).reshape(*lead, -1)
     a_q, a_s = act_quant.quant_fp8(x2)
     return gemm_w4a8(a_q, a_s, w, out_dtype or x.dtype, bf16_max_m=bf16_max_m, tcg=tcg).reshape(*lead, -1)
