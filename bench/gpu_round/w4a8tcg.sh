@@ -1,7 +1,7 @@
 # Issue #4, session 21: the Gluon W4A8 kernel's 256-token tiles in two halves (gemm_w4a8_tcg MH: one decode per 256
 # tokens) against the 128-token tile, split 1 / 2 / 4, beside Humming W4A8 and the default path. Sourced by run.sh.
 P="python3 -m pytest -q -p no:cacheprovider"
-[ "${TCG_TESTS:-1}" = 1 ] && stage tests ${TCG_TESTS_S:-180} $P tests/test_gemm_w4a8_tcg.py
+[ "${TCG_TESTS:-1}" = 1 ] && stage tests ${TCG_TESTS_S:-180} $P tests/test_gemm_w4a8_tcg.py -k "${TCG_TESTS_K:-not nothing}"
 LS=${TCG_LEAN_S:-330}
 stage lean $LS python3 bench/gemm_w8a8.py --lean --sections ${TCG_SECTIONS:-w4a8,w4a8mx} --shapes ${TCG_SHAPES:-8192x28672,4096x14336} \
   --ms ${TCG_MS:-256,1024,4096,64} --deadline-s $(( LS - 20 )) --out $OUT/w4a8tcg/lean
