@@ -61,10 +61,13 @@ FOLD_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_MIN_M", "1"))
 # tokens, no fp8 copy of the weight); 0 = never. H100 session 21, e2e µs default -> Gluon 256: 8192x28672 M = 256
 # 239 -> 165, 1024 606 -> 567, 4096 1825 -> 2332 (the copy + dense FP8 kernel wins there); 4096x14336 M = 256
 # 67.9 -> 63.9, 1024 165 -> 160, 4096 480 -> 622
-# the int4 Gluon kernel's consumer options (gemm_w4a8_tcg): TCG_PP the two consumer warpgroups' wgmma issues in turn
-# (named barriers), TCG_PK (w4a8_linear) the activations quantized with K permuted for the integer-only decode
-TCG_PP = os.environ.get("KESTREL_W4A8_TCG_PP", "0") == "1"
-TCG_PK = os.environ.get("KESTREL_W4A8_TCG_PK", "0") == "1"
+# the Gluon kernels' consumer options (gemm_w4a8_tcg): TCG_PP the two consumer warpgroups' wgmma issues in turn
+# (named barriers; the MXFP4 fold kernel with its K-halves loop too), TCG_PK (w4a8_linear, int4) the activations
+# quantized with K permuted for the integer-only decode. H100 session 22 (bench/results/gemm_w8a8_h100_s22.md), GEMM
+# µs of the 256-token tile, plain / pp / pk / pp + pk: 8192x28672 M = 4096 2140 / 2087 / 2123 / 1927, M = 1024
+# 531 / 519 / 511 / 479; 4096x14336 M = 4096 544 / 527 / 533 / 487
+TCG_PP = os.environ.get("KESTREL_W4A8_TCG_PP", "1") == "1"
+TCG_PK = os.environ.get("KESTREL_W4A8_TCG_PK", "1") == "1"
 FOLD_TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MIN_M", "256"))
 FOLD_TCG_MAX_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MAX_M", "2048"))
 # with FOLD_MIN_M 0 (or below it), MXFP4 weights: 1 = the Triton W4A8 kernels fold the group scales in registers
@@ -255,7 +258,8 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
         return gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype, pp=TCG_PP)
     if route == "fold":
         from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg
-        return gemm_w4a8_fold_tcg(a_q.contiguous(), a_scale, w.wna16(), *w.fold_mult(), out_dtype, pp=TCG_PP)
+        return gemm_w4a8_fold_tcg(a_q.contiguous(), a_scale, w.wna16(), *w.fold_mult(), out_dtype, kh=TCG_PP,
+                                  pp=TCG_PP)
     if config is None and use_wna16(M, w, bf16_max_m):  # small M: the WNA16 kernels on the fp8 values (module doc)
         from kestrel.kernels.gemm_wna16 import gemm_wna16
         x = act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, 1)).to(torch.bfloat16)
