@@ -21,7 +21,8 @@ activation code * scale and, int4, of each group scale (bf16 in the WNA16 format
 times the fp8 kernels (the path above BF16_MAX_M); below it the WNA16 int4 / mxfp4 tune entries apply.
 Hopper, from TCG_MIN_M tokens (int4) / in [FOLD_TCG_MIN_M, FOLD_TCG_MAX_M) (MXFP4 whose group exponents fold
 exactly): the Gluon kernels on the same planar twin (gemm_w4a8_tcg.py: two consumer warpgroups, 256-token tiles
-decoded once; MXFP4 with its group exponents folded into the decoded e4m3 weights), ahead of the small-M path;
+decoded once, the two warpgroups' wgmma issues in turn (TCG_PP); MXFP4 with its group exponents folded into the
+decoded e4m3 weights), ahead of the small-M path;
 their tiles tuned by `kestrel tune --lowbit w4a8tcg-*`. MXFP4 from FOLD_MIN_M otherwise: an fp8 copy of the folded
 weight per call + the FP8 kernels.
 """
@@ -65,9 +66,11 @@ FOLD_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_MIN_M", "1"))
 # (named barriers; the MXFP4 fold kernel with its K-halves loop too), TCG_PK (w4a8_linear, int4) the activations
 # quantized with K permuted for the integer-only decode. H100 session 22 (bench/results/gemm_w8a8_h100_s22.md), GEMM
 # µs of the 256-token tile, plain / pp / pk / pp + pk: 8192x28672 M = 4096 2140 / 2087 / 2123 / 1927, M = 1024
-# 531 / 519 / 511 / 479; 4096x14336 M = 4096 544 / 527 / 533 / 487
+# 531 / 519 / 511 / 479; 4096x14336 M = 4096 544 / 527 / 533 / 487. TCG_PK stays off: that round's permuted quant
+# (scattered byte stores) took 616 us at 4096 x 28672 (the plain one 174); its register-permute rewrite is not
+# GPU-measured yet
 TCG_PP = os.environ.get("KESTREL_W4A8_TCG_PP", "1") == "1"
-TCG_PK = os.environ.get("KESTREL_W4A8_TCG_PK", "1") == "1"
+TCG_PK = os.environ.get("KESTREL_W4A8_TCG_PK", "0") == "1"
 FOLD_TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MIN_M", "256"))
 FOLD_TCG_MAX_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MAX_M", "2048"))
 # with FOLD_MIN_M 0 (or below it), MXFP4 weights: 1 = the Triton W4A8 kernels fold the group scales in registers

@@ -8,11 +8,15 @@ C7515, offline sm_90a compile, bench/w4a8_tcg_compile.py: both a two-accumulator
 partial products added after a wait(1) were serialised). So one warpgroup cannot hide the scaled add behind its own
 wgmma; here two consumer warpgroups in their own partitions (plus a loader warp, gemm_wna16_tcg._swap_load_halves)
 each take half of the tile's weight rows and run decode -> fresh wgmma -> wait -> acc += product * group scale, the
-other warpgroup's wgmma running meanwhile. The fp8 wgmma accumulates within a K step as Triton's fp8 dots do on sm_90.
+other warpgroup's wgmma running meanwhile. Left to themselves the two run in lockstep (both decode, both wgmma, both
+add), so PP orders their wgmma issues strictly in turn (named barriers, _pp_turn). The fp8 wgmma accumulates within
+a K step as Triton's fp8 dots do on sm_90.
 
 Decode: word row r of a planar K step holds field f = k // 16 of k = 16 f + r (packing.py); the fp8 A fragment holds
 4 consecutive k per register (k_width 4), i.e. 4 word rows of one field: byte f // 2 of two words per prmt, the
-nibble masked under the f16 exponent of 1024 (0x6400 | c = 1024 + c), minus 1032 (exact), cvt to e4m3 pairs.
+nibble masked under the f16 exponent of 1024 (0x6400 | c = 1024 + c), minus 1032 (exact), cvt to e4m3 pairs. PK
+(activations from act_quant.quant_fp8(perm=True)): K permuted within each 128 so a register is one word's 4 nibbles,
+decoded with integer ops only (_ASM_PK).
 """
 from __future__ import annotations
 
