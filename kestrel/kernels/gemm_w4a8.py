@@ -289,14 +289,14 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
 
 def _tcg_route(a: torch.Tensor, w: W4Weight, tcg: bool | None) -> str | None:
     """"int4" / "fold" where the Gluon kernels (gemm_w4a8_tcg) take these activations (a: fp8 codes, or the bf16 x
-    they will be quantized from) and w: their M range (tcg overrides it), a Hopper GPU, the planar twin's shapes;
-    else None."""
+    they will be quantized from, contiguously) and w: their M range (tcg overrides it), a Hopper GPU, the planar
+    twin's shapes; else None."""
     M, (N, K) = a.shape[0], w.shape
     on = 0 < TCG_MIN_M <= M if w.fmt == "int4" else 0 < FOLD_TCG_MIN_M <= M < FOLD_TCG_MAX_M
     if not ((on if tcg is None else tcg) and w.wna16_ok()):
         return None
     from kestrel.kernels import gemm_w4a8_tcg
-    if not gemm_w4a8_tcg.supported(a, N, K):
+    if not gemm_w4a8_tcg.supported(a if a.dtype == torch.float8_e4m3fn else None, N, K, device=a.device):
         return None
     if w.fmt == "int4":
         return "int4"
@@ -316,15 +316,18 @@ def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None, bf16_max_m: int | 
     from kestrel.kernels.gemm_w8a8 import FUSED_MAX_M
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    if (use_wna16(x2.shape[0], w, bf16_max_m) and x.dtype in (torch.bfloat16, torch.float16)
-            and act_quant.use_triton(x2)):
+    # the Gluon route first, as in gemm_w4a8 (at M = 256 = BF16_MAX_M the WNA16 path took 202 us where the Gluon
+    # kernel's e2e took 155, H100 session 22, 8192x28672)
+    gpu = act_quant.use_triton(x2)
+    route = _tcg_route(x2, w, tcg) if gpu else None
+    if route is None and gpu and use_wna16(x2.shape[0], w, bf16_max_m) and x.dtype in (torch.bfloat16, torch.float16):
         from kestrel.kernels.gemm_wna16 import gemm_wna16
         y = gemm_wna16(act_quant.fake_quant_fp8(x2), w.wna16())
         return y.to(out_dtype or x.dtype).reshape(*lead, -1)
-    if x2.shape[0] <= FUSED_MAX_M and w.layout == "halves" and w.halves_ok() and act_quant.use_triton(x2):
+    if route is None and gpu and x2.shape[0] <= FUSED_MAX_M and w.layout == "halves" and w.halves_ok():
         from kestrel.kernels.gemm_w8a8_fused import gemm_w4a8_fused
         return gemm_w4a8_fused(x2, w, out_dtype or x.dtype).reshape(*lead, -1)
-    if TCG_PK and act_quant.use_triton(x2) and _tcg_route(x2.contiguous(), w, tcg) == "int4":
+    if TCG_PK and route == "int4":
         # the int4 Gluon kernel's integer-only decode: the activations quantized with K permuted (k_perm128)
         from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
         a_q, a_s = act_quant.quant_fp8(x2, perm=True)

@@ -407,10 +407,12 @@ def _w4a8_fold_kernel(x_desc, q_desc, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, K, str
 WS_REGS = (232, 40)
 
 
-def supported(a_q: torch.Tensor, N: int, K: int, block_n: int = 128) -> bool:
-    """A Hopper GPU, fp8 activations whose rows TMA can read, N a multiple of the tile, K of 128."""
-    return (a_q.is_cuda and torch.cuda.get_device_capability(a_q.device)[0] == 9 and a_q.is_contiguous()
-            and a_q.data_ptr() % 16 == 0 and N % block_n == 0 and K % 128 == 0)
+def supported(a_q: torch.Tensor | None, N: int, K: int, block_n: int = 128, device=None) -> bool:
+    """A Hopper GPU, fp8 activations whose rows TMA can read (a_q None: ones still to be quantized, on `device`),
+    N a multiple of the tile, K of 128."""
+    device = a_q.device if a_q is not None else torch.device(device)
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and N % block_n == 0
+            and K % 128 == 0 and (a_q is None or (a_q.is_contiguous() and a_q.data_ptr() % 16 == 0)))
 
 
 def _wave_split(tiles: int, sms: int) -> int:
