@@ -42,16 +42,19 @@ def make_case(kernel: str, M: int, N: int, K: int, device="cuda"):
         return lambda cfg: gemm_w8a8(a, s, wq, ws, config=cfg)
     qw = quantize_weight_w4(w, w_fmt, 128).kernel_layout()  # tune what runs: the kernel packing
     if kernel.startswith("w4a8tcg"):
+        from kestrel.kernels.gemm_w4a8 import TCG_PK, TCG_PP
         from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg, gemm_w4a8_tcg
-        a, s = aq.quant_fp8(x)
         tw = qw.wna16()
-        if w_fmt == "mxfp4":
+        if w_fmt == "mxfp4":  # the consumer options the dispatch (gemm_w4a8) launches with
+            a, s = aq.quant_fp8(x)
             fm = qw.fold_mult()
             if fm is None:
                 raise ValueError("w4a8tcg-mxfp4: these random group scales span more than the fold allows")
             return lambda cfg: gemm_w4a8_fold_tcg(a, s, tw, *fm, block_m=cfg.BM, split_k=cfg.SPLIT_K,
-                                                  stages=cfg.num_stages)
-        return lambda cfg: gemm_w4a8_tcg(a, s, tw, block_m=cfg.BM, split_k=cfg.SPLIT_K, stages=cfg.num_stages)
+                                                  stages=cfg.num_stages, kh=TCG_PP, pp=TCG_PP)
+        a, s = aq.quant_fp8(x, perm=TCG_PK)
+        return lambda cfg: gemm_w4a8_tcg(a, s, tw, block_m=cfg.BM, split_k=cfg.SPLIT_K, stages=cfg.num_stages,
+                                         pp=TCG_PP, a_perm=TCG_PK)
     if kernel.startswith("w4a8"):
         a, s = aq.quant_fp8(x)
         return lambda cfg: gemm_w4a8(a, s, qw, config=cfg)
