@@ -64,6 +64,11 @@ def _keep_alive(a):
 # run in lockstep (both decode, then both wgmma queue on the one tensor pipe, then both add): a K step then costs
 # about decode + both wgmma + adds, the session 21 timings of the 128- and 256-token tiles (1425 / 2160 clocks a
 # step for 512 / 1024 clocks of MMA).
+@gluon.constexpr_function
+def _pp_asm(op, bar):
+    return f"bar.{op} {bar}, 256; mov.b32 $0, $1;"
+
+
 @gluon.jit
 def _bar_asm(ASM: gl.constexpr):
     """One thread-level barrier instruction per thread of the calling 4-warp partition."""
@@ -75,20 +80,14 @@ def _bar_asm(ASM: gl.constexpr):
 def _pp_turn(H: gl.constexpr, PP: gl.constexpr):
     """Wait for this warpgroup's turn to issue wgmma (the other's last issue arrived on barrier 8 + H)."""
     if PP:
-        if H == 0:
-            _bar_asm("bar.sync 8, 256; mov.b32 $0, $1;")
-        else:
-            _bar_asm("bar.sync 9, 256; mov.b32 $0, $1;")
+        _bar_asm(_pp_asm("sync", 8 + H))
 
 
 @gluon.jit
 def _pp_pass(H: gl.constexpr, PP: gl.constexpr):
-    """Hand the turn to the other warpgroup (after this one's wgmma issue)."""
+    """Hand the turn to the other warpgroup (after this one's wgmma issue): barrier 9 - H."""
     if PP:
-        if H == 0:
-            _bar_asm("bar.arrive 9, 256; mov.b32 $0, $1;")
-        else:
-            _bar_asm("bar.arrive 8, 256; mov.b32 $0, $1;")
+        _bar_asm(_pp_asm("arrive", 9 - H))
 
 
 @gluon.jit
