@@ -8,6 +8,7 @@ graph of 20 calls on the same x (so x is read from the L2 after the first call, 
 its GEMM's quant reads it; the floor column counts HBM bytes, so it is a bound, not a like-for-like peer).
 
   python bench/act_quant_sweep.py --ms 1,16,64,256,1024 --ks 4096,14336,28672
+(perm_quant_us: quant_fp8(perm=True), the permuted-K activations of gemm_w4a8_tcg's PK decode)
 """
 from __future__ import annotations
 
@@ -53,9 +54,14 @@ def main(argv=None) -> None:
                     scale_rel = float(((s.float() - ref_s.float()).abs() / ref_s.float().abs().clamp_min(1e-30)).max())
                     us = graph_us([lambda: act_quant.quant_fp8(x)])
                     fq = graph_us([lambda: act_quant.fake_quant_fp8(x)])
+                    # perm=True (gemm_w4a8_tcg's permuted-K activations): same codes in k_perm128's order
+                    pq, ps = act_quant.quant_fp8(x, perm=True)
+                    perm_ok = torch.equal(pq.view(torch.uint8), ref_q[:, act_quant.k_perm128(K, x.device)]
+                                          .view(torch.uint8)) and torch.equal(ps, ref_s)
+                    pus = graph_us([lambda: act_quant.quant_fp8(x, perm=True)])
                     row = dict(M=M, K=K, block_max=bm, chunk_programs=cp, quant_us=round(us, 2),
-                               fake_quant_us=round(fq, 2), floor_us=round(floor_us, 2), bit_exact=ok,
-                               code_diff=code_diff, scale_rel_diff=scale_rel)
+                               perm_quant_us=round(pus, 2), fake_quant_us=round(fq, 2), floor_us=round(floor_us, 2),
+                               bit_exact=ok, perm_bit_exact=perm_ok, code_diff=code_diff, scale_rel_diff=scale_rel)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if args.out:

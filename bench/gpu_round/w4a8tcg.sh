@@ -1,7 +1,11 @@
-# Issue #4, session 21: the Gluon W4A8 kernel's 256-token tiles in two halves (gemm_w4a8_tcg MH: one decode per 256
-# tokens) against the 128-token tile, split 1 / 2 / 4, beside Humming W4A8 and the default path. Sourced by run.sh.
+# Issue #4, sessions 21-22: the Gluon W4A8 kernel's tiles (256 tokens in two halves / 128, split 1 / 2 / 4) and consumer
+# options (kh, pp ping-pong, pk permuted-K decode) beside Humming W4A8 and the default path; the permuted quant.
+# Sourced by run.sh.
 P="python3 -m pytest -q -p no:cacheprovider"
 [ "${TCG_TESTS:-1}" = 1 ] && stage tests ${TCG_TESTS_S:-180} $P tests/test_gemm_w4a8_tcg.py -k "${TCG_TESTS_K:-not nothing}"
+# session 22: quant_fp8(perm=True) (the PK decode's activations) beside the plain quant; TCG_PK waits on it
+[ "${TCG_QUANT:-1}" = 1 ] && stage quant ${TCG_QUANT_S:-60} python3 bench/act_quant_sweep.py --ms 256,1024,4096 \
+  --ks 14336,28672 --block-max 16384 --chunk-programs 264 --out $OUT/w4a8tcg/quant.json
 LS=${TCG_LEAN_S:-330}
 stage lean $LS python3 bench/gemm_w8a8.py --lean --sections ${TCG_SECTIONS:-w4a8,w4a8mx} --shapes ${TCG_SHAPES:-8192x28672,4096x14336} \
   --ms ${TCG_MS:-256,1024,4096,64} --deadline-s $(( LS - 20 )) --out $OUT/w4a8tcg/lean
