@@ -2,7 +2,10 @@
 # options (kh, pp ping-pong, pk permuted-K decode) beside Humming W4A8 and the default path; the permuted quant.
 # Sourced by run.sh.
 P="python3 -m pytest -q -p no:cacheprovider"
-[ "${TCG_TESTS:-1}" = 1 ] && stage tests ${TCG_TESTS_S:-180} $P tests/test_gemm_w4a8_tcg.py -k "${TCG_TESTS_K:-not nothing}"
+if [ "${TCG_TESTS:-1}" = 1 ]; then  # TCG_TESTS_K: a pytest -k selection
+  if [ -n "${TCG_TESTS_K:-}" ]; then stage tests ${TCG_TESTS_S:-180} $P tests/test_gemm_w4a8_tcg.py -k "$TCG_TESTS_K"
+  else stage tests ${TCG_TESTS_S:-180} $P tests/test_gemm_w4a8_tcg.py; fi
+fi
 # session 22: quant_fp8(perm=True) (the PK decode's activations) beside the plain quant; TCG_PK waits on it
 [ "${TCG_QUANT:-1}" = 1 ] && stage quant ${TCG_QUANT_S:-60} python3 bench/act_quant_sweep.py --ms 256,1024,4096 \
   --ks 14336,28672 --block-max 16384 --chunk-programs 264 --out $OUT/w4a8tcg/quant.json
