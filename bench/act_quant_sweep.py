@@ -8,7 +8,8 @@ graph of 20 calls on the same x (so x is read from the L2 after the first call, 
 its GEMM's quant reads it; the floor column counts HBM bytes, so it is a bound, not a like-for-like peer).
 
   python bench/act_quant_sweep.py --ms 1,16,64,256,1024 --ks 4096,14336,28672
-(perm_quant_us: quant_fp8(perm=True), the permuted-K activations of gemm_w4a8_tcg's PK decode)
+(perm_quant_us: quant_fp8(perm=True), the permuted-K activations of gemm_w4a8_tcg's PK decode; native_quant_us:
+act_quant.NATIVE_CVT, the hardware e4m3 conversion)
 """
 from __future__ import annotations
 
@@ -59,9 +60,18 @@ def main(argv=None) -> None:
                     perm_ok = torch.equal(pq.view(torch.uint8), ref_q[:, act_quant.k_perm128(K, x.device)]
                                           .view(torch.uint8)) and torch.equal(ps, ref_s)
                     pus = graph_us([lambda: act_quant.quant_fp8(x, perm=True)])
+                    # NATIVE_CVT: the hardware e4m3 conversion instead of round_e4m3
+                    act_quant.NATIVE_CVT = True
+                    try:
+                        nq, ns = act_quant.quant_fp8(x)
+                        native_ok = torch.equal(nq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(ns, ref_s)
+                        nus = graph_us([lambda: act_quant.quant_fp8(x)])
+                    finally:
+                        act_quant.NATIVE_CVT = False
                     row = dict(M=M, K=K, block_max=bm, chunk_programs=cp, quant_us=round(us, 2),
-                               perm_quant_us=round(pus, 2), fake_quant_us=round(fq, 2), floor_us=round(floor_us, 2),
-                               bit_exact=ok, perm_bit_exact=perm_ok, code_diff=code_diff, scale_rel_diff=scale_rel)
+                               perm_quant_us=round(pus, 2), native_quant_us=round(nus, 2), fake_quant_us=round(fq, 2),
+                               floor_us=round(floor_us, 2), bit_exact=ok, perm_bit_exact=perm_ok,
+                               native_bit_exact=native_ok, code_diff=code_diff, scale_rel_diff=scale_rel)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if args.out:

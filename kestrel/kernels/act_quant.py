@@ -69,11 +69,19 @@ def _perm128(v):
     return tl.reshape(tl.permute(v5, (0, 3, 2, 4, 1)), (v.shape[0], ))  # [b, c, h, t, i]
 
 
+# fp8 codes through the GPU's own conversion (cvt.rn.satfinite: round to nearest even, as round_e4m3, on values
+# already clamped to +-448) instead of round_e4m3's ~10 integer / fp ops per element: the per-token quant of
+# 4096 x 28672 took 174 us on the H100 (session 22) where its bytes take ~110, so its ALU work shows. Off until
+# bench/act_quant_sweep.py's native_quant_us (bit-exactness checked there) is measured; never under the CPU
+# interpreter (its cast does not round the same way)
+NATIVE_CVT = os.environ.get("KESTREL_QUANT_NATIVE_CVT", "0") == "1"
+
+
 @triton.jit
 def _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8: tl.constexpr, DEQ: tl.constexpr,
-                 PERM: tl.constexpr = False):
+                 PERM: tl.constexpr = False, NATIVE: tl.constexpr = False):
     """x / scale (times the reciprocal, as the reference) rounded to int8 / e4m3 codes, or with DEQ back to bf16.
-    PERM: e4m3 codes in k_perm128's column order."""
+    PERM: e4m3 codes in k_perm128's column order. NATIVE: the e4m3 codes by the hardware conversion (NATIVE_CVT)."""
     if PERM:  # (columns in whole 128s: perm needs K % 128 == 0 and 128-aligned blocks)
         x = _perm128(x)
     y = tl.minimum(tl.maximum(x * tl.math.div_rn(1.0, scale), -qmax), qmax)
@@ -81,6 +89,8 @@ def _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8: tl.cons
         tl.store(q_ptr + row * stride_q + cols, rint(y).to(tl.int8), mask=m)
     elif DEQ:
         tl.store(q_ptr + row * stride_q + cols, round_bf16(round_e4m3(y) * scale).to(tl.bfloat16), mask=m)
+    elif NATIVE:
+        tl.store(q_ptr + row * stride_q + cols, y.to(tl.float8e4nv), mask=m)
     else:
         tl.store(q_ptr + row * stride_q + cols, round_e4m3(y).to(tl.float8e4nv), mask=m)
 
@@ -88,7 +98,8 @@ def _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8: tl.cons
 @triton.jit
 def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
                        IS_INT8: tl.constexpr, BLOCK: tl.constexpr, ONE_TRIP: tl.constexpr, PDL: tl.constexpr,
-                       DEQ: tl.constexpr = False, CB: tl.constexpr = 0, PERM: tl.constexpr = False):
+                       DEQ: tl.constexpr = False, CB: tl.constexpr = 0, PERM: tl.constexpr = False,
+                       NATIVE: tl.constexpr = False):
     """DEQ (fp8 only): store the rounded value times its scale as bf16 (fake_quant_fp8) instead of the code.
     CB > 0 (few rows, _chunks): program (row, group, c) takes the amax of the whole group (BLOCK-wide trips, from the
     L2 after the first of the group's programs) and quantizes only columns c * CB .. + CB of it."""
@@ -110,14 +121,14 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
         cols = base + off
         m = (off < G) & (cols < K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ, PERM)
+        _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ, PERM, NATIVE)
     elif ONE_TRIP:  # the group fits one block: load it once and keep it in registers for both passes
         cols = base + tl.arange(0, BLOCK)
         m = (tl.arange(0, BLOCK) < G) & (cols < K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-10), qmax)
         tl.store(s_ptr + row * n_groups + g, scale)
-        _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ, PERM)
+        _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ, PERM, NATIVE)
     else:  # pass 1: amax over the group (re-read in pass 2 hits L2)
         scale = tl.math.div_rn(tl.maximum(_group_amax(x_ptr, row, stride_x, base, G, K, BLOCK), 1e-10), qmax)
         tl.store(s_ptr + row * n_groups + g, scale)
@@ -125,7 +136,7 @@ def _quant_8bit_kernel(x_ptr, q_ptr, s_ptr, K, G, n_groups, stride_x, stride_q,
             cols = base + off + tl.arange(0, BLOCK)
             m = (off + tl.arange(0, BLOCK) < G) & (cols < K)
             x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-            _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ, PERM)
+            _quant_store(q_ptr, row, stride_q, cols, m, x, scale, qmax, IS_INT8, DEQ, PERM, NATIVE)
 
 
 def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = False, deq: bool = False,
@@ -154,15 +165,16 @@ def _quant_8bit(x: torch.Tensor, group_size: int, is_int8: bool, pdl: bool = Fal
     # loads wait on each other; now one trip up to 32768). Lead, not measured: the 32768 one-trip block spills (656
     # bytes of stack per thread at 16 warps x 128 registers, 56 in the chunked form; 16384 none: offline sm_90a
     # compile, session 16), where the quant of 256 x 28672 took 25-36 us on the H100 (s16 R2 / R3)
+    native = NATIVE_CVT and x.is_cuda and not is_int8
     cb = _chunk_block(M * n_groups, G)
     BLOCK = min(triton.next_power_of_2(G), BLOCK_MAX)
     if cb:
         _quant_8bit_kernel[(M, n_groups, triton.cdiv(G, cb))](
             x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8, BLOCK=BLOCK, ONE_TRIP=False, PDL=pdl,
-            DEQ=deq, CB=cb, PERM=perm, num_warps=16 if BLOCK >= 16384 else 8 if BLOCK >= 4096 else 4)
+            DEQ=deq, CB=cb, PERM=perm, NATIVE=native, num_warps=16 if BLOCK >= 16384 else 8 if BLOCK >= 4096 else 4)
         return q, s
     _quant_8bit_kernel[(M, n_groups)](x, q, s, K, G, n_groups, x.stride(0), q.stride(0), IS_INT8=is_int8,
-                                      BLOCK=BLOCK, ONE_TRIP=G <= BLOCK, PDL=pdl, DEQ=deq, PERM=perm,
+                                      BLOCK=BLOCK, ONE_TRIP=G <= BLOCK, PDL=pdl, DEQ=deq, PERM=perm, NATIVE=native,
                                       num_warps=16 if BLOCK >= 16384 else 8 if BLOCK >= 4096 else
                                       4 if BLOCK >= 1024 else 2)
     return q, s
