@@ -309,8 +309,9 @@ def use_wna16(M: int, w: W4Weight, max_m: int | None = None) -> bool:
 
 def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None, bf16_max_m: int | None = None,
                 tcg: bool | None = None) -> torch.Tensor:
-    """bf16 x [..., K] -> fp8 activations -> W4A8 GEMM. Up to BF16_MAX_M tokens (bf16_max_m overrides it) with int4:
-    the fp8-grid activations on the WNA16 kernels (module doc); tcg: TCG_MIN_M's override. Else decode sizes
+    """bf16 x [..., K] -> fp8 activations -> W4A8 GEMM. First the Gluon route (_tcg_route; tcg: TCG_MIN_M's
+    override; TCG_PK: the permuted quant). Else up to BF16_MAX_M tokens (bf16_max_m overrides it) with int4:
+    the fp8-grid activations on the WNA16 kernels (module doc). Else decode sizes
     (<= FUSED_MAX_M tokens) with int4 in the halves packing: one launch that quantizes per (token, 128) group itself
     (gemm_w8a8_fused.gemm_w4a8_fused); else a per-token quant launch, then gemm_w4a8."""
     from kestrel.kernels.gemm_w8a8 import FUSED_MAX_M
