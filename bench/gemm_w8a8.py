@@ -304,6 +304,16 @@ def run_w4(N, K, ms, rows, budget, sections):
             if not LEAN[0]:  # (lean: the default layout / path only)
                 r["kestrel_w4a8_pairs_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4p[i]) for i in range(nc)])
             r["kestrel_w4a8_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
+            if g4._tcg_route(x, w4[0], None) == "int4":  # the default path with the other TCG_PK (permuted quant)
+                saved_pk = g4.TCG_PK
+                g4.TCG_PK = not saved_pk
+                try:
+                    tag = "kestrel_w4a8_pk_e2e_us" if g4.TCG_PK else "kestrel_w4a8_nopk_e2e_us"
+                    r[tag.replace("_e2e_us", "_err")] = rel(w4a8_linear(x, w4[0]),
+                                                            aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
+                    r[tag] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
+                finally:
+                    g4.TCG_PK = saved_pk
             # the two W4A8 paths forced, side by side (default: WNA16 kernels up to gemm_w4a8.BF16_MAX_M tokens)
             r["w4a8_bf16_err_vs_dequant"] = rel(w4a8_linear(x, w4[0], bf16_max_m=1 << 30),
                                                 aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
