@@ -27,7 +27,16 @@ _VARIANTS = ([(s, False, False, False) for s in _SHAPES] + [(s, True, False, Fal
                 if s[4] or not kh])
 
 
-@pytest.mark.parametrize("shape,kh,pp,pk", _VARIANTS)
+_OPTS = {(False, False, False): "plain", (True, False, False): "kh", (False, True, False): "pp",
+         (False, False, True): "pk", (False, True, True): "pppk", (True, True, False): "khpp"}
+
+
+def _vid(v):
+    (M, group, block_m, split, mh), *opts = v
+    return f"M{M}-g{group}-bm{block_m}-s{split}-mh{mh}-{_OPTS[tuple(opts)]}"
+
+
+@pytest.mark.parametrize("shape,kh,pp,pk", _VARIANTS, ids=[_vid(v) for v in _VARIANTS])
 def test_w4a8_tcg_vs_dequant(shape, kh, pp, pk):
     from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
     M, group, block_m, split, mh = shape
