@@ -58,16 +58,18 @@ class LogRow(dict):
             log(f"  {self.get('section')} M={self.get('M')} {k} = {v if not isinstance(v, float) else f'{v:.4g}'}")
 
 
-# the Gluon W4A8 kernel's tiles timed beside its pick (gemm_w4a8_tcg.pick_tile): 256-token tiles in two halves
-# (one decode per 256 tokens) unsplit / split 2 / 4, 3 stages, and the K-halves consumer (kh)
-# (block_m, mh, split_k, stages, kh, pp, pk): kh the K-halves consumer, pp the consumers' wgmma issues in turn, pk the
-# permuted-K integer decode (activations from quant_fp8(perm=True)) (pp, pk: session 22)
+# the Gluon W4A8 kernel's tiles timed beside its pick (gemm_w4a8_tcg.pick_tile), (block_m, mh, split_k, stages, kh,
+# pp, pk): 256-token tiles in two halves (one decode per 256 tokens) or 128, unsplit / split 2 / 4; kh the K-halves
+# consumer, pp the consumers' wgmma issues in turn, pk the permuted-K integer decode (activations from
+# quant_fp8(perm=True)) (pp, pk: session 22). TCG_FOLD: the MXFP4 fold kernel's (block_m, kh, pp)
 TCG_TILES = [(256, 128, 1, 4, 0, 0, 0), (256, 128, 2, 4, 0, 0, 0), (256, 128, 4, 4, 0, 0, 0), (256, 128, 1, 4, 1, 0, 0),
              (256, 128, 1, 4, 0, 1, 0), (256, 128, 2, 4, 0, 1, 0), (256, 128, 1, 4, 0, 0, 1), (256, 128, 1, 4, 0, 1, 1),
              (256, 128, 2, 4, 0, 1, 1), (256, 128, 1, 4, 1, 1, 0), (128, 0, 1, 4, 0, 0, 0), (128, 0, 1, 4, 0, 1, 0),
              (128, 0, 1, 4, 0, 1, 1), (128, 0, 2, 4, 0, 1, 1)]
+TCG_FOLD = [(256, False, False), (256, True, False), (256, False, True), (256, True, True)]
 if os.environ.get("BENCH_TCG_TILES", "1") == "0":  # the defaults alone (a short round)
     TCG_TILES.clear()
+    TCG_FOLD.clear()
 LEAN = [False]  # --lean: the headline columns only (no tile variants, no plain-pair / fast-accum / a16 extras)
 WARM_ONLY = [False]  # --warm-only: run every call once (fills the Triton / Humming JIT caches), time nothing
 W8A8_CFGS: list = []  # --fp8-cfgs: FP8 TMA configs (incl. in-kernel split-K) timed beside the default
@@ -387,8 +389,7 @@ def run_w4(N, K, ms, rows, budget, sections):
                 from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg
                 tw = [w.wna16() for w in mx]
                 fm = [w.fold_mult() for w in mx]
-                for bm, kh, pp in ((256, False, False), (256, True, False), (256, False, True), (256, True, True))[
-                        :4 if TCG_TILES else 0]:
+                for bm, kh, pp in TCG_FOLD:
                     tag = f"kestrel_w4a8_mxfp4_tcg_bm{bm}{'kh' if kh else ''}{'pp' if pp else ''}"
                     kw = dict(block_m=bm, kh=kh, pp=pp)
                     r[f"{tag}_err"] = rel(gemm_w4a8_fold_tcg(a, s, tw[0], *fm[0], **kw), ref)

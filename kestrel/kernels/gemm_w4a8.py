@@ -256,13 +256,8 @@ def gemm_w4a8(a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype=t
         return (act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, -1)) @ w.dequantize().t()).to(out_dtype)
     # the Gluon kernels (gemm_w4a8_tcg.py) from their M on, ahead of the small-M WNA16 path
     route = None if config is not None else _tcg_route(a_q, w, tcg)
-    if route == "int4":
-        from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
-        return gemm_w4a8_tcg(a_q.contiguous(), a_scale, w.wna16(), out_dtype, pp=TCG_PP)
-    if route == "fold":
-        from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg
-        return gemm_w4a8_fold_tcg(a_q.contiguous(), a_scale, w.wna16(), *w.fold_mult(), out_dtype, kh=TCG_PP,
-                                  pp=TCG_PP)
+    if route is not None:
+        return _run_tcg(route, a_q.contiguous(), a_scale, w, out_dtype)
     if config is None and use_wna16(M, w, bf16_max_m):  # small M: the WNA16 kernels on the fp8 values (module doc)
         from kestrel.kernels.gemm_wna16 import gemm_wna16
         x = act_quant.dequant_8bit(a_q, a_scale.float().reshape(M, 1)).to(torch.bfloat16)
@@ -303,6 +298,15 @@ def _tcg_route(a: torch.Tensor, w: W4Weight, tcg: bool | None) -> str | None:
     return "fold" if w.fold_mult() is not None else None  # (MXFP4: wna16_ok admits int4 and MXFP4 only)
 
 
+def _run_tcg(route: str, a_q: torch.Tensor, a_scale: torch.Tensor, w: W4Weight, out_dtype,
+             a_perm: bool = False) -> torch.Tensor:
+    """The Gluon kernel _tcg_route chose, with the consumer options (TCG_PP; a_perm: a_q from quant_fp8(perm=True))."""
+    from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg, gemm_w4a8_tcg
+    if route == "int4":
+        return gemm_w4a8_tcg(a_q, a_scale, w.wna16(), out_dtype, pp=TCG_PP, a_perm=a_perm)
+    return gemm_w4a8_fold_tcg(a_q, a_scale, w.wna16(), *w.fold_mult(), out_dtype, kh=TCG_PP, pp=TCG_PP)
+
+
 def use_wna16(M: int, w: W4Weight, max_m: int | None = None) -> bool:
     return M <= (BF16_MAX_M if max_m is None else max_m) and w.wna16_ok()
 
@@ -321,17 +325,16 @@ def w4a8_linear(x: torch.Tensor, w: W4Weight, out_dtype=None, bf16_max_m: int | 
     # kernel's e2e took 155, H100 session 22, 8192x28672)
     gpu = act_quant.use_triton(x2)
     route = _tcg_route(x2, w, tcg) if gpu else None
-    if route is None and gpu and use_wna16(x2.shape[0], w, bf16_max_m) and x.dtype in (torch.bfloat16, torch.float16):
+    if route is not None:  # (TCG_PK, int4: the activations quantized with K permuted for the integer-only decode)
+        perm = TCG_PK and route == "int4"
+        a_q, a_s = act_quant.quant_fp8(x2, perm=perm)
+        return _run_tcg(route, a_q, a_s, w, out_dtype or x.dtype, a_perm=perm).reshape(*lead, -1)
+    if gpu and use_wna16(x2.shape[0], w, bf16_max_m) and x.dtype in (torch.bfloat16, torch.float16):
         from kestrel.kernels.gemm_wna16 import gemm_wna16
         y = gemm_wna16(act_quant.fake_quant_fp8(x2), w.wna16())
         return y.to(out_dtype or x.dtype).reshape(*lead, -1)
-    if route is None and gpu and x2.shape[0] <= FUSED_MAX_M and w.layout == "halves" and w.halves_ok():
+    if gpu and x2.shape[0] <= FUSED_MAX_M and w.layout == "halves" and w.halves_ok():
         from kestrel.kernels.gemm_w8a8_fused import gemm_w4a8_fused
         return gemm_w4a8_fused(x2, w, out_dtype or x.dtype).reshape(*lead, -1)
-    if TCG_PK and route == "int4":
-        # the int4 Gluon kernel's integer-only decode: the activations quantized with K permuted (k_perm128)
-        from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_tcg
-        a_q, a_s = act_quant.quant_fp8(x2, perm=True)
-        return gemm_w4a8_tcg(a_q, a_s, w.wna16(), out_dtype or x.dtype, pp=TCG_PP, a_perm=True).reshape(*lead, -1)
     a_q, a_s = act_quant.quant_fp8(x2)
     return gemm_w4a8(a_q, a_s, w, out_dtype or x.dtype, bf16_max_m=bf16_max_m, tcg=tcg).reshape(*lead, -1)

@@ -271,8 +271,9 @@ def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, s
                      MH: gl.constexpr = 0, KH: gl.constexpr = False, PP: gl.constexpr = False,
                      PK: gl.constexpr = False):
     """y[M, N] (+= with ATOMIC, split_k > 1) = a_scale[m] * sum_k x[m, k] (c[k, n] - 8) s[k // group, n];
-    GSTEPS = group // 128 (K // 128 per channel; a constant: no integer division per K step). Launched with num_warps = 4: two consumer warpgroups in two
-    partitions plus a loader warp (gemm_wna16_tcg._swap_load_halves: x tile + both halves of the words)."""
+    GSTEPS = group // 128 (K // 128 per channel; a constant: no integer division per K step). Launched with
+    num_warps = 4: two consumer warpgroups in two partitions plus a loader warp (gemm_wna16_tcg._swap_load_halves:
+    x tile + both halves of the words)."""
     pid, pid_k, off_m, off_n, s0, cnt = _tile_and_split(M, K, split_k, BLOCK_M, BLOCK_N)
     gl.assume(cnt > 0)
     HN: gl.constexpr = BLOCK_N // 2
