@@ -1,10 +1,21 @@
-"""Triton paged attention kernels vs a dense float64 PyTorch reference (run under TRITON_INTERPRET=1 on CPU)."""
+"""Triton paged attention kernels (run under TRITON_INTERPRET=1 on CPU) and their torch form for CPU engines
+(torch_paged.py) vs a dense float64 PyTorch reference."""
 import math
 
 import pytest
 import torch
 
 from kestrel.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kvcache
+from kestrel.kernels.attention.torch_paged import torch_paged_prefill_attention, torch_store_kvcache
+
+
+def _torch_prefill(q, k_cache, v_cache, tables, cu, seq_lens, scale, max_q_len, window=0, out=None, tree_mask=None):
+    """torch_paged_prefill_attention called as paged_prefill_attention (max_q_len unused, out filled)."""
+    r = torch_paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, scale, window, tree_mask)
+    return r if out is None else out.copy_(r)
+
+
+PREFILL = pytest.mark.parametrize("prefill", [paged_prefill_attention, _torch_prefill], ids=["triton", "torch"])
 
 
 def _paged_setup(seq_lens, num_kv_heads, head_dim, block_size, dtype, gen):
@@ -47,8 +58,9 @@ def _rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+@pytest.mark.parametrize("store", [store_kvcache, torch_store_kvcache], ids=["triton", "torch"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 5e-3)])
-def test_store_kvcache_writes_slots_and_skips_padding(dtype, tol):
+def test_store_kvcache_writes_slots_and_skips_padding(dtype, tol, store):
     gen = torch.Generator().manual_seed(0)
     T, H, D, nb, bs = 7, 2, 24, 5, 4
     k = torch.randn(T, H, D, generator=gen).to(dtype)
@@ -56,7 +68,7 @@ def test_store_kvcache_writes_slots_and_skips_padding(dtype, tol):
     k_cache = torch.full((nb, bs, H, D), 9.0, dtype=dtype)
     v_cache = torch.full((nb, bs, H, D), 9.0, dtype=dtype)
     slots = torch.tensor([13, 2, -1, 19, 0, 7, -1], dtype=torch.int64)
-    store_kvcache(k, v, k_cache, v_cache, slots)
+    store(k, v, k_cache, v_cache, slots)
     kf, vf = k_cache.view(-1, H, D), v_cache.view(-1, H, D)
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
@@ -107,7 +119,8 @@ def test_paged_decode_fp16():
     (3, 1, 24, 0),
     (4, 2, 16, 7),
 ])
-def test_paged_prefill_with_cached_prefix_matches_reference(num_q_heads, num_kv_heads, head_dim, window):
+@PREFILL
+def test_paged_prefill_with_cached_prefix_matches_reference(num_q_heads, num_kv_heads, head_dim, window, prefill):
     gen = torch.Generator().manual_seed(num_q_heads + head_dim + window)
     # (cached prefix tokens, new tokens): plain prefill, prefix-cache resume, chunk longer than a tile, 1 token
     plan = [(0, 5), (16, 21), (9, 35), (40, 1)]
@@ -119,8 +132,8 @@ def test_paged_prefill_with_cached_prefix_matches_reference(num_q_heads, num_kv_
     q = torch.randn(int(cu[-1]), num_q_heads, head_dim, generator=gen)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, k_cache, v_cache, tables, cu, torch.tensor(seq_lens, dtype=torch.int32), scale,
-                            max_q_len=max(q_lens), window=window, out=out)
+    prefill(q, k_cache, v_cache, tables, cu, torch.tensor(seq_lens, dtype=torch.int32), scale,
+            max_q_len=max(q_lens), window=window, out=out)
     for b, (c, n) in enumerate(plan):
         L = c + n
         ref = _reference(q[cu[b]:cu[b + 1]], _gather(k_cache, tables[b], L, bs), _gather(v_cache, tables[b], L, bs),
@@ -162,3 +175,20 @@ def test_prefill_reads_row_strided_q_heads():
     got = paged_prefill_attention(q, *args, max_q_len=n)
     ref = paged_prefill_attention(q.contiguous(), *args, max_q_len=n)
     assert got.is_contiguous() and torch.equal(got, ref)
+
+
+def test_torch_prefill_matches_kernel_on_padded_chunks():
+    """The padded chunk step (prefill_graphs / verify_graph): a sequence padded past its real queries (seq_len =
+    ctx + S) and a padding sequence (seq_len 0, S queries, nothing visible: zeros). The torch form a CPU engine runs
+    gives the kernel's output row for row, padding rows included."""
+    gen = torch.Generator().manual_seed(11)
+    Hq, Hkv, D, bs, S = 4, 2, 16, 4, 6
+    ctxs = [7, 0]
+    k_cache, v_cache, tables = _paged_setup([c + S for c in ctxs] + [1], Hkv, D, bs, torch.float32, gen)
+    cu = torch.arange(len(ctxs) + 2, dtype=torch.int32) * S
+    seq_lens = torch.tensor([c + S for c in ctxs] + [0], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), Hq, D, generator=gen)
+    want = paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, 0.25, max_q_len=S)
+    got = torch_paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, 0.25)
+    assert (got[-S:] == 0).all() and (want[-S:] == 0).all()
+    assert (got - want).abs().max().item() < 1e-5

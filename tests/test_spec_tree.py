@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kestrel.kernels.attention import paged_prefill_attention, store_kvcache
+from kestrel.kernels.attention.torch_paged import torch_paged_prefill_attention
 from kestrel.spec.tree import KVCompactor, TreeShape, tree_accept
 
 
@@ -43,7 +44,9 @@ def _dense_ref(q, k, v, scale):
     return torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v)
 
 
-def test_tree_attention_matches_per_path_reference():
+@pytest.mark.parametrize("torch_form", [False, True], ids=["triton", "torch"])
+def test_tree_attention_matches_per_path_reference(torch_form):
+    """The tree mask in the kernel and in its torch form (what a CPU engine's verify runs, torch_paged.py)."""
     gen = torch.Generator().manual_seed(0)
     t = TreeShape((3, 2, 1))
     S, Hq, Hkv, D, bs = t.n + 1, 4, 2, 16, 4
@@ -68,7 +71,8 @@ def test_tree_attention_matches_per_path_reference():
     seq_lens = torch.tensor([c + S for c in ctxs], dtype=torch.int32)
     mask = torch.tensor(t.bits, dtype=torch.int64).repeat(len(ctxs))
     scale = D ** -0.5
-    out = paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, scale, max_q_len=S, tree_mask=mask)
+    out = torch_paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, scale, tree_mask=mask) if torch_form else \
+        paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, scale, max_q_len=S, tree_mask=mask)
     causal = paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, scale, max_q_len=S)
     for b, c in enumerate(ctxs):
         pos = torch.arange(c)

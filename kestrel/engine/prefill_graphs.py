@@ -9,7 +9,7 @@ padded to the smallest bucket S >= n and replayed from the graph captured at S. 
   - the prefill attention kernel places query j at position seq_len - S + j, so seq_len = start + S puts the real
     queries at their true positions, and causality keeps them off every key after them (padding keys included);
   - only the last real row (a static row index) leaves the graph: its hidden state and its logits.
-On a CPU (tests, under TRITON_INTERPRET=1) the same padded step runs without capture.
+On a CPU (tests) the same padded step runs without capture, its attention in torch (kernels/attention/torch_paged.py).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import os
 import torch
 
 from kestrel.kernels.attention import paged_prefill_attention, store_kvcache
+from kestrel.kernels.attention.torch_paged import torch_paged_prefill_attention, torch_store_kvcache
 
 DEFAULT_BUCKETS = (16, 32, 48, 64, 96, 128)
 
@@ -43,6 +44,11 @@ class PagedChunkCtx:
 
     def attention(self, layer, q, k, v):
         kc, vc = self.k_caches[layer], self.v_caches[layer]
+        if not q.is_cuda:  # a CPU engine: torch, as its TorchAttentionBackend (the interpreted kernel is ~50x slower)
+            torch_store_kvcache(k, v, kc, vc, self.slot_mapping)
+            out = torch_paged_prefill_attention(q, kc, vc, self.block_tables, self.cu_q, self.seq_lens, self.scale,
+                                                window=self.window, tree_mask=self.tree_mask)
+            return out.view(q.shape[0], -1)
         store_kvcache(k, v, kc, vc, self.slot_mapping)
         out = paged_prefill_attention(q, kc, vc, self.block_tables, self.cu_q, self.seq_lens, self.scale,
                                       max_q_len=self.max_q, window=self.window, tree_mask=self.tree_mask)
