@@ -57,14 +57,14 @@ def main(argv=None) -> None:
                     fq = graph_us([lambda: act_quant.fake_quant_fp8(x)])
                     # perm=True (gemm_w4a8_tcg's permuted-K activations): same codes in k_perm128's order
                     pq, ps = act_quant.quant_fp8(x, perm=True)
-                    perm_ok = torch.equal(pq.view(torch.uint8), ref_q[:, act_quant.k_perm128(K, x.device)]
-                                          .view(torch.uint8)) and torch.equal(ps, ref_s)
+                    perm_ok = torch.equal(pq.view(torch.uint8), q[:, act_quant.k_perm128(K, x.device)]
+                                          .view(torch.uint8)) and torch.equal(ps, s)  # (vs the plain kernel)
                     pus = graph_us([lambda: act_quant.quant_fp8(x, perm=True)])
-                    # NATIVE_CVT: the hardware e4m3 conversion instead of round_e4m3
+                    # NATIVE_CVT: the hardware e4m3 conversion instead of round_e4m3 (codes vs the plain kernel's)
                     act_quant.NATIVE_CVT = True
                     try:
                         nq, ns = act_quant.quant_fp8(x)
-                        native_ok = torch.equal(nq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(ns, ref_s)
+                        native_ok = torch.equal(nq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ns, s)
                         nus = graph_us([lambda: act_quant.quant_fp8(x)])
                     finally:
                         act_quant.NATIVE_CVT = False

@@ -316,6 +316,15 @@ def run_w4(N, K, ms, rows, budget, sections):
                     r[tag] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
                 finally:
                     g4.TCG_PK = saved_pk
+            # the default path with the activation quant's hardware e4m3 conversion (act_quant.NATIVE_CVT) flipped
+            aq.NATIVE_CVT = not aq.NATIVE_CVT
+            try:
+                tag = "kestrel_w4a8_native_e2e_us" if aq.NATIVE_CVT else "kestrel_w4a8_nonative_e2e_us"
+                r[tag.replace("_e2e_us", "_err")] = rel(w4a8_linear(x, w4[0]),
+                                                        aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
+                r[tag] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
+            finally:
+                aq.NATIVE_CVT = not aq.NATIVE_CVT
             # the two W4A8 paths forced, side by side (default: WNA16 kernels up to gemm_w4a8.BF16_MAX_M tokens)
             r["w4a8_bf16_err_vs_dequant"] = rel(w4a8_linear(x, w4[0], bf16_max_m=1 << 30),
                                                 aq.dequant_8bit(a, s) @ w4[0].dequantize().t())

@@ -9,6 +9,13 @@ fi
 # session 22: quant_fp8(perm=True) (the PK decode's activations) beside the plain quant; TCG_PK waits on it
 [ "${TCG_QUANT:-1}" = 1 ] && stage quant ${TCG_QUANT_S:-60} python3 bench/act_quant_sweep.py --ms 256,1024,4096 \
   --ks 14336,28672 --block-max 16384 --chunk-programs 264 --out $OUT/w4a8tcg/quant.json
+# the Gluon W4A8 tiles tuned first (off by default: TCG_TUNE=1), winners written under $OUT for
+# bench/merge_tune_cache.py --lowbit, and the lean bench below then reads them (the defaults it times are the tuned ones)
+if [ "${TCG_TUNE:-0}" = 1 ]; then
+  export KESTREL_LOWBIT_TUNE_CACHE=$OUT/w4a8tcg/lowbit_tune.json
+  stage tune ${TCG_TUNE_S:-200} python3 -m kestrel.cli tune --lowbit w4a8tcg-int4 --lowbit w4a8tcg-mxfp4 \
+    $(for m in ${TCG_TUNE_MODELS:-llama3-70b}; do echo --model $m; done) --m ${TCG_TUNE_MS:-256,1024,4096}
+fi
 LS=${TCG_LEAN_S:-330}
 stage lean $LS python3 bench/gemm_w8a8.py --lean --sections ${TCG_SECTIONS:-w4a8,w4a8mx} --shapes ${TCG_SHAPES:-8192x28672,4096x14336} \
   --ms ${TCG_MS:-256,1024,4096,64} --deadline-s $(( LS - 20 )) --out $OUT/w4a8tcg/lean
@@ -28,6 +35,3 @@ if [ "${TCG_PROF:-1}" = 1 ]; then
     stage prof 60 python3 bench/w4a8_tcg_profile.py --m 4096
   fi
 fi
-# the Gluon W4A8 tiles tuned (off by default: TCG_TUNE=1), winners written under $OUT for bench/merge_tune_cache.py
-[ "${TCG_TUNE:-0}" = 1 ] && KESTREL_LOWBIT_TUNE_CACHE=$OUT/w4a8tcg/lowbit_tune.json stage tune ${TCG_TUNE_S:-200} \
-  python3 -m kestrel.cli tune --lowbit w4a8tcg-int4 --lowbit w4a8tcg-mxfp4 --model llama3-70b --m 256,1024,4096

@@ -66,11 +66,13 @@ FOLD_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_MIN_M", "1"))
 # (named barriers; the MXFP4 fold kernel with its K-halves loop too), TCG_PK (w4a8_linear, int4) the activations
 # quantized with K permuted for the integer-only decode. H100 session 22 (bench/results/gemm_w8a8_h100_s22.md), GEMM
 # µs of the 256-token tile, plain / pp / pk / pp + pk: 8192x28672 M = 4096 2140 / 2087 / 2123 / 1927, M = 1024
-# 531 / 519 / 511 / 479; 4096x14336 M = 4096 544 / 527 / 533 / 487. TCG_PK stays off: that round's permuted quant
-# (scattered byte stores) took 616 us at 4096 x 28672 (the plain one 174); its register-permute rewrite is not
-# GPU-measured yet
+# 531 / 519 / 511 / 479; 4096x14336 M = 4096 544 / 527 / 533 / 487. TCG_PK on since session 23: the permuted quant
+# (a register permute, then contiguous stores) takes 188 us at 4096 x 28672 against the plain 181 (s22's scattered
+# byte stores: 616), and the default e2e pp -> pp + pk (H100 s23 R1, bench/results/gemm_w8a8_h100_s23.md) went
+# 8192x28672 M = 256 / 1024 / 4096 142.8 / 537.5 / 2250 -> 135.4 / 508.6 / 2114, 4096x14336 50.9 / 138.3 / 608
+# -> 48.0 / 131.8 / 550
 TCG_PP = os.environ.get("KESTREL_W4A8_TCG_PP", "1") == "1"
-TCG_PK = os.environ.get("KESTREL_W4A8_TCG_PK", "0") == "1"
+TCG_PK = os.environ.get("KESTREL_W4A8_TCG_PK", "1") == "1"
 FOLD_TCG_MIN_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MIN_M", "256"))
 FOLD_TCG_MAX_M = int(os.environ.get("KESTREL_W4A8_FOLD_TCG_MAX_M", "2048"))
 # with FOLD_MIN_M 0 (or below it), MXFP4 weights: 1 = the Triton W4A8 kernels fold the group scales in registers
