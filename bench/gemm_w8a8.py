@@ -306,25 +306,18 @@ def run_w4(N, K, ms, rows, budget, sections):
             if not LEAN[0]:  # (lean: the default layout / path only)
                 r["kestrel_w4a8_pairs_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4p[i]) for i in range(nc)])
             r["kestrel_w4a8_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
-            if g4._tcg_route(x, w4[0], None) == "int4":  # the default path with the other TCG_PK (permuted quant)
-                saved_pk = g4.TCG_PK
-                g4.TCG_PK = not saved_pk
+            # the default path with one option flipped, same process: TCG_PK (the permuted quant, int4 route) and
+            # act_quant.NATIVE_CVT (the quant's hardware e4m3 conversion)
+            flips = [(g4, "TCG_PK", "pk")] if g4._tcg_route(x, w4[0], None) == "int4" else []
+            for mod, attr, name in flips + [(aq, "NATIVE_CVT", "native")]:
+                saved = getattr(mod, attr)
+                setattr(mod, attr, not saved)
                 try:
-                    tag = "kestrel_w4a8_pk_e2e_us" if g4.TCG_PK else "kestrel_w4a8_nopk_e2e_us"
-                    r[tag.replace("_e2e_us", "_err")] = rel(w4a8_linear(x, w4[0]),
-                                                            aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
-                    r[tag] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
+                    tag = f"kestrel_w4a8_{'no' if saved else ''}{name}"
+                    r[f"{tag}_err"] = rel(w4a8_linear(x, w4[0]), aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
+                    r[f"{tag}_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
                 finally:
-                    g4.TCG_PK = saved_pk
-            # the default path with the activation quant's hardware e4m3 conversion (act_quant.NATIVE_CVT) flipped
-            aq.NATIVE_CVT = not aq.NATIVE_CVT
-            try:
-                tag = "kestrel_w4a8_native_e2e_us" if aq.NATIVE_CVT else "kestrel_w4a8_nonative_e2e_us"
-                r[tag.replace("_e2e_us", "_err")] = rel(w4a8_linear(x, w4[0]),
-                                                        aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
-                r[tag] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
-            finally:
-                aq.NATIVE_CVT = not aq.NATIVE_CVT
+                    setattr(mod, attr, saved)
             # the two W4A8 paths forced, side by side (default: WNA16 kernels up to gemm_w4a8.BF16_MAX_M tokens)
             r["w4a8_bf16_err_vs_dequant"] = rel(w4a8_linear(x, w4[0], bf16_max_m=1 << 30),
                                                 aq.dequant_8bit(a, s) @ w4[0].dequantize().t())
