@@ -1,13 +1,14 @@
-"""Dynamic activation quantization: FP8 e4m3 (per token / per group), INT8 (per token), MXFP4 (e8m0 scale per 32),
-NVFP4 (e4m3 scale per 16 + fp32 global scale), and SiLU·mul fused with FP8 quantization (the MoE / MLP middle).
+"""Dynamic activation quantization: FP8 e4m3 (per token / per group), INT8 (per token), MXFP4 (e8m0 scale per 32), NVFP4
+(e4m3 scale per 16 + fp32 global scale), and SiLU·mul fused with FP8 quantization (the MoE / MLP middle).
 
-Every function has a CPU reference `ref_*` written with plain torch ops (a different algorithm where it can be:
-table lookup for fp4, torch casts for fp8) so tests compare the Triton kernels against something independent.
-Divisions use IEEE round-to-nearest (tl.math.div_rn, as torch does on the GPU), so codes match the references bit
-for bit on the GPU too, not only in the interpreter. The 8-bit quant multiplies by the scale's reciprocal (one IEEE
-division per row, the reference does the same): a division per element made it compute-bound (~80 instructions per
-element; H100 s16: 256 x 14336 in 12-18 us where the bytes take ~5). Scales are fp32 dequant multipliers
-(x ≈ q * scale); MX scales are raw e8m0 bytes (uint8), NV block scales are torch.float8_e4m3fn. 4-bit outputs are packed two per byte as described in kestrel/kernels/lowbit.py.
+Every function has a CPU reference `ref_*` written with plain torch ops (a different algorithm where it can be: table
+lookup for fp4, torch casts for fp8) so tests compare the Triton kernels against something independent. Divisions use
+IEEE round-to-nearest (tl.math.div_rn; the references divide by tensors, `_div`, since torch's GPU division by a
+Python scalar rounds twice), so codes match the references bit for bit on the GPU too. The 8-bit quant multiplies by
+the scale's reciprocal (one IEEE division per row, the reference does the same): a division per element made it
+compute-bound (~80 instructions per element; H100 s16: 256 x 14336 in 12-18 us where the bytes take ~5). Scales are
+fp32 dequant multipliers (x ≈ q * scale); MX scales are raw e8m0 bytes (uint8), NV block scales are
+torch.float8_e4m3fn. 4-bit outputs are packed two per byte as described in kestrel/kernels/lowbit.py.
 """
 import os
 

@@ -11,7 +11,8 @@ Here the chunk of every request is padded to K + 1 tokens and the batch to a buc
     values, rows discarded);
   - padding rows (beyond the real batch) get seq_len 0 (empty attention) and slots -1.
 `pack_verify_inputs` builds those host tensors (pure, testable on the CPU); `VerifyGraphs` owns the static
-buffers and graphs and, on a CPU (tests, under TRITON_INTERPRET=1), runs the same padded step without capture (attention in torch).
+buffers and graphs and, on a CPU (tests), runs the same padded step without capture, its attention in torch
+(PagedChunkCtx).
 """
 from __future__ import annotations
 
