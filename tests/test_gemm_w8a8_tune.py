@@ -75,3 +75,16 @@ def test_gluon_w4a8_candidates(M):
         assert (c[0].BM, c[0].SPLIT_K, c[0].num_stages) == (bm, sp, 4)
         assert len(set(c)) == len(c) and {x.BM for x in c} == {128, 256}
         assert all(x.SPLIT_K >= 1 and (x.SPLIT_K - 1) * -(-8 // x.SPLIT_K) < 8 for x in c)
+
+
+def test_gluon_w4a8_takes_only_its_own_shapes_entry(cache):
+    """gemm_w4a8_tcg._tuned: a tuned entry of this exact shape is used, a neighbour's is not (its split and tile
+    follow from its own N; pick_tile decides instead), while lookup's default still takes the nearest shape."""
+    from kestrel.kernels.gemm_w4a8_tcg import _tuned
+    from kestrel.kernels.lowbit_gemm import GemmConfig
+    cfg = GemmConfig(BM=128, BN=128, BK=128, SPLIT_K=2, num_warps=4, num_stages=3)
+    lowbit_tune.store("w4a8tcg-int4", 256, 8192, 8192, cfg)
+    assert _tuned("w4a8tcg-int4", 256, 8192, 8192, None, None, None) == (128, 2, 3)
+    assert lowbit_tune.lookup("w4a8tcg-int4", 256, 4096, 14336) == cfg  # the neighbour, for the other kernels
+    assert _tuned("w4a8tcg-int4", 256, 4096, 14336, None, None, None) == (None, None, None)
+    assert _tuned("w4a8tcg-int4", 256, 8192, 8192, 256, None, None) == (256, None, None)  # given: as given

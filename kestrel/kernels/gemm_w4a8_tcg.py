@@ -447,10 +447,12 @@ def tile_candidates(M: int, N: int, K: int, sms: int = 132) -> list:
 
 def _tuned(kind: str, M: int, N: int, K: int, block_m, split_k, stages):
     """(block_m, split_k, stages): the tune cache's `kind` winner where none of the three was given, else as given
-    (None where the caller's heuristic decides)."""
+    (None where the caller's heuristic decides). This shape's own entry only: the split and tile follow from this N's
+    tile count against the SMs (pick_tile), so a neighbour's are no guide. With the nearest shape, 4096x14336 M = 256
+    would take 8192x8192's 128-token tile, split 1 (61.3 us, H100 s22) over pick_tile's 256 split 4 (43.3)."""
     if block_m is None and split_k is None and stages is None:
         from kestrel.kernels.lowbit_tune import lookup
-        cfg = lookup(kind, M, N, K)
+        cfg = lookup(kind, M, N, K, nearest=False)
         if cfg is not None:
             return cfg.BM, cfg.SPLIT_K, cfg.num_stages
     return block_m, split_k, stages

@@ -38,10 +38,11 @@ def _config_of(entry) -> GemmConfig | None:
         return None
 
 
-def lookup(kernel: str, M: int, N: int, K: int) -> GemmConfig | None:
-    """tuned config for this (kernel, shape, M bucket) on this GPU, or None (then the caller's heuristic)."""
+def lookup(kernel: str, M: int, N: int, K: int, nearest: bool = True) -> GemmConfig | None:
+    """tuned config for this (kernel, shape, M bucket) on this GPU, or None (then the caller's heuristic).
+    nearest=False: this exact shape's entry only (no neighbour's)."""
     caches = [load_cache(cache_path()), load_cache(PACKAGED_CACHE)]
-    entry = nearest_shape_entry(caches, gpu_name(), kernel, N, K, m_bucket(M),
+    entry = nearest_shape_entry(caches, gpu_name(), kernel, N, K, m_bucket(M), max_dist=2.0 if nearest else 0.0,
                                 accept=lambda e: _config_of(e) is not None)
     return None if entry is None else _config_of(entry)
 
