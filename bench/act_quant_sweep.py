@@ -61,13 +61,13 @@ def main(argv=None) -> None:
                                           .view(torch.uint8)) and torch.equal(ps, s)  # (vs the plain kernel)
                     pus = graph_us([lambda: act_quant.quant_fp8(x, perm=True)])
                     # NATIVE_CVT: the hardware e4m3 conversion instead of round_e4m3 (codes vs the plain kernel's)
-                    act_quant.NATIVE_CVT = True
+                    native_saved, act_quant.NATIVE_CVT = act_quant.NATIVE_CVT, True
                     try:
                         nq, ns = act_quant.quant_fp8(x)
                         native_ok = torch.equal(nq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ns, s)
                         nus = graph_us([lambda: act_quant.quant_fp8(x)])
                     finally:
-                        act_quant.NATIVE_CVT = False
+                        act_quant.NATIVE_CVT = native_saved
                     row = dict(M=M, K=K, block_max=bm, chunk_programs=cp, quant_us=round(us, 2),
                                perm_quant_us=round(pus, 2), native_quant_us=round(nus, 2), fake_quant_us=round(fq, 2),
                                floor_us=round(floor_us, 2), bit_exact=ok, perm_bit_exact=perm_ok,

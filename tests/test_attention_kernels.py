@@ -8,14 +8,8 @@ import torch
 from kestrel.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kvcache
 from kestrel.kernels.attention.torch_paged import torch_paged_prefill_attention, torch_store_kvcache
 
-
-def _torch_prefill(q, k_cache, v_cache, tables, cu, seq_lens, scale, max_q_len, window=0, out=None, tree_mask=None):
-    """torch_paged_prefill_attention called as paged_prefill_attention (max_q_len unused, out filled)."""
-    r = torch_paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, scale, window, tree_mask)
-    return r if out is None else out.copy_(r)
-
-
-PREFILL = pytest.mark.parametrize("prefill", [paged_prefill_attention, _torch_prefill], ids=["triton", "torch"])
+PREFILL = pytest.mark.parametrize("prefill", [paged_prefill_attention, torch_paged_prefill_attention],
+                                  ids=["triton", "torch"])
 
 
 def _paged_setup(seq_lens, num_kv_heads, head_dim, block_size, dtype, gen):
@@ -189,6 +183,6 @@ def test_torch_prefill_matches_kernel_on_padded_chunks():
     seq_lens = torch.tensor([c + S for c in ctxs] + [0], dtype=torch.int32)
     q = torch.randn(int(cu[-1]), Hq, D, generator=gen)
     want = paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, 0.25, max_q_len=S)
-    got = torch_paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, 0.25)
+    got = torch_paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, 0.25, max_q_len=S)
     assert (got[-S:] == 0).all() and (want[-S:] == 0).all()
     assert (got - want).abs().max().item() < 1e-5

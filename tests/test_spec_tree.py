@@ -71,8 +71,8 @@ def test_tree_attention_matches_per_path_reference(torch_form):
     seq_lens = torch.tensor([c + S for c in ctxs], dtype=torch.int32)
     mask = torch.tensor(t.bits, dtype=torch.int64).repeat(len(ctxs))
     scale = D ** -0.5
-    out = torch_paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, scale, tree_mask=mask) if torch_form else \
-        paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, scale, max_q_len=S, tree_mask=mask)
+    attend = torch_paged_prefill_attention if torch_form else paged_prefill_attention
+    out = attend(q, kc, vc, tables, cu, seq_lens, scale, max_q_len=S, tree_mask=mask)
     causal = paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, scale, max_q_len=S)
     for b, c in enumerate(ctxs):
         pos = torch.arange(c)

@@ -44,14 +44,12 @@ class PagedChunkCtx:
 
     def attention(self, layer, q, k, v):
         kc, vc = self.k_caches[layer], self.v_caches[layer]
-        if not q.is_cuda:  # a CPU engine: torch, as its TorchAttentionBackend (the interpreted kernel is ~50x slower)
-            torch_store_kvcache(k, v, kc, vc, self.slot_mapping)
-            out = torch_paged_prefill_attention(q, kc, vc, self.block_tables, self.cu_q, self.seq_lens, self.scale,
-                                                window=self.window, tree_mask=self.tree_mask)
-            return out.view(q.shape[0], -1)
-        store_kvcache(k, v, kc, vc, self.slot_mapping)
-        out = paged_prefill_attention(q, kc, vc, self.block_tables, self.cu_q, self.seq_lens, self.scale,
-                                      max_q_len=self.max_q, window=self.window, tree_mask=self.tree_mask)
+        # a CPU engine attends in torch, as its TorchAttentionBackend (the interpreted kernels are ~50x slower)
+        store, attend = (store_kvcache, paged_prefill_attention) if q.is_cuda else \
+            (torch_store_kvcache, torch_paged_prefill_attention)
+        store(k, v, kc, vc, self.slot_mapping)
+        out = attend(q, kc, vc, self.block_tables, self.cu_q, self.seq_lens, self.scale, max_q_len=self.max_q,
+                     window=self.window, tree_mask=self.tree_mask)
         return out.view(q.shape[0], -1)
 
 

@@ -72,9 +72,10 @@ def _perm128(v):
 
 # fp8 codes through the GPU's own conversion (cvt.rn.satfinite: round to nearest even, as round_e4m3, on values
 # already clamped to +-448) instead of round_e4m3's ~10 integer / fp ops per element: the per-token quant of
-# 4096 x 28672 took 174 us on the H100 (session 22) where its bytes take ~110, so its ALU work shows. Off until
-# bench/act_quant_sweep.py's native_quant_us (bit-exactness checked there) is measured; never under the CPU
-# interpreter (its cast does not round the same way)
+# 4096 x 28672 took 174 us on the H100 (session 22) where its bytes take ~110, so its ALU work shows. H100 s23 R1
+# (bench/results/act_quant_h100_s23r1.json): 131.5 vs 181 us there, 38.3 vs 53.6 at 1024 x 28672. Off until
+# bench/act_quant_sweep.py's native_bit_exact (its codes vs the plain kernel's) holds on a GPU: R1 compared both with
+# a GPU reference that was itself an ulp off. Never under the CPU interpreter (its cast does not round the same way)
 NATIVE_CVT = os.environ.get("KESTREL_QUANT_NATIVE_CVT", "0") == "1"
 
 

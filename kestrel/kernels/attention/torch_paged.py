@@ -24,12 +24,14 @@ def torch_store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 def torch_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                                  scale: float, window: int = 0,
+                                  scale: float, max_q_len: int, window: int = 0, out: torch.Tensor | None = None,
                                   tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """paged_prefill_attention's result (q [T, Hq, D] -> [T, Hq, D]), one sequence at a time in fp32."""
+    """paged_prefill_attention's result (q [T, Hq, D] -> [T, Hq, D]; its signature, so callers pick either), one
+    sequence at a time in fp32. max_q_len sizes only the kernel's grid: unused here."""
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
-    out = torch.zeros((T, Hq, D), dtype=q.dtype, device=q.device)
+    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device) if out is None else out
+    out.zero_()  # rows of empty sequences stay 0, as the kernel's
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b, L in enumerate(lens):
         q0, n = cu[b], cu[b + 1] - cu[b]
