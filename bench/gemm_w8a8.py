@@ -306,9 +306,12 @@ def run_w4(N, K, ms, rows, budget, sections):
             if not LEAN[0]:  # (lean: the default layout / path only)
                 r["kestrel_w4a8_pairs_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, w4p[i]) for i in range(nc)])
             r["kestrel_w4a8_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, w4[i]) for i in range(nc)])
-            # the default path with one option flipped, same process: TCG_PK (the permuted quant, int4 route) and
-            # act_quant.NATIVE_CVT (the quant's hardware e4m3 conversion)
-            flips = [(g4, "TCG_PK", "pk")] if g4._tcg_route(x, w4[0], None) == "int4" else []
+            # the default path with one option flipped, same process: TCG_PK (the permuted quant, int4 route),
+            # gemm_w4a8_tcg.REDUCE (the Gluon kernels' in-kernel split-K sum) and act_quant.NATIVE_CVT (the quant's
+            # hardware e4m3 conversion)
+            import kestrel.kernels.gemm_w4a8_tcg as tcg
+            route = g4._tcg_route(x, w4[0], None)
+            flips = ([(g4, "TCG_PK", "pk")] if route == "int4" else []) + ([(tcg, "REDUCE", "reduce")] if route else [])
             for mod, attr, name in flips + [(aq, "NATIVE_CVT", "native")]:
                 saved = getattr(mod, attr)
                 setattr(mod, attr, not saved)

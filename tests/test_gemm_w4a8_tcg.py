@@ -93,3 +93,33 @@ def test_w4a8_linear_gluon_route_options(pk, monkeypatch):
     y = w4a8_linear(x, w, tcg=True, bf16_max_m=0)
     assert y.shape == (2, 150, N) and _rel(y.reshape(-1, N), ref) < 5e-3
     assert _rel(gemm_w4a8(a, s, w, tcg=True, bf16_max_m=0), ref) < 5e-3
+
+
+@pytest.mark.parametrize("kernel", ["int4", "int4-pk", "mxfp4"])
+@pytest.mark.parametrize("M,block_m,split", [(130, 256, 2), (300, 256, 3), (520, 128, 4)])
+def test_w4a8_tcg_in_kernel_split_reduce(kernel, M, block_m, split, monkeypatch):
+    """gemm_w4a8_tcg.REDUCE (the splits' partials summed in the kernel, y written in its dtype) vs dequantize-then-
+    matmul, bf16 and fp32 y; a second call equals the first bit for bit (the sum runs in split order, and the last
+    split reset the tile counters)."""
+    import kestrel.kernels.gemm_w4a8_tcg as t
+    monkeypatch.setattr(t, "REDUCE", True)
+    g = torch.Generator().manual_seed(M + split)
+    N, K = 384, 1536
+    x = torch.randn(M, K, generator=g).cuda().to(torch.bfloat16)
+    a, s = aq.quant_fp8(x)
+    if kernel == "mxfp4":
+        w = quantize_weight_w4(torch.randn(N, K, generator=g) * 0.05, "mxfp4").to("cuda")
+        ref = aq.dequant_8bit(a, s) @ w.dequantize().cuda().float().t()
+        run = lambda dt: t.gemm_w4a8_fold_tcg(a, s, w.wna16(), *w.fold_mult(), dt, block_m=block_m, split_k=split,
+                                              kh=True, pp=True)
+    else:
+        w = quantize_weight_w4(torch.randn(N, K, generator=g) * 0.05, "int4", 128).kernel_layout().to("cuda")
+        ref = aq.dequant_8bit(a, s) @ dequantize(w.wna16()).float().t()
+        pk = kernel == "int4-pk"
+        ap = aq.quant_fp8(x, perm=True)[0] if pk else a
+        run = lambda dt: t.gemm_w4a8_tcg(ap, s, w.wna16(), dt, block_m=block_m, split_k=split, pp=True, a_perm=pk)
+    y = run(torch.float32)
+    assert y.dtype == torch.float32 and _rel(y, ref) < 3e-3
+    assert torch.equal(run(torch.float32), y)
+    yb = run(torch.bfloat16)
+    assert yb.dtype == torch.bfloat16 and _rel(yb, ref) < 5e-3

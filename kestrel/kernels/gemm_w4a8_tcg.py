@@ -20,6 +20,8 @@ decoded with integer ops only (_ASM_PK).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -28,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kestrel.kernels.configs import nonempty_split
+from kestrel.kernels.gemm_wna16_tc import _split_counters
 from kestrel.kernels.gemm_wna16_tcg import (BK, R, _halves_ring, _swap_load_halves, _swap_store,
                                              _tile_and_split)
 
@@ -170,10 +173,47 @@ def _pk_decode(q_tile, sh5, L5: gl.constexpr, a_layout: gl.constexpr, HN: gl.con
 
 
 @gluon.jit
+def _reduce_store(out, y_ptr, M, N, stride_ym, off_m, off_n, BM: gl.constexpr, BN: gl.constexpr, ATOMIC: gl.constexpr,
+                  REDUCE: gl.constexpr, ws_ptr, cnt_ptr, sub, n_sub, pid_k, split_k, L: gl.constexpr):
+    """A consumer's [BN, BM] sub-tile `out` (layout L) of y^T (weight rows off_n.., tokens off_m..): stored, or
+    atomically added (split-K into a zeroed fp32 y: gemm_wna16_tcg._swap_store), or with REDUCE summed in the kernel:
+    each split stores its partial in its own fp32 slab of sub-tile `sub` (of n_sub) straight from the wgmma layout
+    (no layout conversion: 8 lanes fill each 32-byte sector of y's row-major order) and takes a ticket on the
+    sub-tile's counter; the last one adds the slabs in split order (deterministic) in 32-token chunks, so only a chunk
+    is live in registers (the whole-tile conversion and sum spilled: 712 / 1960 stack bytes, offline sm_90a), writes y
+    in its dtype and resets the counter."""
+    if REDUCE:
+        rn = gl.arange(0, BN, layout=gl.SliceLayout(1, L))
+        rm = gl.arange(0, BM, layout=gl.SliceLayout(0, L))
+        gl.store(ws_ptr + (pid_k * n_sub + sub) * (BM * BN) + gl.expand_dims(rm, 0) * BN + gl.expand_dims(rn, 1), out)
+        gl.thread_barrier()  # every thread's partial is written before the ticket (acq_rel) is taken
+        ticket = gl.atomic_add(cnt_ptr + sub, 1, sem="acq_rel")
+        if ticket == split_k - 1:
+            CH: gl.constexpr = 32
+            lay: gl.constexpr = gl.BlockedLayout([BN // 32, 1], [32, 1], [1, 4], [0, 1])  # lanes along n: coalesced
+            cn = gl.arange(0, BN, layout=gl.SliceLayout(1, lay))
+            cm = gl.arange(0, CH, layout=gl.SliceLayout(0, lay))
+            offs_n = off_n + cn
+            for c in gl.static_range(BM // CH):
+                idx = gl.expand_dims(c * CH + cm, 0) * BN + gl.expand_dims(cn, 1)
+                tot = gl.zeros([BN, CH], gl.float32, lay)
+                for j in range(split_k):  # .cg: the other splits' partials were written through other SMs' L1s
+                    tot += gl.load(ws_ptr + (j * n_sub + sub) * (BM * BN) + idx, cache_modifier=".cg")
+                offs_m = off_m + c * CH + cm
+                gl.store(y_ptr + gl.expand_dims(offs_m, 0) * stride_ym + gl.expand_dims(offs_n, 1),
+                         tot.to(y_ptr.dtype.element_ty),
+                         mask=gl.expand_dims(offs_m < M, 0) & gl.expand_dims(offs_n < N, 1))
+            gl.atomic_xchg(cnt_ptr + sub, 0, sem="relaxed")  # ready for the next call
+    else:
+        _swap_store(out, y_ptr, M, N, stride_ym, off_m, off_n, BM, BN, ATOMIC, False, 4)
+
+
+@gluon.jit
 def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
                   GSTEPS: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
                   ATOMIC: gl.constexpr, MH: gl.constexpr, KH: gl.constexpr = False, PP: gl.constexpr = False,
-                  PK: gl.constexpr = False):
+                  PK: gl.constexpr = False, REDUCE: gl.constexpr = False, ws_ptr=None, cnt_ptr=None, pid=0, pid_k=0,
+                  split_k=1, n_sub=1):
     """One of the two consumer warpgroups (its own partition): weight rows off_n + H * HN .. + HN of the tile from
     its half of each K step's words; per step decode, wgmma (unscaled, fresh), wait, acc += product * group scale,
     release the slot (one of the two arrivals its empty barrier counts); then the per-token scales and y.
@@ -184,7 +224,8 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
     KH (with token halves): the step's A as two K halves in their own registers, the second half decoded while the
     first half's wgmma runs (_fold_consume's KH scheme).
     PP: the two warpgroups' wgmma issues in turn (_pp_turn), one turn per wgmma group (token half).
-    PK: the activations' K permuted within each 128 (_ASM_PK): the integer-only decode of one word per register."""
+    PK: the activations' K permuted within each 128 (_ASM_PK): the integer-only decode of one word per register.
+    REDUCE (split-K): the splits' partials summed in the kernel (_reduce_store)."""
     gl.assume(cnt > 0)  # the kernel's assumption does not reach into the partition
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, MH, 32])
@@ -261,7 +302,8 @@ def _w4a8_consume(x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stri
         rm = off_m + h * MH + gl.arange(0, MH, layout=gl.SliceLayout(0, mma_layout))
         out = acc2 if h == 1 else acc
         out = out * gl.expand_dims(gl.load(as_ptr + rm, mask=rm < M, other=0.0), 0)  # per-token activation scales
-        _swap_store(out, y_ptr, M, N, stride_ym, off_m + h * MH, n0, MH, HN, ATOMIC, False, 4)
+        _reduce_store(out, y_ptr, M, N, stride_ym, off_m + h * MH, n0, MH, HN, ATOMIC, REDUCE, ws_ptr, cnt_ptr,
+                      (pid * 2 + H) * HALVES + h, n_sub, pid_k, split_k, mma_layout)
 
 
 @gluon.jit
@@ -269,7 +311,7 @@ def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, s
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
                      MH: gl.constexpr = 0, KH: gl.constexpr = False, PP: gl.constexpr = False,
-                     PK: gl.constexpr = False):
+                     PK: gl.constexpr = False, REDUCE: gl.constexpr = False, ws_ptr=None, cnt_ptr=None, n_sub=1):
     """y[M, N] (+= with ATOMIC, split_k > 1) = a_scale[m] * sum_k x[m, k] (c[k, n] - 8) s[k // group, n];
     GSTEPS = group // 128 (K // 128 per channel; a constant: no integer division per K step). Launched with
     num_warps = 4: two consumer warpgroups in two partitions plus a loader warp (gemm_wna16_tcg._swap_load_halves:
@@ -281,9 +323,11 @@ def _w4a8_tcg_kernel(x_desc, q_desc, s_ptr, as_ptr, y_ptr, M, N, K, stride_ym, s
     x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
     gl.warp_specialize([
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                         GSTEPS, 0, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH, PP, PK)),
+                         GSTEPS, 0, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH, PP, PK, REDUCE, ws_ptr, cnt_ptr, pid, pid_k,
+                         split_k, n_sub)),
         (_w4a8_consume, (x_smem, q_smem, ready, empty, s_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0, cnt,
-                         GSTEPS, 1, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH, PP, PK)),
+                         GSTEPS, 1, BLOCK_M, HN, STAGES, ATOMIC, TOK, KH, PP, PK, REDUCE, ws_ptr, cnt_ptr, pid, pid_k,
+                         split_k, n_sub)),
         (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -325,7 +369,8 @@ def _fold_decode(q, sel, sh, mult, a_layout: gl.constexpr, HN: gl.constexpr, NF:
 @gluon.jit
 def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n, s0,
                   cnt, H: gl.constexpr, BLOCK_M: gl.constexpr, HN: gl.constexpr, STAGES: gl.constexpr,
-                  ATOMIC: gl.constexpr, KH: gl.constexpr, PP: gl.constexpr = False):
+                  ATOMIC: gl.constexpr, KH: gl.constexpr, PP: gl.constexpr = False, REDUCE: gl.constexpr = False,
+                  ws_ptr=None, cnt_ptr=None, pid=0, pid_k=0, split_k=1, n_sub=1):
     """_w4a8_consume for MXFP4 with the group scales folded into the decoded e4m3 weights (m_ptr: f16 bits of
     2^(14 - down), [K // 32, N], loaded a step ahead: the decode needs them): no per-group rescale, so each K
     step's wgmma adds into one accumulator chain of the whole BLOCK_M-token width (one decode per BLOCK_M tokens);
@@ -378,14 +423,16 @@ def _fold_consume(x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M,
     rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
     acc = (acc * gl.expand_dims(gl.load(cs_ptr + n0 + gl.arange(0, HN, layout=srow)), 1)
            * gl.expand_dims(gl.load(as_ptr + rm, mask=rm < M, other=0.0), 0))
-    _swap_store(acc, y_ptr, M, N, stride_ym, off_m, n0, BLOCK_M, HN, ATOMIC, False, 4)
+    _reduce_store(acc, y_ptr, M, N, stride_ym, off_m, n0, BLOCK_M, HN, ATOMIC, REDUCE, ws_ptr, cnt_ptr, pid * 2 + H,
+                  n_sub, pid_k, split_k, mma_layout)
 
 
 @gluon.jit
 def _w4a8_fold_kernel(x_desc, q_desc, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, K, stride_ym, split_k,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ATOMIC: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                      KH: gl.constexpr = False, PP: gl.constexpr = False):
+                      KH: gl.constexpr = False, PP: gl.constexpr = False, REDUCE: gl.constexpr = False,
+                      ws_ptr=None, cnt_ptr=None, n_sub=1):
     """y[M, N] (+= with ATOMIC) = a_scale[m] * cs[n] * sum_k x[m, k] e2m1(c[k, n]) 2^-down[k // 32, n]: the MXFP4
     twin's codes with mxfp4_fold_base's exponents; the warp-specialised layout of _w4a8_tcg_kernel (KH: the
     consumers' K-halves loop, _fold_consume)."""
@@ -395,12 +442,19 @@ def _w4a8_fold_kernel(x_desc, q_desc, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, K, str
     x_smem, q_smem, ready, empty = _halves_ring(x_desc, q_desc, gl.float8e4nv, BLOCK_M, HN, STAGES)
     gl.warp_specialize([
         (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n,
-                         s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC, KH, PP)),
+                         s0, cnt, 0, BLOCK_M, HN, STAGES, ATOMIC, KH, PP, REDUCE, ws_ptr, cnt_ptr, pid, pid_k, split_k,
+                         n_sub)),
         (_fold_consume, (x_smem, q_smem, ready, empty, m_ptr, cs_ptr, as_ptr, y_ptr, M, N, stride_ym, off_m, off_n,
-                         s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC, KH, PP)),
+                         s0, cnt, 1, BLOCK_M, HN, STAGES, ATOMIC, KH, PP, REDUCE, ws_ptr, cnt_ptr, pid, pid_k, split_k,
+                         n_sub)),
         (_swap_load_halves, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, s0, cnt, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
+
+# split-K (M = 256 on the 70B shapes: pick_tile / the tuned winners split 2 or 4) summed in the kernel (_reduce_store:
+# fp32 slabs + a ticket counter per sub-tile, the last split writes y in its dtype) instead of fp32 atomics into a
+# zeroed y and a cast launch: two launches and the zero fill less. Opt-in until GPU-timed.
+REDUCE = os.environ.get("KESTREL_W4A8_TCG_REDUCE", "0") == "1"
 
 # (consumer, loader) register budgets (setmaxnreg): the loader at 120 left a 16-byte stack on 128x128 (offline
 # sm_90a compile, bench/w4a8_tcg_compile.py), at 40 none
@@ -460,8 +514,8 @@ def _tuned(kind: str, M: int, N: int, K: int, block_m, split_k, stages):
 
 def _launch(kernel, a_q, a_scale, qw, lead: tuple, tail: tuple, block_m: int, block_n: int, split_k: int,
             stages: int, out_dtype, **consts) -> torch.Tensor:
-    """Both Gluon kernels' launch: the x / word TMA descriptors, K split to non-empty parts (fp32 atomics into a
-    zeroed y, then a cast, when split), the (tile, split) grid. lead / tail: the kernel's own arguments before
+    """Both Gluon kernels' launch: the x / word TMA descriptors, K split to non-empty parts (summed in the kernel
+    with REDUCE, else fp32 atomics into a zeroed y, then a cast), the (tile, split) grid. lead / tail: the kernel's own arguments before
     a_scale and after split_k."""
     M, K = a_q.shape
     N = qw.shape[0]
@@ -470,13 +524,22 @@ def _launch(kernel, a_q, a_scale, qw, lead: tuple, tail: tuple, block_m: int, bl
     hn = block_n // 2
     q_desc = TensorDescriptor.from_tensor(qw.qweight, [R.value, hn], lay([R.value, hn], gl.int32))
     split_k = nonempty_split(split_k, K // BK.value)
-    y = (torch.zeros if split_k > 1 else torch.empty)((M, N), device=a_q.device,
-                                                         dtype=torch.float32 if split_k > 1 else out_dtype)
     grid = (-(-M // block_m) * (N // block_n), split_k)
+    reduce = REDUCE and split_k > 1
+    atomic = split_k > 1 and not reduce
+    y = (torch.zeros if atomic else torch.empty)((M, N), device=a_q.device,
+                                                    dtype=torch.float32 if atomic else out_dtype)
+    # REDUCE: a workspace slab per (split, sub-tile): each consumer warpgroup stores its rows, in token halves
+    mh = consts.get("MH", 0)
+    n_sub = grid[0] * 2 * (2 if 0 < mh < block_m else 1)
+    ws = torch.empty(split_k * grid[0] * block_m * block_n if reduce else 1, device=a_q.device,
+                     dtype=torch.float32)
+    cnt = _split_counters(a_q.device, n_sub if reduce else 1)
     kernel[grid](x_desc, q_desc, *lead, a_scale.float().reshape(M).contiguous(), y, M, N, K, y.stride(0), split_k,
-                 *tail, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=split_k > 1, STAGES=stages,
-                 CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, **consts)
-    return y.to(out_dtype) if split_k > 1 else y
+                 *tail, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=atomic, STAGES=stages,
+                 CONSUMER_REGS=WS_REGS[0], LOADER_REGS=WS_REGS[1], num_warps=4, REDUCE=reduce, ws_ptr=ws,
+                 cnt_ptr=cnt, n_sub=n_sub, **consts)
+    return y.to(out_dtype) if atomic else y
 
 
 def gemm_w4a8_tcg(a_q: torch.Tensor, a_scale: torch.Tensor, qw, out_dtype=torch.bfloat16, block_m: int | None = None,
