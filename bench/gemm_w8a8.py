@@ -31,6 +31,7 @@ from kestrel.kernels import act_quant as aq  # noqa: E402
 from kestrel.kernels.gemm_w4a4 import w4a4_linear  # noqa: E402
 from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4, w4a8_linear  # noqa: E402
 import kestrel.kernels.gemm_w4a8 as g4  # noqa: E402
+import kestrel.kernels.gemm_w4a8_tcg as tcg  # noqa: E402
 from kestrel.kernels.gemm_w8a8 import gemm_w8a8, gemm_w8a16, quantize_weight_w8a8, ref_gemm_w8a8, w8a8_linear  # noqa: E402
 from kestrel.kernels.lowbit_gemm import A_BF16, W_FP8, GemmConfig, heuristic_config  # noqa: E402
 
@@ -309,7 +310,6 @@ def run_w4(N, K, ms, rows, budget, sections):
             # the default path with one option flipped, same process: TCG_PK (the permuted quant, int4 route),
             # gemm_w4a8_tcg.REDUCE (the Gluon kernels' in-kernel split-K sum) and act_quant.NATIVE_CVT (the quant's
             # hardware e4m3 conversion)
-            import kestrel.kernels.gemm_w4a8_tcg as tcg
             route = g4._tcg_route(x, w4[0], None)
             flips = ([(g4, "TCG_PK", "pk")] if route == "int4" else []) + ([(tcg, "REDUCE", "reduce")] if route else [])
             for mod, attr, name in flips + [(aq, "NATIVE_CVT", "native")]:

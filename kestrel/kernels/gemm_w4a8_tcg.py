@@ -515,8 +515,8 @@ def _tuned(kind: str, M: int, N: int, K: int, block_m, split_k, stages):
 def _launch(kernel, a_q, a_scale, qw, lead: tuple, tail: tuple, block_m: int, block_n: int, split_k: int,
             stages: int, out_dtype, **consts) -> torch.Tensor:
     """Both Gluon kernels' launch: the x / word TMA descriptors, K split to non-empty parts (summed in the kernel
-    with REDUCE, else fp32 atomics into a zeroed y, then a cast), the (tile, split) grid. lead / tail: the kernel's own arguments before
-    a_scale and after split_k."""
+    with REDUCE, else fp32 atomics into a zeroed y, then a cast), the (tile, split) grid. lead / tail: the kernel's
+    own arguments before a_scale and after split_k."""
     M, K = a_q.shape
     N = qw.shape[0]
     lay = gl.NVMMASharedLayout.get_default_for
@@ -532,8 +532,8 @@ def _launch(kernel, a_q, a_scale, qw, lead: tuple, tail: tuple, block_m: int, bl
     # REDUCE: a workspace slab per (split, sub-tile): each consumer warpgroup stores its rows, in token halves
     mh = consts.get("MH", 0)
     n_sub = grid[0] * 2 * (2 if 0 < mh < block_m else 1)
-    ws = torch.empty(split_k * grid[0] * block_m * block_n if reduce else 1, device=a_q.device,
-                     dtype=torch.float32)
+    # (without REDUCE the kernel never touches ws / cnt: y and the cached counters stand in, nothing is allocated)
+    ws = torch.empty(split_k * grid[0] * block_m * block_n, device=a_q.device, dtype=torch.float32) if reduce else y
     cnt = _split_counters(a_q.device, n_sub if reduce else 1)
     kernel[grid](x_desc, q_desc, *lead, a_scale.float().reshape(M).contiguous(), y, M, N, K, y.stride(0), split_k,
                  *tail, BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC=atomic, STAGES=stages,
