@@ -29,8 +29,9 @@ def test_candidates_start_with_the_heuristic_and_fit_k():
 def test_tune_stores_the_fastest_and_the_kernel_uses_it(cache, monkeypatch):
     calls = []
 
-    def fake_timer(fn):
-        fn()  # really run each candidate (it must compile and work)
+    def fake_timer(fns):
+        assert len(fns) == 1  # one weight copy on the CPU (no L2 to rotate past)
+        fns[0]()  # really run each candidate (it must compile and work)
         calls.append(1)
         return 10.0 - len(calls)  # later candidates "faster": the last one measured must win
 
@@ -53,9 +54,36 @@ def test_tune_stores_the_fastest_and_the_kernel_uses_it(cache, monkeypatch):
 
 
 def test_failing_candidate_is_skipped(cache):
-    def timer(fn):
+    def timer(fns):
         raise RuntimeError("out of shared memory")
     assert tune_lowbit("w8a8-int8", [(32, 128)], [4], timer=timer, max_candidates=2, device="cpu") == {}
+
+
+def test_wrong_output_is_never_stored(cache, monkeypatch):
+    """a candidate that computes something else (here: one config's output scaled by 1.5) is skipped however fast,
+    against the bf16 activations times the dequantized weight; the entry in use before is measured too."""
+    import kestrel.kernels.gemm_w8a8 as g
+    cands = candidates("w8a8-fp8", 4, 32, 128, 3)
+    bad, real = cands[-1], g.run_dense
+    monkeypatch.setattr(g, "run_dense", lambda *a, **k: real(*a, **k) * (1.5 if a[-1] == bad else 1.0))
+    prev = cands[0]
+    lowbit_tune.store("w8a8-fp8", 4, 32, 128, cands[1])
+    times = iter(range(10, 0, -1))  # each measured candidate "faster" than the one before
+    res = tune_lowbit("w8a8-fp8", [(32, 128)], [4], timer=lambda fns: (fns[0](), next(times))[1],
+                      max_candidates=3, device="cpu")
+    (v, ) = res.values()
+    assert v["config"] == cands[1].as_dict() and v["previous_us"] == v["us"] and prev != bad
+
+
+@pytest.mark.parametrize("kernel", [k for k in LOWBIT_KERNELS if not k.startswith("w4a8tcg")])
+def test_case_reference_admits_the_kernel_and_not_a_wrong_one(kernel):
+    """make_case's reference (bf16 x times the dequantized weight) and tolerance: the heuristic config's output is
+    within it (else the tuner would store nothing), the same output 50 % off is not."""
+    from kestrel.kernels.lowbit_tuning import make_case
+    run, n, ref, tol = make_case(kernel, 4, 32, 256, "cpu")
+    y = run(candidates(kernel, 4, 32, 256)[0], 0).float()
+    err = lambda t: ((t - ref).norm() / ref.norm()).item()
+    assert n == 1 and err(y) <= tol / 2 and err(y * 1.5) > tol
 
 
 def test_unknown_kernel():
