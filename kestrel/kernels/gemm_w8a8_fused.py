@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _workspace
+from kestrel.kernels.gemm_wna16_small import _finish, _workspace
 from kestrel.kernels.lowbit import round_e4m3
 from kestrel.kernels.lowbit_gemm import DECODE_ASM, int4_halves_to_e4m3
 
@@ -170,9 +170,7 @@ def _launch(x, wd, ws, stride_wsn: int, w4_group: int, out_dtype, config):
         return y
     grid = (triton.cdiv(N, cfg.BN), triton.cdiv(M, cfg.BM), max(1, min(cfg.SPLIT_K, K // GROUP)))
     if grid[2] > 1:
-        if grid[0] * grid[1] > _CNT_SLOTS:
-            raise ValueError(f"split-K over {grid[0] * grid[1]} tiles exceeds {_CNT_SLOTS} counters")
-        part, cnt = _workspace(x.device, grid[2] * M * N)
+        part, cnt = _workspace(x.device, grid[2] * M * N, grid[0] * grid[1])
     else:
         part, cnt = y, y
     _w8a8_fused_kernel[grid](x, wd, ws, y, part, cnt, M, N, K, x.stride(0), wd.stride(0), y.stride(0), stride_wsn,

@@ -836,10 +836,12 @@ _WS: dict = {}
 _CNT_SLOTS = 1 << 16
 
 
-def _workspace(device: torch.device, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K partials (fp32) and per-tile counters for this device and stream. The counters are zeroed once
-    and every launch leaves them zero; the partials need no zeroing. Per stream, so concurrent streams never
-    share counters."""
+def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials (fp32) and per-tile counters (`tiles` of them in use) for this device and stream. The
+    counters are zeroed once and every launch leaves them zero; the partials need no zeroing. Per stream, so
+    concurrent streams never share counters."""
+    if tiles > _CNT_SLOTS:
+        raise ValueError(f"split-K over {tiles} tiles exceeds {_CNT_SLOTS} counters")
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     ws, cnt = _WS.get(key, (None, None))
@@ -955,9 +957,7 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         grow = group_rows(fmt, cfg, m) if cfg.kernel == "mv" and not fold else 0
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m // max(grow, 1)), split)
     if split > 1:
-        if grid[0] * grid[1] > _CNT_SLOTS:
-            raise ValueError(f"split-K over {grid[0] * grid[1]} tiles exceeds {_CNT_SLOTS} counters")
-        ws, cnt = _workspace(x2.device, split * m * n)
+        ws, cnt = _workspace(x2.device, split * m * n, grid[0] * grid[1])
     else:
         ws, cnt = y, y  # unused
     pdl = use_pdl(x2.device)

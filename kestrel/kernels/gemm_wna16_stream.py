@@ -27,7 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kestrel.kernels import gemm_wna16_small as _small
 from kestrel.kernels.dequant import decode_scale, int_plane, shift_bits
-from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _workspace
+from kestrel.kernels.gemm_wna16_small import _finish, _workspace
 
 
 @triton.jit
@@ -238,9 +238,7 @@ def gemm_stream(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     gsc = qw.global_scale if qw.global_scale is not None else qw.scales
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm), split)
     if split > 1:
-        if grid[0] * grid[1] > _CNT_SLOTS:
-            raise ValueError(f"split-K over {grid[0] * grid[1]} tiles exceeds {_CNT_SLOTS} counters")
-        ws, cnt = _workspace(x2.device, split * m * n)
+        ws, cnt = _workspace(x2.device, split * m * n, grid[0] * grid[1])
     else:
         ws, cnt = y, y  # unused
     pdl = _small.use_pdl(x2.device)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.gemm_wna16_small import _CNT_SLOTS, _finish, _mv_block, _workspace
+from kestrel.kernels.gemm_wna16_small import _finish, _mv_block, _workspace
 from kestrel.kernels.lowbit import round_bf16, unpack_nibbles
 from kestrel.quant.packing import PLANE_ROWS, pack_codes, unpack_codes
 
@@ -179,9 +179,7 @@ def grouped_gemm_planar(x: torch.Tensor, w: PlanarW4, align, num_slots: int, a_d
     if reduce_k:
         ws, cnt = out, out
     elif split > 1:
-        if blocks * n_tiles > _CNT_SLOTS:
-            raise ValueError(f"split-K over {blocks * n_tiles} tiles exceeds {_CNT_SLOTS} counters")
-        ws, cnt = _workspace(x.device, split * num_slots * N)
+        ws, cnt = _workspace(x.device, split * num_slots * N, blocks * n_tiles)
     else:
         ws, cnt = out, out
     tw = topk_weights if topk_weights is not None else out
