@@ -94,6 +94,10 @@ def rel(y, ref) -> float:
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+# Humming's MXFP4 weight config (the same dict bench/gemm_wna16.py's W4A16 peer uses)
+HUMMING_MXFP4 = {"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8e8m0"}
+
+
 def copies_for(nbytes: int) -> int:
     return max(1, min(4, math.ceil((256 << 20) / max(1, nbytes))))
 
@@ -294,6 +298,11 @@ def run_w4(N, K, ms, rows, budget, sections):
     hum = humming_build("w4a8 layers", lambda: [
         humming_layer(N, K, {"dtype": "int4", "group_size": 128}, {"dtype": "float8e4m3"}, W) for W in Wb],
         budget) if w4 else None
+    # Humming's own MXFP4 x fp8 e4m3 layer (e2m1 weights, e8m0 scales per 32, per-token fp8 input): the like-for-like
+    # peer of the MXFP4 rows (until session 25 they were set against its int4 g128 layer only)
+    hum_mx = humming_build("w4a8 mxfp4 layers", lambda: [
+        humming_layer(N, K, HUMMING_MXFP4, {"dtype": "float8e4m3"}, W) for W in Wb],
+        budget) if mx and "w4a8mx" in sections else None
     for M in ms:
         if past_deadline():
             break
@@ -375,6 +384,12 @@ def run_w4(N, K, ms, rows, budget, sections):
             r["w4a8_mxfp4_err_vs_dequant"] = rel(gemm_w4a8(a, s, mx[0]), ref)
             r["kestrel_w4a8_mxfp4_gemm_us"] = safe_us([lambda i=i: gemm_w4a8(a, s, mx[i]) for i in range(nc)])
             r["kestrel_w4a8_mxfp4_e2e_us"] = safe_us([lambda i=i: w4a8_linear(x, mx[i]) for i in range(nc)])
+            if hum_mx is not None:
+                try:
+                    r["humming_w4a8_mxfp4_err_vs_bf16"] = rel(hum_mx[0](x), x.float() @ Ws[0].t())
+                    r["humming_w4a8_mxfp4_e2e_us"] = safe_us([lambda L=L: L(x) for L in hum_mx])
+                except Exception as ex:
+                    r["humming_mxfp4_error"] = repr(ex)[:200]
             saved = g4.FOLD_MIN_M, g4.FOLD_KERNEL
             try:  # fold: copy + the FP8 kernel; foldk: the Triton W4A8 kernel folding in registers; rescale: neither
                 for tag, min_m, kern in (("fold", 1, False), ("foldk", 0, True), ("rescale", 0, False)):
@@ -409,7 +424,7 @@ def run_w4(N, K, ms, rows, budget, sections):
             r["kestrel_w4a4_mxfp4_e2e_us"] = safe_us([lambda i=i: w4a4_linear(x, mx[i]) for i in range(nc)])
         rows.append(r)
         log("ROW", json.dumps(r))
-    del hum
+    del hum, hum_mx
     torch.cuda.empty_cache()
 
 
@@ -475,8 +490,11 @@ RATIOS = [  # (name, peer column, our column): > 1 means kestrel is faster
     ("w4a8 gemm: fused in-register / default (expand + TMA)", "kestrel_w4a8_fused_gemm_us", "kestrel_w4a8_gemm_us"),
     ("w4a8 gemm: pairs packing / halves packing", "kestrel_w4a8_pairs_gemm_us", "kestrel_w4a8_gemm_us"),
     ("w4a8 e2e vs cuBLAS bf16", "cublas_bf16_us", "kestrel_w4a8_e2e_us"),
+    ("w4a8 mxfp4 e2e (default path) vs Humming W4A8 MXFP4 (same format)", "humming_w4a8_mxfp4_e2e_us",
+     "kestrel_w4a8_mxfp4_e2e_us"),
     ("w4a8 mxfp4 e2e (default path) vs Humming W4A8 (its int4 g128)", "humming_w4a8_e2e_us",
      "kestrel_w4a8_mxfp4_e2e_us"),
+    ("Humming W4A8: its MXFP4 layer / its int4 g128 layer", "humming_w4a8_mxfp4_e2e_us", "humming_w4a8_e2e_us"),
     ("w4a8 mxfp4 e2e: per-group rescale kernels / default path", "kestrel_w4a8_mxfp4_rescale_e2e_us",
      "kestrel_w4a8_mxfp4_e2e_us"),
     ("w4a8 mxfp4 gemm: per-group rescale / scale fold", "kestrel_w4a8_mxfp4_rescale_gemm_us",
