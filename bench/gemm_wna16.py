@@ -312,7 +312,8 @@ def config_str(c) -> str:
     if c["kernel"] == "dequant_mm":
         return "dequant+cuBLAS" + (f" {c['chunks']} blocks overlapped" if c.get("chunks", 1) > 1 else "")
     return (f"{c['kernel']} {c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}" +
-            (f" sk{c['split_k']}" if c["split_k"] > 1 else "") + (f" bk{c['block_k']}" if c["block_k"] else ""))
+            (f" sk{c['split_k']}" if c["split_k"] > 1 else "") + (f" bk{c['block_k']}" if c["block_k"] else "") +
+            (f" streamk{c['streamk']}" if c.get("streamk") else ""))
 
 
 def write_markdown(res, path):

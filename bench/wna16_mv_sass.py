@@ -39,7 +39,7 @@ def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = Tr
         ptrs["s_ptr"] = "*i32"
     const = dict(FMT[fmt], BLOCK_M=extra.pop("BLOCK_M", 16), BLOCK_N=block_n, SPLIT=split, NUM_STAGES=stages, SWAP=False, EVEN_K=True,
                  DOT_F32=False, ASM=True, KB=1, PDL=0, PF=0, RED_STEP=2, FOLD=False, MUL16=False, BIASED=False,
-                 XSUM=0, PAIRW=0, ADJ=False)
+                 XSUM=0, PAIRW=0, ADJ=False, STREAMK=False)
     # every constexpr given explicitly: with FOLD left to its default, a FOLD=True and a FOLD=False compile
     # shared one on-disk cache entry (Triton 3.9 ASTSource key), so the second analysis reported the first kernel
     const.update(extra)

@@ -111,6 +111,34 @@ def test_split_k_reduction_every_split_count(split):
     _check(qw, 3, ComputeConfig("mv", 16, 16, 0, split_k=split, num_warps=4, num_stages=1))
 
 
+STREAMK_CFGS = [  # (M, config): ComputeConfig.streamk, the persistent stream-K grid of the mv kernel
+    (1, ComputeConfig("mv", 16, 32, 0, split_k=1, num_warps=4, num_stages=2, streamk=1)),
+    (5, ComputeConfig("mvs", 16, 16, 0, split_k=1, num_warps=1, num_stages=2, streamk=2)),
+    (16, ComputeConfig("mv", 16, 16, 0, split_k=1, num_warps=1, num_stages=1, streamk=1)),
+    (3, ComputeConfig("mv", 16, 32, 256, split_k=1, num_warps=4, num_stages=2, streamk=1)),  # 2 blocks a step
+]
+
+
+@pytest.mark.parametrize("m, cfg", STREAMK_CFGS, ids=lambda v: f"{v.kernel}-bn{v.block_n}-sk{v.streamk}"
+                         if isinstance(v, ComputeConfig) else str(v))
+@pytest.mark.parametrize("spec", [QuantSpec("int4", group_size=128),
+                                  QuantSpec("uint4", has_zero_point=True, group_size=32, scale_dtype="fp16"),
+                                  QuantSpec("fp4_e2m1", group_size=32, scale_dtype="e8m0"),
+                                  QuantSpec("int3", group_size=64)], ids=lambda s: s.name)
+def test_mv_stream_k(spec, m, cfg):
+    """N = 80 (the last N tile partial), K = 640 (4-5 planar blocks a tile), on the CPU's 4 "SMs": programs whose
+    block range crosses tiles and tiles cut among 2-3 programs (summed by the ticketed split sum) next to tiles one
+    program holds whole (stored directly); a second call checks the counters are left at zero."""
+    from kestrel.kernels.gemm_wna16_small import num_sms, streamk_plan
+    qw = quantize(torch.randn(80, 640, generator=torch.Generator().manual_seed(12)), spec)
+    tiles, blocks = -(-80 // cfg.block_n), -(-640 // spec.k_multiple)
+    per, parts, programs = streamk_plan(tiles, blocks, cfg.streamk * num_sms(torch.device("cpu")),
+                                        max(1, cfg.block_k // spec.k_multiple))
+    assert per % blocks != 0 and programs > 1 and parts >= 2  # really cut / spanning at this size
+    _check(qw, m, cfg)
+    _check(qw, m, cfg, seed=1)
+
+
 def test_one_bit_weights():
     W = torch.randn(N, 512, generator=torch.Generator().manual_seed(4))  # 1-bit packing needs K % 512 == 0
     qw = quantize(W, QuantSpec("uint1", has_zero_point=True, group_size=128))

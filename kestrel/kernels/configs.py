@@ -75,7 +75,10 @@ class ComputeConfig:
     # several CTAs summed by the ticketed in-kernel reduction, the others stored directly; 2: every partial by fp32
     # atomics into a zeroed y (cast after); 3: as 1 but a thin leftover (<= 1/3 wave) does not take the last whole
     # wave into stream-K (gemm_wna16_tcg_streamk.plan fold=False: fewer shared tiles; same kernel, another grid
-    # plan; session 11, not yet GPU-timed: opt-in)
+    # plan; session 11, not yet GPU-timed: opt-in). "mv" / "mvs" (gemm_wna16_small._mv_kernel, split_k 1): S > 0 =
+    # a persistent grid of S programs per SM, each a contiguous range of the N tiles' K blocks laid end to end
+    # (stream-K, as Humming's small-M Hopper schedule: fewer, longer programs than split-K's grid, at most a few
+    # partials per tile; session 25, CPU-checked only: a tune candidate)
     streamk: int = 0
     # "tcg" swap with the ticketed split-K sum (reduce, or streamk 1 / 3): 1 = the last split of a tile adds its own
     # partial from registers instead of reloading its workspace slab (gemm_wna16_tcg._swap_store OWN; session 11,
@@ -123,6 +126,11 @@ class ComputeConfig:
                                               and self.streamk in (1, 2, 3)))
                     # fixup_own on 128x256 spills 176-536 B (offline sm_90a compile, session 11): 128-wide only
                     and (not self.fixup_own or (self.block_n <= 128 and (self.reduce or self.streamk in (1, 3)))))
+        if self.streamk and self.kernel in ("mv", "mvs"):
+            return (self.split_k == 1 and 1 <= self.streamk <= 8
+                    and (self.block_m in (8, 16) if self.kernel == "mvs" else self.block_m >= 16))
+        if self.streamk:
+            return False
         if self.kernel == "tc":  # block_k: K step, 0 or a power-of-two multiple of the planar block
             kb = max(1, self.block_k // layer.spec.k_multiple)
             if self.block_m < 16 or self.block_k % layer.spec.k_multiple or kb & (kb - 1):

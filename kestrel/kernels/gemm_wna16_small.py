@@ -330,42 +330,55 @@ def _l2_prefetch(qw_ptr, blk, n0, N, BLOCK_N: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, tile, pid_k, split_k,
-            SPLIT: tl.constexpr, RED_STEP: tl.constexpr = 2):
+            SPLIT: tl.constexpr, RED_STEP: tl.constexpr = 2, ONE_DIRECT: tl.constexpr = False):
     """Write acc [BM, BN] (fp32) to y; with SPLIT (split_k > 1) the last split of this tile reduces all partials,
-    RED_STEP (1 or 2) of them per loop step."""
+    RED_STEP (1 or 2) of them per loop step. ONE_DIRECT (stream-K, where split_k is this tile's part count, 1 for a
+    tile one program covers whole): a tile of one part stores y straight away."""
     mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if not SPLIT:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    elif ONE_DIRECT:
+        if split_k == 1:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            _split_sum(acc, y_ptrs, mask, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, tile, pid_k, split_k, RED_STEP)
     else:
-        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws + pid_k * M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the (release) count below
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == split_k - 1:
-            # fixed order: the result does not depend on who finished last. The split count is a runtime value,
-            # so a loop of one partial per step waits for one L2 round trip per split, on the critical path of
-            # every split-K launch; two per step halve that (4 cost 36 more registers: 155 -> 191 on int4 mv
-            # bn128 w2, one CTA less per SM). Masked-off slots add exact zeros.
-            tot = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
-            if RED_STEP == 1:
-                for s in range(1, split_k):
-                    tot += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            else:
-                for s in range(1, split_k, 2):
-                    p1 = tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                    m2 = mask & ((offs_n[None, :] * 0 + s + 1) < split_k)
-                    p2 = tl.load(ws + (s + 1) * M * N, mask=m2, other=0.0, cache_modifier=".cg")
-                    tot += p1
-                    tot += p2
-            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
-            # ready for the next launch (and the next CUDA-graph replay): a kernel boundary (or PDL's gdc_wait,
-            # which waits for this grid's completion and memory flush) orders it, so no fence is needed here
-            # (RED_STEP 1 keeps the fenced reset of before, for A/B timing)
-            if RED_STEP == 1:
-                tl.atomic_xchg(cnt_ptr + tile, 0)
-            else:
-                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+        _split_sum(acc, y_ptrs, mask, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, tile, pid_k, split_k, RED_STEP)
+
+
+@triton.jit
+def _split_sum(acc, y_ptrs, mask, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, tile, pid_k, split_k,
+               RED_STEP: tl.constexpr):
+    """_finish's split-K sum: partial pid_k of split_k into its workspace slab; the last to arrive sums them."""
+    ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(ws + pid_k * M * N, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the (release) count below
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if done == split_k - 1:
+        # fixed order: the result does not depend on who finished last. The split count is a runtime value,
+        # so a loop of one partial per step waits for one L2 round trip per split, on the critical path of
+        # every split-K launch; two per step halve that (4 cost 36 more registers: 155 -> 191 on int4 mv
+        # bn128 w2, one CTA less per SM). Masked-off slots add exact zeros.
+        tot = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
+        if RED_STEP == 1:
+            for s in range(1, split_k):
+                tot += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            for s in range(1, split_k, 2):
+                p1 = tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                m2 = mask & ((offs_n[None, :] * 0 + s + 1) < split_k)
+                p2 = tl.load(ws + (s + 1) * M * N, mask=m2, other=0.0, cache_modifier=".cg")
+                tot += p1
+                tot += p2
+        tl.store(y_ptrs, tot.to(y_ptrs.dtype.element_ty), mask=mask)
+        # ready for the next launch (and the next CUDA-graph replay): a kernel boundary (or PDL's gdc_wait,
+        # which waits for this grid's completion and memory flush) orders it, so no fence is needed here
+        # (RED_STEP 1 keeps the fenced reset of before, for A/B timing)
+        if RED_STEP == 1:
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+        else:
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
 
 
 @triton.jit
@@ -598,15 +611,60 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
                IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0,
                PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
                MUL16: tl.constexpr = False, BIASED: tl.constexpr = False,
-               XSUM: tl.constexpr = False, PAIRW: tl.constexpr = 0, ADJ: tl.constexpr = False):
+               XSUM: tl.constexpr = False, PAIRW: tl.constexpr = 0, ADJ: tl.constexpr = False,
+               STREAMK: tl.constexpr = False):
     # programmatic dependent launch, PDL 1: the next kernel may be launched (and run its prologue up to its
     # gdc_wait) as soon as every program of this one has started; PDL 2: once every program is past its K loop
     # (only the epilogue left), so the next kernel's programs do not take SM slots from this one's main loop
     if PDL == 1:
         gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    if STREAMK:
+        # stream-K (ComputeConfig.streamk, a persistent grid): program p takes K blocks [p per, (p + 1) per) of
+        # the N tiles' blocks laid end to end (per = split_k), crossing tile boundaries; a tile cut among several
+        # programs is summed by _finish's ticketed split sum (its parts in program order), a whole one stores y
+        p = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        n_blocks = tl.cdiv(K, R * EPW)
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        s0 = p * split_k
+        s1 = tl.minimum(s0 + split_k, n_tiles * n_blocks)
+        for t in range(s0 // n_blocks, (s1 - 1) // n_blocks + 1):
+            first = (t * n_blocks) // split_k
+            _mv_tile(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, t,
+                     pid_m, tl.maximum(s0 - t * n_blocks, 0), tl.minimum(s1 - t * n_blocks, n_blocks), p - first, ((t + 1) * n_blocks - 1) // split_k - first + 1,
+                     BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
+                     GROUP_SIZE, PER_CHANNEL, HAS_GSCALE, BLOCK_M, BLOCK_N, SPLIT, NUM_STAGES,
+                     SWAP, EVEN_K, DOT_F32, ASM, KB, PDL, PF, R, RED_STEP, FOLD, IMAD, PROBE, GROW,
+                     PRE_G, SCALE_WORDS, MUL16, BIASED, XSUM, PAIRW, ADJ, STREAMK)
+    else:  # the split-K grid: (N tile, M tile, K split); _mv_tile takes this split's blocks
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        _mv_tile(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
+                 pid_n, pid_m, 0, 0, pid_k, split_k,
+                 BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND, GROUP_SIZE,
+                 PER_CHANNEL, HAS_GSCALE, BLOCK_M, BLOCK_N, SPLIT, NUM_STAGES, SWAP, EVEN_K, DOT_F32,
+                 ASM, KB, PDL, PF, R, RED_STEP, FOLD, IMAD, PROBE, GROW, PRE_G, SCALE_WORDS, MUL16,
+                 BIASED, XSUM, PAIRW, ADJ, STREAMK)
+
+
+@triton.jit
+def _mv_tile(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, pid_n,
+             pid_m, b0, b1, part, parts,
+             BITS: tl.constexpr, EPW: tl.constexpr, IS_INT: tl.constexpr, EXP_BITS: tl.constexpr,
+             MAN_BITS: tl.constexpr, CODE_OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
+             SCALE_KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr,
+             HAS_GSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+             NUM_STAGES: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+             ASM: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, R: tl.constexpr,
+             RED_STEP: tl.constexpr, FOLD: tl.constexpr = False,
+             IMAD: tl.constexpr = 0, PROBE: tl.constexpr = 0, GROW: tl.constexpr = 0,
+             PRE_G: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
+             MUL16: tl.constexpr = False, BIASED: tl.constexpr = False,
+             XSUM: tl.constexpr = False, PAIRW: tl.constexpr = 0, ADJ: tl.constexpr = False,
+             STREAMK: tl.constexpr = False):
+    """One output tile's K blocks of _mv_kernel: y, or the tile's partial `part` of `parts` (SPLIT). Stream-K:
+    blocks [b0, b1), a segment of the program's range; else split `part` of `parts` (b0, b1 computed here)."""
     PB: tl.constexpr = R * EPW
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if GROW:  # tile row r: x row r // GROW, scale group r % GROW of each block
@@ -620,9 +678,10 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
     m_mask = offs_m < M
     offs_r = tl.arange(0, R)
     n_blocks = tl.cdiv(K, PB)
-    per_split = tl.cdiv(tl.cdiv(n_blocks, split_k), KB) * KB
-    b0 = pid_k * per_split
-    b1 = tl.minimum(b0 + per_split, n_blocks)
+    if not STREAMK:
+        per_split = tl.cdiv(tl.cdiv(n_blocks, parts), KB) * KB
+        b0 = part * per_split
+        b1 = tl.minimum(b0 + per_split, n_blocks)
     if PF > 0:  # the first PF blocks into the L2 (weights are constant: before waiting on the previous kernel)
         for j in tl.static_range(PF):
             _l2_prefetch(qw_ptr, tl.minimum(b0 + j, b1 - 1), pid_n * BLOCK_N, N, BLOCK_N, R)
@@ -718,8 +777,10 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
         acc = acc * decode_scale(tl.load(s_ptr + offs_n, mask=n_mask, other=0), SCALE_KIND)[None, :]
     if HAS_GSCALE:
         acc = acc * tl.load(gs_ptr)
-    _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym,
-            pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT, RED_STEP)
+    # the tile's counter (computed here, not carried through the K loop: a register less there)
+    tile = pid_m * (tl.cdiv(N, BLOCK_N) if STREAMK else tl.num_programs(0)) + pid_n
+    _finish(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, tile, part, parts, SPLIT,
+            RED_STEP, STREAMK)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -932,6 +993,23 @@ def pair_words_mode(qw, fmt: dict, cfg, asm: bool, dtype: torch.dtype) -> int:
     return 2 if asm and cfg.num_stages > 1 and (fmt["IS_INT"] or dtype == torch.bfloat16) else 1
 
 
+def num_sms(device: torch.device) -> int:
+    """SMs of the GPU (the stream-K grid is sized by them); 4 on the CPU (the interpreter: a few programs, so the
+    tests' small shapes cut tiles among programs and give programs several tiles)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=1024)
+def streamk_plan(tiles: int, blocks: int, programs: int, kb: int = 1) -> tuple[int, int, int]:
+    """Stream-K over `tiles` N tiles of `blocks` K blocks each on at most `programs` programs -> (per: blocks per
+    program, a multiple of kb; parts: the most programs sharing one tile; programs, each with >= 1 block)."""
+    total = tiles * blocks
+    per = -(-total // max(1, min(programs, total)))
+    per = -(-per // kb) * kb
+    # a tile's blocks [t B, (t + 1) B) meet at most ceil((B - 1) / per) + 1 programs' ranges
+    return per, -(-(blocks - 1) // per) + 1, -(-total // per)
+
+
 def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
     """x2 [M, K] contiguous (act-order already applied) -> y [M, N] in x2's dtype, kernel cfg.kernel in
     ("gemv", "mv", "mvs": mv with W as the MMA A operand). `fmt` is gemm_wna16's format constexpr dict."""
@@ -956,12 +1034,18 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
         fold = fold_e8m0(fmt, x2.dtype) and (cfg.num_stages > 1 or FOLD_S1)
         grow = group_rows(fmt, cfg, m) if cfg.kernel == "mv" and not fold else 0
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m // max(grow, 1)), split)
-    if split > 1:
+    streamk = cfg.kernel != "gemv" and cfg.streamk > 0
+    if streamk:  # a persistent grid: split = K blocks per program, parts = the most programs on one tile
+        blocks = -(-k // (fmt["R"] * fmt["EPW"]))
+        split, parts, programs = streamk_plan(grid[0], blocks, cfg.streamk * num_sms(x2.device), kb)
+        ws, cnt = _workspace(x2.device, parts * m * n, grid[0] * grid[1])
+        grid = (programs, grid[1], 1)
+    elif split > 1:
         ws, cnt = _workspace(x2.device, split * m * n, grid[0] * grid[1])
     else:
         ws, cnt = y, y  # unused
     pdl = use_pdl(x2.device)
-    common = dict(SPLIT=split > 1, NUM_STAGES=cfg.num_stages, EVEN_K=even_k, BLOCK_N=cfg.block_n,
+    common = dict(SPLIT=split > 1 or streamk, NUM_STAGES=cfg.num_stages, EVEN_K=even_k, BLOCK_N=cfg.block_n,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl, launch_pdl=pdl, **fmt)
     if cfg.kernel == "gemv":
         _gemv_kernel[grid](x2, qw.qweight, qw.scales, z, gsc, y, ws, cnt, m, n, k, x2.stride(0), y.stride(0),
@@ -983,6 +1067,6 @@ def gemm_small(x2: torch.Tensor, qw, cfg, fmt: dict) -> torch.Tensor:
                          XSUM=INT_XSUM and fmt["IS_INT"],
                          PRE_G=prefetch_scales(fmt, cfg, kb, grow) and not fold and not sw,
                          IMAD=E2M1_IMAD if is_e2m1 and fold else 0, MUL16=mul16,
-                         PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0,
+                         PROBE=PROBE if is_e2m1 and on_gpu and x2.dtype == torch.bfloat16 else 0, STREAMK=streamk,
                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and on_gpu else {}), **common)
     return y

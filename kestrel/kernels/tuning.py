@@ -235,11 +235,18 @@ def small_m_candidates(layer: LayerConfig, m: int) -> list[ComputeConfig]:
     for (kern, bn, w, bk, st), sk in itertools.product(narrow + wide, (1, 2, 4, 8, 16)):
         out.append(ComputeConfig(kern, 16, bn, bk, sk, w, st))
     out += [ComputeConfig(kern, 16, bn, bk, 32, w, st) for kern, bn, w, bk, st in narrow]
+    # stream-K (session 25, not yet GPU-timed): persistent grids of 1-6 programs per SM on the tiles that won the
+    # split-K runs (70B qkv M = 1-16: 22-26 µs flat across split-K tiles, vs Humming's stream-K 20.6-22.3)
+    for (kern, bn, w, bk, st), s in itertools.product(STREAMK_TILES, (1, 2, 3, 4, 6)):
+        out.append(ComputeConfig(kern, 16, bn, bk, 1, w, st, streamk=s))
     # mvs with block_m 8 (x as the MMA's 8-wide N side) was a candidate at M <= 8 in session 4: on the H200
     # (session 5 round 1, bench/results/gemm_wna16_smallm.md) it was 0.37-0.86x of the tuned default on all 8 Llama
     # shapes, int4 and MXFP4, so it is no longer timed (gemm_wna16_small still runs it when a config asks)
     return out
 
+
+# mv tiles tried with the stream-K grid (ComputeConfig.streamk): the split-K winners of the H100 session-19 tune
+STREAMK_TILES = (("mv", 128, 2, 0, 3), ("mv", 64, 2, 0, 3), ("mv", 128, 4, 0, 3), ("mv", 64, 1, 0, 4))
 
 # stream kernel (gemm_wna16_stream.py) tiles tried at M <= 4: (block_n, num_warps, num_stages). The first two were
 # the best of the session-1 sweep (bench/results/gemm_wna16_smallm.md) and won 8B o at M = 1 for int4 and MXFP4 in
