@@ -9,6 +9,7 @@ the instruction count of its loop is the number to push down before spending GPU
   python bench/wna16_mv_sass.py --ab                # session 11's opt-in switches vs the defaults, + the layout
                                                     # Triton decodes FOLD's e2m1 in at num_stages 1 / 2 (TTGIR)
   python bench/wna16_mv_sass.py --ab pairw          # only the pair word order rows (PAIRW 2) and its layout check
+  python bench/wna16_mv_sass.py --streamk           # the stream-K grid (STREAMK) beside split-K: registers, K loop
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def compile_mv(fmt: str, block_n: int, warps: int, stages: int, split: bool = Tr
         ptrs["s_ptr"] = "*i32"
     const = dict(FMT[fmt], BLOCK_M=extra.pop("BLOCK_M", 16), BLOCK_N=block_n, SPLIT=split, NUM_STAGES=stages, SWAP=False, EVEN_K=True,
                  DOT_F32=False, ASM=True, KB=1, PDL=0, PF=0, RED_STEP=2, FOLD=False, MUL16=False, BIASED=False,
-                 XSUM=0, PAIRW=0, ADJ=False, STREAMK=False)
+                 XSUM=0, PAIRW=0, ADJ=False, STREAMK=False, GROW=0, IMAD=0, PROBE=0, PRE_G=False,
+                 SCALE_WORDS=False)
     # every constexpr given explicitly: with FOLD left to its default, a FOLD=True and a FOLD=False compile
     # shared one on-disk cache entry (Triton 3.9 ASTSource key), so the second analysis reported the first kernel
     const.update(extra)
@@ -154,7 +156,51 @@ def ab_table(rows, fold):
               asm_layouts(fmt, bn, w, s, **{"GROW": 0, "IMAD": 0, "PROBE": 0, **extra, "PAIRW": 2}), flush=True)
 
 
+def inner_loop(kern) -> int:
+    """Instructions of the innermost backward branch holding MMAs (the K loop; sass_loop takes the longest, which
+    for the stream-K grid is the loop over a program's tiles)."""
+    import subprocess
+    import tempfile
+
+    from wna16_tc_sass import BIN
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kern.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    lens = []
+    for addr, text in ins:
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if any("MMA" in t for t in body):
+                lens.append(len(body))
+    return min(lens) if lens else 0
+
+
+def streamk_rows():
+    """Session 25: the stream-K grid (STREAMK) beside the split-K grid on the tiles it is tuned with: registers,
+    spills and the K loop (which should be the same loop)."""
+    from wna16_tc_sass import sass_loop as sl
+    tiles = [("int4", 128, 2, 3, {"XSUM": 1}), ("int4", 64, 2, 3, {"XSUM": 1}), ("int4", 64, 1, 4, {"XSUM": 1}),
+             ("int4", 128, 4, 3, {"XSUM": 1}),
+             ("mxfp4", 128, 4, 3, {"FOLD": True, "SCALE_WORDS": True, "BIASED": True, "IMAD": 2, "PDL": 1}),
+             ("mxfp4", 128, 2, 3, {"FOLD": True, "SCALE_WORDS": True, "BIASED": True, "IMAD": 2, "PDL": 1})]
+    print("| fmt | tile | grid | regs | spill B | K loop instrs | resident CTAs / SM (regs) |")
+    print("|---|---|---|---|---|---|---|")
+    for fmt, bn, w, st, extra in tiles:
+        for sk in (False, True):
+            kern = compile_mv(fmt, bn, w, st, **extra, STREAMK=sk)
+            _, regs, stack = sl(kern)
+            ctas = 65536 // (-(-regs // 8) * 8 * 32 * w)
+            print(f"| {fmt} | 16x{bn} w{w} s{st} | {'stream-K' if sk else 'split-K'} | {regs} | {stack} | "
+                  f"{inner_loop(kern)} | {ctas} |", flush=True)
+
+
 def main():
+    if "--streamk" in sys.argv:
+        print(f"triton {triton.__version__}, sm_90")
+        return streamk_rows()
     if "--ab" in sys.argv:
         print(f"triton {triton.__version__}, sm_90")
         return ab()
