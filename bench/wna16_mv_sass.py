@@ -157,31 +157,16 @@ def ab_table(rows, fold):
 
 
 def inner_loop(kern) -> int:
-    """Instructions of the innermost backward branch holding MMAs (the K loop; sass_loop takes the longest, which
-    for the stream-K grid is the loop over a program's tiles)."""
-    import subprocess
-    import tempfile
-
-    from wna16_tc_sass import BIN
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kern.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    lens = []
-    for addr, text in ins:
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if any("MMA" in t for t in body):
-                lens.append(len(body))
-    return min(lens) if lens else 0
+    """Instructions of the innermost loop holding MMAs (the K loop; sass_loop takes the longest, which for the
+    stream-K grid is the loop over a program's tiles)."""
+    from wna16_tc_sass import mma_loops
+    loops, _ = mma_loops(kern)
+    return len(loops[-1]) if loops else 0
 
 
 def streamk_rows():
     """Session 25: the stream-K grid (STREAMK) beside the split-K grid on the tiles it is tuned with: registers,
     spills and the K loop (which should be the same loop)."""
-    from wna16_tc_sass import sass_loop as sl
     tiles = [("int4", 128, 2, 3, {"XSUM": 1}), ("int4", 64, 2, 3, {"XSUM": 1}), ("int4", 64, 1, 4, {"XSUM": 1}),
              ("int4", 128, 4, 3, {"XSUM": 1}),
              ("mxfp4", 128, 4, 3, {"FOLD": True, "SCALE_WORDS": True, "BIASED": True, "IMAD": 2, "PDL": 1}),
@@ -191,7 +176,7 @@ def streamk_rows():
     for fmt, bn, w, st, extra in tiles:
         for sk in (False, True):
             kern = compile_mv(fmt, bn, w, st, **extra, STREAMK=sk)
-            _, regs, stack = sl(kern)
+            _, regs, stack = sass_loop(kern)
             ctas = 65536 // (-(-regs // 8) * 8 * 32 * w)
             print(f"| {fmt} | 16x{bn} w{w} s{st} | {'stream-K' if sk else 'split-K'} | {regs} | {stack} | "
                   f"{inner_loop(kern)} | {ctas} |", flush=True)

@@ -57,23 +57,31 @@ def pair_dim(ttgir: str):
         (d for d in order if shape[d] > spt[d] * tpw[d] * wpc[d]), None)
 
 
-def sass_loop(kern) -> tuple[list, int, int]:
-    """(SASS of the K loop: the longest backward branch whose body holds MMAs, registers, stack bytes) of a
-    compiled kernel, through Triton's bundled cuobjdump (also used by bench/wna16_mv_sass.py)."""
+def mma_loops(kern) -> tuple[list, str]:
+    """(the bodies of every backward branch whose body holds MMAs, outermost first by length; cuobjdump's resource
+    usage) of a compiled kernel, through Triton's bundled cuobjdump."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kern.asm["cubin"])
         f.flush()
         sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
         res = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loop = []
+    loops = []
     for addr, text in ins:
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if any("GMMA" in t or "HMMA" in t for t in body) and len(body) > len(loop):
-                loop = body
-    return loop, int(re.search(r"REG:(\d+)", res).group(1)), int(re.search(r"STACK:(\d+)", res).group(1))
+            if any("GMMA" in t or "HMMA" in t for t in body):
+                loops.append(body)
+    return sorted(loops, key=len, reverse=True), res
+
+
+def sass_loop(kern) -> tuple[list, int, int]:
+    """(SASS of the K loop: the longest backward branch whose body holds MMAs, registers, stack bytes) of a
+    compiled kernel (also used by bench/wna16_mv_sass.py)."""
+    loops, res = mma_loops(kern)
+    return (loops[0] if loops else [], int(re.search(r"REG:(\d+)", res).group(1)),
+            int(re.search(r"STACK:(\d+)", res).group(1)))
 
 
 def analyse(kern, warps: int) -> dict:
