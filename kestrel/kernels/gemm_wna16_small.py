@@ -633,8 +633,8 @@ def _mv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
             # pid_m + an opaque zero (t < 2^30): the row offsets are rebuilt per tile instead of hoisted out of this
             # loop and held through every K loop (offline sm_90: MXFP4 16x128 w4 153 -> 125 registers, int4 -4)
             _mv_tile(x_ptr, qw_ptr, s_ptr, z_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, t,
-                     pid_m + (t >> 30), tl.maximum(s0 - t * n_blocks, 0), tl.minimum(s1 - t * n_blocks, n_blocks), p - first,
-                     ((t + 1) * n_blocks - 1) // split_k - first + 1,
+                     pid_m + (t >> 30), tl.maximum(s0 - t * n_blocks, 0), tl.minimum(s1 - t * n_blocks, n_blocks),
+                     p - first, ((t + 1) * n_blocks - 1) // split_k - first + 1,
                      BITS, EPW, IS_INT, EXP_BITS, MAN_BITS, CODE_OFFSET, HAS_ZERO, SCALE_KIND,
                      GROUP_SIZE, PER_CHANNEL, HAS_GSCALE, BLOCK_M, BLOCK_N, SPLIT, NUM_STAGES,
                      SWAP, EVEN_K, DOT_F32, ASM, KB, PDL, PF, R, RED_STEP, FOLD, IMAD, PROBE, GROW,

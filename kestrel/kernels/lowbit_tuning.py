@@ -10,6 +10,7 @@ from kestrel.kernels.configs import m_bucket
 from kestrel.kernels.lowbit_gemm import (A_FP8, A_INT8, A_MXFP4, A_NVFP4, W_FP4, W_FP8, W_INT4, W_INT8, GemmConfig,
                                          candidate_configs, heuristic_config)
 from kestrel.kernels.lowbit_tune import store
+from kestrel.kernels.timing import cold_copies
 from kestrel.kernels.tuning import fastest
 
 # kernel name -> (activation format, weight format); the names are the cache keys the kernels look up
@@ -26,56 +27,65 @@ LOWBIT_KERNELS = {
 }
 
 
-def _weight_copies(nbytes: int, device, min_bytes: int = 256 << 20, most: int = 8) -> int:
-    """Distinct weights a timing rotates over so the L2 (50-60 MB) holds none of them: one on the CPU."""
-    return 1 if torch.device(device).type != "cuda" else max(1, min(most, -(-min_bytes // max(1, nbytes))))
-
-
-def make_case(kernel: str, M: int, N: int, K: int, device="cuda"):
-    """-> (run(cfg, i) computing that kernel on random data of this shape with weight copy i, the number of
-    copies, ref fp32 [M, N]: the bf16 activations times copy 0's dequantized weight, tol: the relative error its
-    activation quantization allows)."""
-    from kestrel.kernels.gemm_w4a4 import gemm_w4a4
-    from kestrel.kernels.gemm_w4a8 import gemm_w4a8, quantize_weight_w4
-    from kestrel.kernels.gemm_w8a8 import gemm_w8a8, quantize_weight_w8a8
+def make_weights(kernel: str, N: int, K: int, device="cuda"):
+    """-> (the kernel's weight operands, one tuple per L2-cold copy (one on the CPU), copy 0 dequantized fp32
+    [N, K]): random N(0, 0.02) weights quantized as the kernel runs them. Built once per shape, for every M."""
+    from kestrel.kernels.gemm_w4a8 import quantize_weight_w4
+    from kestrel.kernels.gemm_w8a8 import quantize_weight_w8a8
     if kernel not in LOWBIT_KERNELS:
         raise ValueError(f"unknown low-bit kernel {kernel!r}; choose from {sorted(LOWBIT_KERNELS)}")
-    a_fmt, w_fmt = LOWBIT_KERNELS[kernel]
-    x = torch.randn(M, K, device=device).to(torch.bfloat16)
-    n = _weight_copies(N * K * (1 if kernel.startswith("w8a8") else 2) // 2, device)
+    w_fmt = LOWBIT_KERNELS[kernel][1]
+    n = cold_copies(N * K * (1 if kernel.startswith("w8a8") else 2) // 2) if torch.device(device).type == "cuda" else 1
     ws = [torch.randn(N, K, device=device) * 0.02 for _ in range(n)]
-    tol = 0.08 if a_fmt in (A_FP8, A_INT8) else 0.3  # 8-bit activations ~3 %, 4-bit ~9-12 % (RTN, random data)
     if kernel.startswith("w8a8"):
         qs = [quantize_weight_w8a8(w, w_fmt) for w in ws]
-        a, s = aq.quant_int8(x) if w_fmt == "int8" else aq.quant_fp8(x)
-        wq0, ws0 = qs[0]
-        ref = x.float() @ (wq0.float() * ws0.float().reshape(N, 1)).t()
-        return (lambda cfg, i: gemm_w8a8(a, s, *qs[i], config=cfg)), n, ref, tol
+        return qs, qs[0][0].float() * qs[0][1].float().reshape(N, 1)
     qws = [quantize_weight_w4(w, w_fmt, 128).kernel_layout() for w in ws]  # tune what runs: the kernel packing
-    ref = x.float() @ qws[0].dequantize().t()
+    w_ref = qws[0].dequantize()
+    if not kernel.startswith("w4a8tcg"):
+        return [(qw, ) for qw in qws], w_ref
+    if w_fmt == "mxfp4":  # the Gluon fold kernel's planar twin + its folded multipliers
+        fms = [qw.fold_mult() for qw in qws]
+        if any(fm is None for fm in fms):
+            raise ValueError("w4a8tcg-mxfp4: these random group scales span more than the fold allows")
+        return [(qw.wna16(), *fm) for qw, fm in zip(qws, fms)], w_ref
+    return [(qw.wna16(), ) for qw in qws], w_ref
+
+
+def make_case(kernel: str, M: int, N: int, K: int, device="cuda", weights=None):
+    """-> (run(cfg, i) computing that kernel on random data of this shape with weight copy i, the number of
+    copies, ref fp32 [M, N]: the bf16 activations times copy 0's dequantized weight, tol: the relative error its
+    activation quantization allows). weights: make_weights' result for this shape (built here if None)."""
+    from kestrel.kernels.gemm_w4a4 import gemm_w4a4
+    from kestrel.kernels.gemm_w4a8 import gemm_w4a8
+    from kestrel.kernels.gemm_w8a8 import gemm_w8a8
+    ops, w_ref = weights or make_weights(kernel, N, K, device)
+    a_fmt, w_fmt = LOWBIT_KERNELS[kernel]
+    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    ref = x.float() @ w_ref.t()
+    tol = 0.08 if a_fmt in (A_FP8, A_INT8) else 0.3  # 8-bit activations ~3 %, 4-bit ~9-12 % (RTN, random data)
+    if kernel.startswith("w8a8"):
+        a, s = aq.quant_int8(x) if w_fmt == "int8" else aq.quant_fp8(x)
+        return (lambda cfg, i: gemm_w8a8(a, s, *ops[i], config=cfg)), len(ops), ref, tol
     if kernel.startswith("w4a8tcg"):
         from kestrel.kernels.gemm_w4a8 import TCG_PK, TCG_PP
         from kestrel.kernels.gemm_w4a8_tcg import gemm_w4a8_fold_tcg, gemm_w4a8_tcg
-        tws = [qw.wna16() for qw in qws]
         if w_fmt == "mxfp4":  # the consumer options the dispatch (gemm_w4a8) launches with
             a, s = aq.quant_fp8(x)
-            fms = [qw.fold_mult() for qw in qws]
-            if any(fm is None for fm in fms):
-                raise ValueError("w4a8tcg-mxfp4: these random group scales span more than the fold allows")
-            return (lambda cfg, i: gemm_w4a8_fold_tcg(a, s, tws[i], *fms[i], block_m=cfg.BM, split_k=cfg.SPLIT_K,
-                                                      stages=cfg.num_stages, kh=TCG_PP, pp=TCG_PP)), n, ref, tol
+            return (lambda cfg, i: gemm_w4a8_fold_tcg(a, s, *ops[i], block_m=cfg.BM, split_k=cfg.SPLIT_K,
+                                                      stages=cfg.num_stages, kh=TCG_PP, pp=TCG_PP)), len(ops), ref, tol
         a, s = aq.quant_fp8(x, perm=TCG_PK)
-        return (lambda cfg, i: gemm_w4a8_tcg(a, s, tws[i], block_m=cfg.BM, split_k=cfg.SPLIT_K,
-                                             stages=cfg.num_stages, pp=TCG_PP, a_perm=TCG_PK)), n, ref, tol
+        return (lambda cfg, i: gemm_w4a8_tcg(a, s, *ops[i], block_m=cfg.BM, split_k=cfg.SPLIT_K,
+                                             stages=cfg.num_stages, pp=TCG_PP, a_perm=TCG_PK)), len(ops), ref, tol
     if kernel.startswith("w4a8"):
         a, s = aq.quant_fp8(x)
-        return (lambda cfg, i: gemm_w4a8(a, s, qws[i], config=cfg)), n, ref, tol
+        return (lambda cfg, i: gemm_w4a8(a, s, *ops[i], config=cfg)), len(ops), ref, tol
     if w_fmt == "mxfp4":
         a, s = aq.quant_mxfp4(x)
         gs = None
     else:
         a, s, gs = aq.quant_nvfp4(x)
-    return (lambda cfg, i: gemm_w4a4(a, s, qws[i], gs, config=cfg)), n, ref, tol
+    return (lambda cfg, i: gemm_w4a4(a, s, *ops[i], gs, config=cfg)), len(ops), ref, tol
 
 
 W_CODE = {"fp8": W_FP8, "int8": W_INT8, "int4": W_INT4, "mxfp4": W_FP4, "nvfp4": W_FP4}
@@ -111,8 +121,9 @@ def tune_lowbit(kernel: str, shapes: list[tuple[int, int]], ms: list[int], progr
     timer = timer or _graph_us
     results = {}
     for N, K in shapes:
+        weights = make_weights(kernel, N, K, device)  # once per shape: quantizing (and copying) is not per M
         for M in ms:
-            run, n, ref, tol = make_case(kernel, M, N, K, device)
+            run, n, ref, tol = make_case(kernel, M, N, K, device, weights)
             prev = lookup(kernel, M, N, K, nearest=False)
             cands = candidates(kernel, M, N, K, max_candidates)
             cands = cands + [prev] if prev is not None and prev not in cands else cands

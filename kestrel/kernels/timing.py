@@ -4,6 +4,11 @@ from __future__ import annotations
 import torch
 
 
+def cold_copies(nbytes: int, min_bytes: int = 256 << 20, most: int = 8) -> int:
+    """How many distinct copies of an `nbytes` weight a timing rotates over so the L2 (50-60 MB) holds none."""
+    return max(1, min(most, -(-min_bytes // max(1, nbytes))))
+
+
 def graph_time_us(fns, calls: int = 20, replays: int = 20, warmup: int = 1) -> float:
     """Median µs per call of a CUDA graph of `calls` calls rotating over fns.
 

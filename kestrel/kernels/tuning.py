@@ -8,7 +8,7 @@ import math
 import torch
 
 from kestrel.kernels.configs import ComputeConfig, LayerConfig, cache_key, heuristic, m_bucket
-from kestrel.kernels.timing import graph_time_us
+from kestrel.kernels.timing import cold_copies, graph_time_us
 from kestrel.quant.rtn import quantize
 from kestrel.quant.spec import QuantSpec
 
@@ -268,7 +268,7 @@ def make_weights(layer: LayerConfig, device, min_bytes: int = 256 << 20, max_cop
     """Several copies of a random quantized weight so timing rotates past the L2 (60 MB on an H200)."""
     w = torch.randn(layer.n, layer.k, device=device, dtype=torch.float32) * 0.02
     qw = quantize(w, layer.spec)
-    copies = max(1, min(max_copies, math.ceil(min_bytes / max(1, qw.nbytes))))
+    copies = cold_copies(qw.nbytes, min_bytes, max_copies)
     out = [qw]
     for _ in range(copies - 1):
         out.append(type(qw)(**{**qw.__dict__, "qweight": qw.qweight.clone(), "scales": qw.scales.clone(),
