@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ import kestrel.kernels.gemm_w4a8 as g4  # noqa: E402
 import kestrel.kernels.gemm_w4a8_tcg as tcg  # noqa: E402
 from kestrel.kernels.gemm_w8a8 import gemm_w8a8, gemm_w8a16, quantize_weight_w8a8, ref_gemm_w8a8, w8a8_linear  # noqa: E402
 from kestrel.kernels.lowbit_gemm import A_BF16, W_FP8, GemmConfig, heuristic_config  # noqa: E402
+from kestrel.kernels.timing import cold_copies  # noqa: E402
 
 T0 = time.time()
 DEADLINE = [float("inf")]  # seconds after T0 after which no new case starts (set by --deadline-s)
@@ -99,7 +99,7 @@ HUMMING_MXFP4 = {"dtype": "float4e2m1", "group_size": 32, "scale_dtype": "float8
 
 
 def copies_for(nbytes: int) -> int:
-    return max(1, min(4, math.ceil((256 << 20) / max(1, nbytes))))
+    return cold_copies(nbytes, most=4)
 
 
 def humming_layer(N, K, wcfg, icfg, W):
